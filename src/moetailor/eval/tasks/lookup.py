@@ -1,0 +1,21 @@
+"""Long-context key-value lookup: a long prompt and a two-digit answer (prefill-heavy)."""
+from __future__ import annotations
+
+import random
+import string
+
+from .base import Example, make_example
+
+
+def generate(rng: random.Random, difficulty: int) -> Example:
+    n_pairs = 8 * difficulty
+    keys: list[str] = []
+    while len(keys) < n_pairs:
+        key = "".join(rng.choice(string.ascii_lowercase) for _ in range(3))
+        if key not in keys:
+            keys.append(key)
+    values = {k: rng.randrange(10, 100) for k in keys}
+    target = rng.choice(keys)
+    table = "\n".join(f"key {k} = {values[k]}" for k in keys)
+    prompt = f"lookup\n{table}\nfind {target}\n"
+    return make_example("lookup", difficulty, prompt, [], str(values[target]))

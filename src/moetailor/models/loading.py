@@ -1,0 +1,79 @@
+"""Resolve a model name to a local checkpoint and load it. Never touches a hub."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+REFERENCE_DIR = Path(__file__).resolve().parent.parent / "assets" / "reference"
+
+
+def resolve_model_path(name: str | Path) -> Path:
+    """'reference' -> the bundled model; otherwise a local checkpoint directory."""
+    if str(name) == "reference":
+        if not (REFERENCE_DIR / "config.json").exists():
+            raise FileNotFoundError(f"the bundled reference model is missing from {REFERENCE_DIR}; "
+                                    "reinstall moetailor or run `make train-reference`")
+        return REFERENCE_DIR
+    path = Path(name)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{name!r} is neither 'reference' nor a local checkpoint directory with a config.json "
+                                "(moetailor never downloads from a hub: pass a local path)")
+    return path
+
+
+def load_model(name: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Load a supported MoE causal LM (fp32 by default: fastest for decode on CPU)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .architectures import arch_spec
+
+    path = resolve_model_path(name)
+    arch_spec(AutoConfig.from_pretrained(path))  # clear error before loading weights
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    model.eval()
+    model.moetailor_source = str(path)
+    return model
+
+
+def load_tokenizer(name: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(name), local_files_only=True)
+
+
+def model_fingerprint(model) -> dict:
+    """Identity of a model for plans and statistics: shape facts plus a hash of the router weights."""
+    from .adapters import moe_layers
+
+    layers = moe_layers(model)
+    h = hashlib.sha256()
+    for layer in layers:
+        h.update(layer.router.weight.detach().float().cpu().numpy().tobytes())
+    return {
+        "model_type": model.config.model_type,
+        "moe_layers": [l.index for l in layers],
+        "num_experts": layers[0].num_experts,
+        "top_k": layers[0].top_k,
+        "router_hash": h.hexdigest()[:16],
+        "source": getattr(model, "moetailor_source", None),
+    }
+
+
+def fingerprint_mismatch(expected: dict, actual: dict) -> str | None:
+    """A sentence naming the first difference, or None when the fingerprints agree."""
+    for key in ("model_type", "moe_layers", "num_experts", "top_k", "router_hash"):
+        if key in expected and expected[key] != actual.get(key):
+            return f"{key}: file says {expected[key]!r}, model has {actual.get(key)!r}"
+    return None
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} file {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} file {path} is not valid JSON ({e}); it may be truncated — regenerate it") from None

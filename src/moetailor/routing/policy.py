@@ -1,0 +1,113 @@
+"""Which experts run for a token, and with what weight: the one policy every technique writes.
+
+A ``LayerPolicy`` is plain data. Pruning, router masking, folding, top-k reduction, dynamic
+skipping and per-request budgets are all settings of it; ``routing.router.route`` is the one
+function that applies it. Plans (``moetailor.plans``) hold one ``PhasePolicy`` per phase.
+
+Order of application for one layer and one token (see ``route``):
+  1. pool: ``keep`` restricts the experts; ``pool_mode`` says what happens to routes outside it:
+     "mask" re-routes top-k among kept experts (logits of dropped experts set to -inf before
+     softmax/top-k: equals a pruned checkpoint), "drop" keeps the full router's choice and drops
+     routes outside the pool, "fold" keeps the full router's choice and folds outside routes onto
+     the lowest-loss pool expert (ExFold).
+  2. top-k: ``top_k`` (< model k) selects fewer experts per token (expert skipping).
+  3. dynamic skipping: ranks whose weight ratio to the top expert is below ``skip_beta`` drop out
+     (the rest renormalised).
+  4. token-level fold: each token keeps its ``token_keep`` strongest routes and folds (or drops)
+     the rest onto its kept ones.
+  5. batch-level pool: the step keeps ``batch_pool`` experts by batch importance; routes outside
+     it fold (or drop).
+A dropped route is written as the sentinel expert id E (= number of experts) with weight 0.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+POOL_MODES = ("mask", "drop", "fold")
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    keep: tuple[int, ...] | None = None  # allowed experts; None = all
+    pool_mode: str = "mask"
+    top_k: int | None = None             # active experts per token; None = the model's k
+    skip_beta: float | None = None       # NAEE-style dynamic skipping threshold on w_i / w_1
+    token_keep: int | None = None        # K_pre: routes kept per token (prefill folding)
+    batch_pool: int | None = None        # D: experts kept per step (decode folding)
+    fold: bool = True                    # for token_keep / batch_pool: fold (True) or drop (False)
+
+    def __post_init__(self) -> None:
+        if self.pool_mode not in POOL_MODES:
+            raise ValueError(f"pool_mode {self.pool_mode!r} is not one of {POOL_MODES}")
+        if self.keep is not None:
+            object.__setattr__(self, "keep", tuple(sorted(int(e) for e in self.keep)))
+
+    @property
+    def is_identity(self) -> bool:
+        return self == LayerPolicy()
+
+    @property
+    def needs_fold_tables(self) -> bool:
+        return (self.keep is not None and self.pool_mode == "fold") or (
+            self.fold and (self.token_keep is not None or self.batch_pool is not None))
+
+    def validate(self, num_experts: int, top_k: int, where: str = "") -> None:
+        """Raise a user-facing error when this policy cannot run on a layer of the given shape."""
+        at = f" ({where})" if where else ""
+        if self.keep is not None:
+            bad = [e for e in self.keep if not 0 <= e < num_experts]
+            if bad:
+                raise ValueError(f"expert ids {bad[:5]} out of range 0..{num_experts - 1}{at}")
+            if self.pool_mode == "mask" and len(self.keep) < (self.top_k or top_k):
+                raise ValueError(
+                    f"keeping {len(self.keep)} experts is fewer than top-k={self.top_k or top_k}{at}: a masked "
+                    f"router still routes each token to k experts, so keep at least k (or lower top_k explicitly)")
+        if self.top_k is not None and not 1 <= self.top_k <= top_k:
+            raise ValueError(f"top_k={self.top_k} must be in [1, {top_k}] (the model's k){at}")
+        if self.token_keep is not None and not 1 <= self.token_keep <= (self.top_k or top_k):
+            raise ValueError(f"token_keep (K_pre)={self.token_keep} must be in [1, {self.top_k or top_k}]{at}")
+        if self.batch_pool is not None and not 1 <= self.batch_pool <= num_experts:
+            raise ValueError(f"batch_pool (D)={self.batch_pool} must be in [1, {num_experts}]{at}")
+        if self.skip_beta is not None and not 0.0 <= self.skip_beta <= 1.0:
+            raise ValueError(f"skip_beta={self.skip_beta} must be in [0, 1]{at}")
+
+    def to_json(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v != getattr(FULL, k)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "LayerPolicy":
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown layer policy fields {sorted(unknown)}; valid: {sorted(cls.__dataclass_fields__)}")
+        return cls(**{k: (tuple(v) if k == "keep" and v is not None else v) for k, v in data.items()})
+
+
+FULL = LayerPolicy()
+
+
+@dataclass(frozen=True)
+class PhasePolicy:
+    """One LayerPolicy per MoE layer index (layers not listed run the full router)."""
+
+    layers: dict[int, LayerPolicy] = field(default_factory=dict)
+
+    def for_layer(self, layer: int) -> LayerPolicy:
+        return self.layers.get(layer, FULL)
+
+    @property
+    def is_identity(self) -> bool:
+        return all(p.is_identity for p in self.layers.values())
+
+    def to_json(self) -> dict:
+        return {str(i): p.to_json() for i, p in sorted(self.layers.items()) if not p.is_identity}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PhasePolicy":
+        return cls({int(i): LayerPolicy.from_json(p) for i, p in data.items()})
+
+    @classmethod
+    def uniform(cls, layers: list[int], policy: LayerPolicy) -> "PhasePolicy":
+        return cls({i: policy for i in layers})
+
+
+FULL_PHASE = PhasePolicy()

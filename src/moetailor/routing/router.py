@@ -1,0 +1,170 @@
+"""The one place a routing policy is applied: ``route`` turns router logits into routes.
+
+A route is the pair the transformers experts module consumes: ``weights [T, K]`` and
+``index [T, K]``. A dropped route has index E (the sentinel one past the last expert) and weight 0;
+transformers' eager experts skip it and moetailor's experts implementation
+(``routing.experts``) never reads its weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..models.architectures import RouterSemantics
+from .policy import LayerPolicy
+
+
+@dataclass
+class FoldTables:
+    """ExFold's per-layer calibration: scale[src, dst], relative loss[src, dst] (inf = unobserved)."""
+
+    scale: torch.Tensor      # [E, E]
+    loss: torch.Tensor       # [E, E]
+    mean_norm: torch.Tensor  # [E] mean output norm, for batch importance
+
+
+@dataclass
+class CompiledPolicy:
+    """A LayerPolicy turned into tensors on the model's device (built once per plan, not per step)."""
+
+    policy: LayerPolicy
+    keep_mask: torch.Tensor | None = None    # [E] bool
+    pool_target: torch.Tensor | None = None  # [E] long: best kept expert per source (static fold)
+    pool_scale: torch.Tensor | None = None   # [E] float: S[src, target], 0 where unobserved
+    fold: FoldTables | None = None
+
+    @classmethod
+    def build(cls, policy: LayerPolicy, sem: RouterSemantics, device, fold: FoldTables | None = None) -> "CompiledPolicy":
+        policy.validate(sem.num_experts, sem.top_k)
+        if policy.needs_fold_tables and fold is None:
+            raise ValueError("this policy folds experts but no fold statistics were given; run "
+                             "`moetailor calibrate ... --fold` and pass the stats file")
+        keep_mask = pool_target = pool_scale = None
+        if policy.keep is not None:
+            keep_mask = torch.zeros(sem.num_experts, dtype=torch.bool, device=device)
+            keep_mask[list(policy.keep)] = True
+            if policy.pool_mode == "fold":
+                kept = torch.tensor(policy.keep, device=device)
+                loss = fold.loss.to(device)[:, kept]                        # [E, m']
+                best = loss.argmin(dim=1)                                   # [E]
+                pool_target = kept[best]
+                pool_scale = fold.scale.to(device).gather(1, pool_target[:, None])[:, 0].float()
+                pool_scale = torch.where(torch.isinf(loss.min(dim=1).values), 0.0, pool_scale)
+        if fold is not None:
+            fold = FoldTables(fold.scale.to(device).float(), fold.loss.to(device).float(), fold.mean_norm.to(device).float())
+        return cls(policy, keep_mask, pool_target, pool_scale, fold)
+
+
+def select(logits: torch.Tensor, sem: RouterSemantics, k: int, allowed: torch.Tensor | None,
+           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock top-k routing restricted to ``allowed`` experts. Returns float weights, index [T, k]."""
+    if sem.scoring == "softmax":
+        z = logits.float()                                                  # [T, E]
+        if allowed is not None:
+            z = z.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(z, dim=-1)
+        weights, index = torch.topk(probs, k, dim=-1)                       # [T, k]
+        if sem.normalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, index
+    scores = logits.float().sigmoid()                                       # [T, E]
+    choice = scores + bias if bias is not None else scores
+    if allowed is not None:
+        choice = choice.masked_fill(~allowed, float("-inf"))
+    if sem.n_group > 1:
+        grouped = choice.view(-1, sem.n_group, sem.num_experts // sem.n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)               # [T, G]
+        group_idx = group_scores.topk(sem.topk_group, dim=-1)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+        choice = choice.masked_fill(~group_mask.repeat_interleave(sem.num_experts // sem.n_group, dim=1), float("-inf"))
+    index = choice.topk(k, dim=-1)[1]                                       # [T, k]
+    weights = scores.gather(1, index)
+    if sem.normalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * sem.scaling, index
+
+
+def route(logits: torch.Tensor, sem: RouterSemantics, cp: CompiledPolicy, bias: torch.Tensor | None = None,
+          token_top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply a compiled layer policy to router logits [T, E] -> (weights [T, K], index [T, K])."""
+    p, E = cp.policy, sem.num_experts
+    k = p.top_k or sem.top_k
+    if token_top_k is not None:  # per-request budgets: route at the batch's largest k, then trim each row
+        k = int(min(k, int(token_top_k.max())))
+    allowed = cp.keep_mask if p.pool_mode == "mask" else None
+    weights, index = select(logits, sem, k, allowed, bias)                 # [T, k]
+    sentinel = torch.full_like(index, E)
+
+    if token_top_k is not None:
+        beyond = torch.arange(k, device=index.device)[None, :] >= token_top_k[:, None]  # [T, k]
+        weights, index = _drop(weights, index, beyond, sentinel, renormalise=sem.normalise)
+    if p.keep is not None and p.pool_mode != "mask":
+        outside = ~cp.keep_mask[index]                                     # [T, k]
+        if p.pool_mode == "fold":
+            folded_w = weights * cp.pool_scale[index]
+            weights = torch.where(outside, folded_w, weights)
+            index = torch.where(outside, cp.pool_target[index], index)
+            outside = outside & (folded_w == 0)                             # unobserved pairs are dropped
+        weights, index = _drop(weights, index, outside, sentinel, renormalise=False)
+    if p.skip_beta is not None:
+        ratio = weights / weights[:, :1].clamp_min(1e-20)
+        weights, index = _drop(weights, index, ratio < p.skip_beta, sentinel, renormalise=True)
+    if p.token_keep is not None and p.token_keep < k:
+        weights, index = _token_fold(weights, index, p.token_keep, cp.fold if p.fold else None, E)
+    if p.batch_pool is not None:
+        weights, index = _batch_pool(weights, index, p.batch_pool, cp.fold, p.fold, E)
+    return weights, index
+
+
+def _drop(weights, index, drop, sentinel, renormalise: bool):
+    """Turn the routes in ``drop`` into sentinels; optionally rescale the rest to the old total."""
+    kept = weights.masked_fill(drop, 0.0)
+    if renormalise:
+        kept = kept * (weights.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp_min(1e-20))
+    return kept, torch.where(drop, sentinel, index)
+
+
+def _token_fold(weights, index, keep: int, fold: FoldTables | None, E: int):
+    """Each token keeps its ``keep`` strongest routes; the others fold onto the kept one with the
+    lowest loss L[src, dst] (adding S[src, dst] * weight), or vanish when ``fold`` is None."""
+    kept_w, kept_i = weights[:, :keep].clone(), index[:, :keep]            # [T, K]
+    extra_w, extra_i = weights[:, keep:], index[:, keep:]                   # [T, k-K]
+    if fold is not None:
+        src = extra_i.clamp_max(E - 1)
+        dst = kept_i.clamp_max(E - 1)
+        loss = fold.loss[src[:, :, None], dst[:, None, :]]                  # [T, k-K, K]
+        loss = loss.masked_fill((kept_i == E)[:, None, :], float("inf"))
+        best = loss.argmin(dim=-1)                                          # [T, k-K]
+        target = dst.gather(1, best)                                        # [T, k-K]
+        gain = fold.scale[src, target] * extra_w                            # [T, k-K]
+        usable = (extra_i < E) & torch.isfinite(loss.min(dim=-1).values)
+        kept_w = kept_w.scatter_add(1, best, torch.where(usable, gain, 0.0).to(kept_w.dtype))
+    return kept_w, kept_i
+
+
+def _batch_pool(weights, index, pool_size: int, fold: FoldTables | None, do_fold: bool, E: int):
+    """Keep the step's ``pool_size`` most important experts (sum of gate x mean output norm over the
+    batch); fold each route outside the pool onto its lowest-loss pool expert, or drop it."""
+    valid = index < E
+    norm = fold.mean_norm[index.clamp_max(E - 1)] if fold is not None else torch.ones_like(weights)
+    importance = torch.zeros(E + 1, device=weights.device, dtype=torch.float32)
+    importance.scatter_add_(0, index.reshape(-1), (weights * norm * valid).reshape(-1).float())
+    importance = importance[:E]                                             # [E]
+    if int((importance > 0).sum()) <= pool_size:
+        return weights, index
+    pool = importance.topk(pool_size).indices                               # [D]
+    in_pool = torch.zeros(E + 1, dtype=torch.bool, device=weights.device)
+    in_pool[pool] = True
+    outside = valid & ~in_pool[index]
+    sentinel = torch.full_like(index, E)
+    if not (do_fold and fold is not None):
+        return _drop(weights, index, outside, sentinel, renormalise=False)
+    loss = fold.loss[:, pool]                                               # [E, D]
+    target = pool[loss.argmin(dim=1)]                                       # [E]
+    scale = torch.where(torch.isinf(loss.min(dim=1).values), 0.0, fold.scale.gather(1, target[:, None])[:, 0])
+    src = index.clamp_max(E - 1)
+    new_w = torch.where(outside, weights * scale[src], weights)
+    new_i = torch.where(outside, target[src], index)
+    return _drop(new_w, new_i, outside & (new_w == 0), sentinel, renormalise=False)
