@@ -1,0 +1,171 @@
+"""One streaming forward pass that accumulates per-expert statistics (and optionally ExFold tables).
+
+The RoutingController's observer sees each MoE layer's input hidden [T, H] and the stock routes;
+the collector recomputes expert outputs for the routed tokens only (``all_experts``: for every
+expert on every token, so folding sees every pair) and adds to float64 sums. Memory is bounded by
+one batch (the sums are [E, E] per layer at most), never by the number of calibration tokens.
+
+Gate weight g (``gate``):
+  "renorm"  (default) p = the router's scores over all experts (softmax; sigmoid for DeepSeek-V3),
+            g_j = p_j / sum_{i in top-k} p_i: renormalised over the token's chosen k (REAP's default);
+  "softmax" g_j = p_j, not renormalised.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from ..models.adapters import MoeLayer
+from .data import iter_token_batches, parse_data_spec
+from .stats import BETA_BINS, STATS_FORMAT, STATS_VERSION, ExpertStats, LayerStats
+
+GATES = {
+    "renorm": "g_j = p_j / sum_{i in top-k} p_i, p = router scores over all experts (softmax; sigmoid for "
+              "DeepSeek-V3), renormalised over the chosen k",
+    "softmax": "g_j = p_j, p = router scores over all experts (softmax; sigmoid for DeepSeek-V3), not renormalised",
+}
+ALL_EXPERTS_CHUNK_BYTES = 64 << 20  # all-experts mode computes [chunk, E, H] outputs at a time
+
+
+class Collector:
+    """The observer: turns one layer's hidden states and routes into additions to LayerStats."""
+
+    def __init__(self, layers: list[MoeLayer], gate: str = "renorm", fold: bool = False, all_experts: bool = False):
+        if gate not in GATES:
+            raise ValueError(f"unknown gate definition {gate!r}; choose from {', '.join(GATES)}")
+        self.gate, self.fold, self.all_experts = gate, fold or all_experts, all_experts
+        self.stats = {l.index: LayerStats.zeros(l.num_experts, self.fold) for l in layers}
+
+    @torch.no_grad()
+    def __call__(self, layer: MoeLayer, hidden: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor,
+                 index: torch.Tensor) -> None:
+        st, E = self.stats[layer.index], layer.num_experts
+        valid = index < E                                                   # [T, K] (E = dropped route)
+        idx = index.clamp_max(E - 1)
+        scores = logits.float().sigmoid() if layer.semantics.scoring == "sigmoid-grouped" else logits.float().softmax(-1)
+        g = scores.gather(1, idx) * valid                                   # [T, K]
+        if self.gate == "renorm":
+            g = g / g.sum(-1, keepdim=True).clamp_min(1e-20)
+        routed = index[valid]
+        st.frequency += torch.bincount(routed, minlength=E).double().cpu()
+        st.mass.index_add_(0, routed.cpu(), g[valid].double().cpu())
+        multi = torch.zeros(index.shape[0], E + 1, device=index.device).scatter_(1, index, 1.0)[:, :E]  # [T, E]
+        st.coselect += (multi.T @ multi).double().cpu()
+        if index.shape[1] >= 2:
+            top2 = weights.float().masked_fill(~valid, 0.0).topk(2, dim=-1).values               # [T, 2]
+            ratio = top2[:, 1] / top2[:, 0].clamp_min(1e-20)
+            bins = (ratio[top2[:, 0] > 0] * BETA_BINS).long().clamp(0, BETA_BINS - 1)
+            st.beta_hist += torch.bincount(bins, minlength=BETA_BINS).double().cpu()
+        if self.all_experts:
+            self._all_experts(layer, st, hidden, idx, valid, g)
+        else:
+            self._routed(layer, st, hidden, index, valid, g)
+
+    def _routed(self, layer, st, hidden, index, valid, g):
+        """Expert outputs for routed tokens only; fold sums over pairs co-selected by a token."""
+        T, K = index.shape
+        E = layer.num_experts
+        norms = torch.zeros(T, K, device=hidden.device)                     # [T, K] ||E_j(x)||
+        outputs = torch.zeros(T, K, hidden.shape[1], device=hidden.device) if self.fold else None  # [T, K, H]
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        start = 0
+        for e, n in zip(experts.tolist(), counts.tolist()):
+            slots = order[start:start + n]
+            start += n
+            if e >= E:
+                continue
+            rows, cols = slots // K, slots % K
+            y = layer.expert_forward(e, hidden[rows]).float()               # [n, H]
+            norms[rows, cols] = y.norm(dim=-1)
+            if outputs is not None:
+                outputs[rows, cols] = y
+        st.ean.index_add_(0, index[valid].cpu(), norms[valid].double().cpu())
+        st.weighted_ean.index_add_(0, index[valid].cpu(), (g * norms)[valid].double().cpu())
+        if outputs is None:
+            return
+        st.norm_sum.index_add_(0, index[valid].cpu(), norms[valid].double().cpu())
+        st.norm_count += torch.bincount(index[valid], minlength=E + 1)[:E].double().cpu()
+        dots = outputs @ outputs.transpose(1, 2)                            # [T, K, K] <u, v>
+        w = norms[:, :, None]                                               # [T, K, 1] w = ||u|| (source a)
+        pair = valid[:, :, None] & valid[:, None, :] & ~torch.eye(K, dtype=torch.bool, device=index.device)
+        key = (index[:, :, None] * E + index[:, None, :])[pair].cpu()        # src * E + dst
+        for total, value in ((st.fold_uv, w * dots), (st.fold_vv, w * norms[:, None, :] ** 2),
+                             (st.fold_uu, (w ** 3).expand(-1, -1, K)), (st.fold_count, torch.ones_like(dots))):
+            total.view(-1).index_add_(0, key, value[pair].double().cpu())
+
+    def _all_experts(self, layer, st, hidden, idx, valid, g):
+        """Every expert on every token (chunked): folding sees every pair on every token."""
+        T, H = hidden.shape
+        E = layer.num_experts
+        chunk = max(1, ALL_EXPERTS_CHUNK_BYTES // (E * H * 4))
+        for s in range(0, T, chunk):
+            x = hidden[s:s + chunk]
+            y = torch.stack([layer.expert_forward(e, x).float() for e in range(E)], dim=1)  # [c, E, H]
+            n = y.norm(dim=-1)                                              # [c, E]
+            sel, ok, gg = idx[s:s + chunk], valid[s:s + chunk], g[s:s + chunk]
+            routed_norm = n.gather(1, sel)                                  # [c, K]
+            st.ean.index_add_(0, sel[ok].cpu(), routed_norm[ok].double().cpu())
+            st.weighted_ean.index_add_(0, sel[ok].cpu(), (gg * routed_norm)[ok].double().cpu())
+            dots = y @ y.transpose(1, 2)                                    # [c, E, E]
+            nd = n.double()
+            st.fold_uv += torch.einsum("ta,tab->ab", nd, dots.double()).cpu()
+            st.fold_vv += torch.einsum("ta,tb->ab", nd, nd ** 2).cpu()
+            st.fold_uu += (nd ** 3).sum(0).cpu()[:, None].expand(E, E)
+            st.fold_count += x.shape[0]
+            st.norm_sum += nd.sum(0).cpu()
+            st.norm_count += x.shape[0]
+
+
+def calibrate_batches(model, batches, *, gate: str = "renorm", fold: bool = False, all_experts: bool = False,
+                      total_tokens: int | None = None, progress: bool = True, meta: dict | None = None) -> ExpertStats:
+    """Run ``model`` over ``batches`` (LongTensor [B, S] each) and return the accumulated statistics."""
+    from tqdm import tqdm
+
+    from ..models.loading import model_fingerprint
+    from ..routing import RoutingController
+
+    installed = getattr(model, "_moetailor_controller", None) is None
+    ctl = RoutingController.of(model)
+    collector = Collector(ctl.layers, gate, fold, all_experts)
+    device = ctl.layers[0].router.weight.device
+    seen = 0
+    t0 = time.time()
+    bar = tqdm(total=total_tokens, unit="tok", desc="calibrating", disable=not progress, file=sys.stderr,
+               mininterval=2)
+    try:
+        with torch.no_grad(), ctl.policy(None), ctl.observing(collector):
+            for batch in batches:
+                model(input_ids=batch.to(device), use_cache=False)
+                seen += batch.numel()
+                bar.update(batch.numel())
+    finally:
+        bar.close()
+        if installed:
+            ctl.remove()
+    if seen == 0:
+        raise ValueError("no calibration tokens were read; check --data and --tokens")
+    info = {"format": STATS_FORMAT, "version": STATS_VERSION, "model": model_fingerprint(model), "tokens": seen,
+            "gate": {"name": gate, "definition": GATES[gate]}, "fold": collector.fold, "all_experts": all_experts,
+            "beta_bins": BETA_BINS, "seconds": round(time.time() - t0, 2)}
+    info.update(meta or {})
+    return ExpertStats(info, collector.stats)
+
+
+def calibrate(model, tokenizer, data_spec: str, tokens: int, *, seed: int = 0, batch_tokens: int = 4096,
+              seq_len: int = 512, gate: str = "renorm", all_experts: bool = False, fold: bool = False,
+              progress: bool = True, command: str | None = None) -> ExpertStats:
+    """Calibrate ``model`` on ``tokens`` tokens of ``data_spec`` (see calibration.data). Deterministic
+    given ``seed``."""
+    spec = parse_data_spec(data_spec)
+    if gate not in GATES:
+        raise ValueError(f"unknown gate definition {gate!r}; choose from {', '.join(GATES)}")
+    torch.manual_seed(seed)
+    batches = iter_token_batches(tokenizer, spec, tokens, batch_tokens, seq_len, seed)
+    meta = {"data": str(spec), "seed": seed, "seq_len": min(seq_len, batch_tokens), "batch_tokens": batch_tokens,
+            "command": command}
+    return calibrate_batches(model, batches, gate=gate, fold=fold, all_experts=all_experts, total_tokens=tokens,
+                             progress=progress, meta=meta)

@@ -1,0 +1,212 @@
+"""Per-layer, per-expert calibration statistics and their file format.
+
+Everything is stored as sums over calibration tokens (float64), so statistics from two runs could be
+added and every derived score (REAP, mean norm, fold tables, beta) is computed from them on read.
+
+File: safetensors with tensors ``layer{i}.{name}`` and string metadata
+``{"format": "moetailor-expert-stats", "version": "1", "meta": <JSON>}`` (see docs/plans.md).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+STATS_FORMAT = "moetailor-expert-stats"
+STATS_VERSION = 1
+BETA_BINS = 1000          # fixed-bin histogram of w_2 / w_1 over [0, 1]: median resolution 1e-3
+FOLD_SCALE_CLIP = 4.0     # ExFold clips S to [-4, 4]
+FOLD_EPS = 1e-3           # ExFold's denominator epsilon
+
+REQUIRED = ("frequency", "mass", "ean", "weighted_ean", "coselect", "beta_hist")
+FOLD = ("fold_uv", "fold_vv", "fold_uu", "fold_count", "norm_sum", "norm_count")
+
+
+class StatsMismatch(ValueError):
+    pass
+
+
+@dataclass
+class LayerStats:
+    """Sums over the calibration tokens T_j routed to expert j (hard top-k membership)."""
+
+    frequency: torch.Tensor      # [E] |T_j|
+    mass: torch.Tensor           # [E] sum_{T_j} g_j            (routing mass / soft count)
+    ean: torch.Tensor            # [E] sum_{T_j} ||E_j(x)||
+    weighted_ean: torch.Tensor   # [E] sum_{T_j} g_j ||E_j(x)||
+    coselect: torch.Tensor       # [E, E] tokens routed to both i and j (diagonal = frequency)
+    beta_hist: torch.Tensor      # [BETA_BINS] histogram of w_2 / w_1 per token
+    # ExFold sums over pairs (u = source output, v = target output, w = ||u||); None unless --fold
+    fold_uv: torch.Tensor | None = None     # [E, E] sum w <u, v>
+    fold_vv: torch.Tensor | None = None     # [E, E] sum w ||v||^2
+    fold_uu: torch.Tensor | None = None     # [E, E] sum w ||u||^2
+    fold_count: torch.Tensor | None = None  # [E, E] observations of the pair
+    norm_sum: torch.Tensor | None = None    # [E] sum ||E_j(x)|| over every token the fold pass computed j on
+    norm_count: torch.Tensor | None = None  # [E]
+
+    @classmethod
+    def zeros(cls, num_experts: int, fold: bool) -> "LayerStats":
+        E = num_experts
+        z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
+        extra = dict(fold_uv=z(E, E), fold_vv=z(E, E), fold_uu=z(E, E), fold_count=z(E, E),
+                     norm_sum=z(E), norm_count=z(E)) if fold else {}
+        return cls(z(E), z(E), z(E), z(E), z(E, E), z(BETA_BINS), **extra)
+
+    @property
+    def num_experts(self) -> int:
+        return self.frequency.numel()
+
+    @property
+    def has_fold(self) -> bool:
+        return self.fold_uv is not None
+
+    @property
+    def reap(self) -> torch.Tensor:
+        """REAP: mean over T_j of g_j ||E_j(x)|| (0 for never-routed experts).  [E]"""
+        return self.weighted_ean / self.frequency.clamp_min(1)
+
+    @property
+    def mean_norm(self) -> torch.Tensor:
+        """Mean ||E_j(x)|| over the tokens routed to j (0 for never-routed experts).  [E]"""
+        return self.ean / self.frequency.clamp_min(1)
+
+    @property
+    def beta(self) -> float | None:
+        """NAEE's beta: the median over tokens of w_2 / w_1, read from the histogram (linear
+        interpolation inside the median's bin, so accurate to 1 / BETA_BINS). None if no tokens."""
+        n = float(self.beta_hist.sum())
+        if n == 0:
+            return None
+        cum = torch.cumsum(self.beta_hist, 0)
+        b = int(torch.searchsorted(cum, torch.tensor(n / 2, dtype=cum.dtype)))
+        below = float(cum[b - 1]) if b > 0 else 0.0
+        inside = float(self.beta_hist[b])
+        frac = (n / 2 - below) / inside if inside > 0 else 0.5
+        return min(1.0, (b + frac) / BETA_BINS)
+
+    def fold_tables(self):
+        """ExFold's S (scale) and L (relative loss) for every source -> target pair.
+
+        S = sum w<u,v> / (sum w||v||^2 + 1e-3), clipped to [-4, 4];
+        L = (sum w||u||^2 - 2 S sum w<u,v> + S^2 sum w||v||^2) / sum w||u||^2;
+        unobserved pairs: S = 0, L = inf; the diagonal is the identity (S = 1, L = 0).
+        """
+        from ..routing import FoldTables
+
+        if not self.has_fold:
+            raise ValueError("these statistics hold no fold tables; rerun `moetailor calibrate ... --fold`")
+        scale = (self.fold_uv / (self.fold_vv + FOLD_EPS)).clamp(-FOLD_SCALE_CLIP, FOLD_SCALE_CLIP)   # [E, E]
+        loss = (self.fold_uu - 2 * scale * self.fold_uv + scale**2 * self.fold_vv) / self.fold_uu.clamp_min(1e-30)
+        loss = loss.clamp_min(0.0)
+        seen = self.fold_count > 0
+        scale = torch.where(seen, scale, 0.0)
+        loss = torch.where(seen, loss, float("inf"))
+        eye = torch.eye(self.num_experts, dtype=torch.bool)
+        scale = torch.where(eye, 1.0, scale)
+        loss = torch.where(eye, 0.0, loss)
+        mean_norm = self.norm_sum / self.norm_count.clamp_min(1)
+        return FoldTables(scale=scale.float(), loss=loss.float(), mean_norm=mean_norm.float())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        names = REQUIRED + (FOLD if self.has_fold else ())
+        return {n: getattr(self, n) for n in names}
+
+
+@dataclass
+class ExpertStats:
+    meta: dict                                       # model fingerprint, data spec, tokens, gate, command, ...
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+
+    @property
+    def model(self) -> dict:
+        return self.meta["model"]
+
+    @property
+    def has_fold(self) -> bool:
+        return all(l.has_fold for l in self.layers.values())
+
+    def check_model(self, model) -> None:
+        """Raise StatsMismatch when these statistics were collected on another model."""
+        from ..models.loading import fingerprint_mismatch, model_fingerprint
+
+        problem = fingerprint_mismatch(self.model, model_fingerprint(model))
+        if problem:
+            raise StatsMismatch(f"statistics do not match the model ({problem}); run `moetailor calibrate` on "
+                                f"this model (the stats came from {self.model.get('source')!r})")
+
+    def fold_tables(self) -> dict:
+        return {i: l.fold_tables() for i, l in self.layers.items()}
+
+    def save(self, path: str | Path) -> Path:
+        """Write atomically (temp file + rename)."""
+        import os
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {f"layer{i}.{name}": t.contiguous() for i, l in sorted(self.layers.items())
+                   for name, t in l.tensors().items()}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".stats-", suffix=".safetensors")
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata={"format": STATS_FORMAT, "version": str(STATS_VERSION),
+                                              "meta": json.dumps(self.meta)})
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ExpertStats":
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"statistics file {path} does not exist; create it with `moetailor calibrate`")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # safetensors raises its own error types for truncated / foreign files
+            raise ValueError(f"{path} is not a readable safetensors file ({e}); it may be truncated — rerun "
+                             "`moetailor calibrate`") from None
+        if header.get("format") != STATS_FORMAT:
+            raise ValueError(f"{path} is not a moetailor statistics file (format tag {header.get('format')!r}, "
+                             f"expected {STATS_FORMAT!r}); create one with `moetailor calibrate`")
+        if header.get("version") != str(STATS_VERSION):
+            raise ValueError(f"{path} has statistics version {header.get('version')}, this moetailor reads "
+                             f"version {STATS_VERSION}; rerun `moetailor calibrate`")
+        try:
+            meta = json.loads(header["meta"])
+        except (KeyError, json.JSONDecodeError):
+            raise ValueError(f"{path} has no readable metadata; rerun `moetailor calibrate`") from None
+        layers = {}
+        for i in meta["model"]["moe_layers"]:
+            got = {n: tensors.get(f"layer{i}.{n}") for n in REQUIRED + FOLD}
+            missing = [n for n in REQUIRED if got[n] is None]
+            if missing:
+                raise ValueError(f"{path} lacks {missing} for layer {i}; it is incomplete — rerun `moetailor calibrate`")
+            if any(got[n] is None for n in FOLD):
+                got = {n: got[n] for n in REQUIRED}
+            layers[i] = LayerStats(**got)
+            E = meta["model"]["num_experts"]
+            if layers[i].num_experts != E:
+                raise ValueError(f"{path} layer {i} has {layers[i].num_experts} experts but its metadata says {E}")
+        return cls(meta, layers)
+
+
+def load_fold_tables(stats, model=None) -> dict:
+    """ExFold tables per MoE layer, ``dict[int, FoldTables]``, from a stats path or ExpertStats;
+    checked against ``model`` when given."""
+    if not isinstance(stats, ExpertStats):
+        stats = ExpertStats.load(stats)
+    if model is not None:
+        stats.check_model(model)
+    if not stats.has_fold:
+        raise ValueError("these statistics hold no fold tables; rerun `moetailor calibrate ... --fold`")
+    return stats.fold_tables()

@@ -1,0 +1,120 @@
+"""`moetailor bench {decode,slo,prefill,project}`: decode speed against the bandwidth floor,
+expert traffic, throughput at a per-user SLO, and a GPU roofline projection."""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated numbers like 0.75,0.5,0.25, got {text!r}") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers like 1,8,64, got {text!r}") from None
+
+
+def _command() -> str:
+    return "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: decode vs bandwidth floor, SLO throughput, prefill, GPU projection")
+    bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+
+    def common(q, out: str, quick: bool = True):
+        q.add_argument("--out", type=Path, default=Path(out), help=f"output folder (default {out})")
+        if quick:
+            q.add_argument("--quick", action="store_true", help="small sweep that finishes in under two minutes")
+
+    from ..bench.roofline import GPUS, SHAPES
+
+    q = bsub.add_parser("project", help="roofline projection of pool speedups at a per-user SLO on a GPU")
+    q.add_argument("--gpu", choices=sorted(GPUS), default="a100")
+    q.add_argument("--model-shape", choices=sorted(SHAPES), default="qwen3.6-35b-a3b")
+    q.add_argument("--num-gpus", type=int, default=2, help="GPUs per decode instance (SlimWise: 2)")
+    q.add_argument("--batch", type=int, default=64, help="batch for the per-step breakdown")
+    q.add_argument("--context", type=int, default=5120,
+                   help="mean context length read per step (1k in / 8k out averages 5k)")
+    q.add_argument("--max-context", type=int, default=9216, help="context each sequence reserves KV for")
+    q.add_argument("--keep", default="0.5,0.25",
+                   help="fractions of routed experts kept (SlimWise's 50%%/75%% pruning keep 0.5/0.25)")
+    q.add_argument("--slo", type=float, default=50.0, help="per-user decode tokens/s")
+    common(q, "build/bench/project", quick=False)
+    q.set_defaults(func=run_project)
+
+    d = bsub.add_parser("decode", help="decode step time, tokens/s, expert traffic and bandwidth per pool and batch")
+    d.add_argument("--model", default="both", help="'synthetic', 'reference', 'both', or a local checkpoint path")
+    d.add_argument("--batches", default="1,2,4,8,16,32,64")
+    d.add_argument("--keep", default="0.75,0.5,0.25", help="decode pools as kept fractions of each layer's experts")
+    d.add_argument("--top-k", default=None, help="also run reduced per-token k' (e.g. 2,4,6) on the full pool")
+    d.add_argument("--steps", type=int, default=None, help="decode steps timed per configuration")
+    d.add_argument("--synthetic-layers", type=int, default=2, help="MoE layers of the synthetic model (1.6 GB each)")
+    d.add_argument("--no-hf", action="store_true", help="skip the transformers generate comparison")
+    d.add_argument("--no-pruned", action="store_true", help="skip pruned-checkpoint pools (masking only)")
+    common(d, "build/bench/decode")
+    d.set_defaults(func=run_decode)
+
+    s = bsub.add_parser("slo", help="throughput vs per-user tokens/s as the batch grows, per pool")
+    s.add_argument("--model", default="synthetic")
+    s.add_argument("--batches", default="1,2,4,8,16,32,64")
+    s.add_argument("--keep", default="0.5,0.25")
+    s.add_argument("--slo", type=float, default=None, help="per-user tokens/s target (default: the full pool's "
+                   "speed at batch 8, so the target is reachable on this machine)")
+    s.add_argument("--steps", type=int, default=None)
+    s.add_argument("--synthetic-layers", type=int, default=2)
+    s.add_argument("--no-pruned", action="store_true")
+    common(s, "build/bench/slo")
+    s.set_defaults(func=run_slo)
+
+    f = bsub.add_parser("prefill", help="prefill tokens/s per pool (expected nearly flat)")
+    f.add_argument("--model", default="synthetic")
+    f.add_argument("--keep", default="0.75,0.5,0.25")
+    f.add_argument("--prompt-len", type=int, default=128)
+    f.add_argument("--batches", default="1,4")
+    f.add_argument("--synthetic-layers", type=int, default=2)
+    common(f, "build/bench/prefill")
+    f.set_defaults(func=run_prefill)
+
+
+def run_project(args) -> int:
+    from ..bench.project import run_project as project
+
+    if args.num_gpus < 1 or args.batch < 1 or args.context < 0 or args.slo <= 0:
+        raise ValueError("--num-gpus and --batch must be >= 1, --context >= 0 and --slo > 0")
+    project(args.model_shape, args.gpu, _floats(args.keep), args.slo, args.context, args.max_context, args.num_gpus,
+            args.batch, args.out, _command()).write()
+    return 0
+
+
+def run_decode(args) -> int:
+    from ..bench.decode import DecodeConfig, run_decode as decode
+
+    cfg = DecodeConfig(model=args.model, batches=_ints(args.batches), keeps=_floats(args.keep),
+                       top_ks=_ints(args.top_k) if args.top_k else [], steps=args.steps, quick=args.quick,
+                       synthetic_layers=args.synthetic_layers, hf=not args.no_hf, pruned=not args.no_pruned)
+    decode(cfg, args.out, _command()).write()
+    return 0
+
+
+def run_slo(args) -> int:
+    from ..bench.slo import run_slo as slo
+
+    slo(args.model, _ints(args.batches), _floats(args.keep), args.slo, args.steps, args.quick, args.synthetic_layers,
+        not args.no_pruned, args.out, _command()).write()
+    return 0
+
+
+def run_prefill(args) -> int:
+    from ..bench.prefill import run_prefill as prefill
+
+    prefill(args.model, _floats(args.keep), args.prompt_len, _ints(args.batches), args.quick, args.synthetic_layers,
+            args.out, _command()).write()
+    return 0

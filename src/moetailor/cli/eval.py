@@ -1,0 +1,80 @@
+"""`moetailor eval MODEL [--plan PLAN | --sweep SPEC] --out DIR`: accuracy AND output length of
+expert budgets, per task and configuration (baseline, pruned, reverse, phase-aware, ...)."""
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from .common import print_table
+
+
+def register(sub) -> None:
+    from ..eval.configurations import CONFIGURATIONS, PHASE_CONFIGURATIONS
+    from ..eval.runner import SWEEPS
+
+    p = sub.add_parser("eval", help="evaluate expert budgets: accuracy, output length, budget hits, held-out KL")
+    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--plan", help="a plan JSON (from `moetailor plan`) to evaluate")
+    src.add_argument("--sweep", help=f"calibrate once and sweep criteria x keep ratios: {', '.join(SWEEPS)}, or "
+                                     "'criteria=frequency,reap;keep=0.5,0.25'")
+    p.add_argument("--tasks", default="all", help="'all' or a comma-separated list of tasks")
+    p.add_argument("--n", type=int, default=200, help="prompts per task and seed (default 200)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds: prompt sets (and sampling seeds) to average over")
+    p.add_argument("--sampling", default="greedy",
+                   help="greedy, sample (temperature 1.0, top-p 0.95) or both: greedy,sample")
+    p.add_argument("--configs", default=",".join(PHASE_CONFIGURATIONS),
+                   help=f"comma-separated configurations; registered: {', '.join(CONFIGURATIONS)}")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="max new tokens for every task (default: per task, 2x its longest reference answer)")
+    p.add_argument("--kl-docs", type=int, default=2, help="held-out documents per text domain for KL/perplexity")
+    p.add_argument("--kl-window", type=int, default=256, help="tokens per held-out window")
+    p.add_argument("--calib-tokens", type=int, default=32768, help="calibration tokens for --sweep")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch size")
+    p.add_argument("--out", required=True, help="output directory (an interrupted run resumes from its cells)")
+    p.add_argument("--write-docs", default=None, help="also write a results page there (e.g. docs/results.md)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..eval.configurations import parse_configs
+    from ..eval.report import write_docs
+    from ..eval.runner import EvalSettings, Sweep
+    from ..eval.tasks import resolve_tasks
+
+    t0 = time.time()
+    settings = EvalSettings(
+        model=args.model, tasks=[t.name for t in resolve_tasks(args.tasks)], n=args.n, seeds=args.seeds,
+        sampling=[s.strip() for s in args.sampling.split(",") if s.strip()], configs=parse_configs(args.configs),
+        plan=args.plan, sweep=args.sweep, max_tokens=args.max_tokens, kl_docs=args.kl_docs,
+        kl_window=args.kl_window, calib_tokens=args.calib_tokens, max_num_seqs=args.max_num_seqs)
+    settings.validate()  # bad input fails before the model loads
+    if args.sweep:
+        from ..eval.runner import parse_sweep
+        parse_sweep(args.sweep)
+    command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["eval"] else \
+        "moetailor eval " + " ".join(shlex.quote(a) for a in _argv(args))
+    results = Sweep(settings, args.out, command=command, log=lambda m: print(m, file=sys.stderr)).run()
+    rows = [r for r in results["rows"] if r["task"] == "all"]
+    print_table(f"moetailor eval {args.model} (all tasks)",
+                ["variant", "sampling", "accuracy %", "p50", "p90", "budget hit %", "EOS %", "KL", "ppl"],
+                [(r["variant"], r["sampling"], f"{100 * r['accuracy']:.1f} ± {100 * r['accuracy_std']:.1f}",
+                  f"{r['p50']:.0f}", f"{r['p90']:.0f}", f"{100 * r['budget_hit']:.1f}", f"{100 * r['eos']:.1f}",
+                  f"{r['kl']:.3f}", f"{r['perplexity']:.2f}") for r in rows])
+    out = Path(args.out)
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'} and plots in {time.time() - t0:.0f} s")
+    if args.write_docs:
+        print(f"wrote {write_docs(results, out, Path(args.write_docs), time.time() - t0)}")
+    return 0
+
+
+def _argv(args) -> list[str]:
+    """The command line reconstructed from parsed arguments (when called from Python, not a shell)."""
+    out = [args.model]
+    for key, value in sorted(vars(args).items()):
+        if key in ("model", "func", "command") or value is None:
+            continue
+        out += [f"--{key.replace('_', '-')}", str(value)]
+    return out

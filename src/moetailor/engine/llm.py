@@ -1,0 +1,310 @@
+"""The offline engine: ``LLM(model, plan).generate(prompts, SamplingParams)``.
+
+Each step is all-prefill or all-decode (see ``Scheduler``), so the step's phase selects the expert
+policy: prefill steps run ``plan.prefill``, decode steps ``plan.decode`` (None = the full router).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..plans.plan import Plan
+from ..routing.controller import RoutingController
+from ..routing.policy import FULL_PHASE
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .model_runner import ModelRunner
+from .sampling import SamplingParams, sample
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None          # "stop" | "length" | "abort" | "error"; None while running
+    metrics: dict = field(default_factory=dict)
+    error: str | None = None
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestOutput":
+        return cls(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], seq.text,
+                   list(seq.completion_token_ids), seq.finish_reason, seq.metrics(), seq.error)
+
+
+@dataclass
+class StepRecord:
+    phase: str                          # "prefill" | "decode"
+    num_seqs: int
+    num_tokens: int
+    seconds: float
+    distinct_experts: dict[int, int]    # MoE layer -> distinct experts read this step
+    expert_bytes: int                   # expert weight bytes read this step
+
+
+@dataclass
+class StreamDelta:
+    """What one request gained in one step (streaming)."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def resolve_plan(plan: Plan | str | Path | None, model) -> Plan | None:
+    if plan is None:
+        return None
+    if not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    plan.check_model(model)
+    return plan
+
+
+class LLM:
+    """Continuous-batching engine over a transformers MoE model with a paged KV cache."""
+
+    def __init__(self, model, plan: Plan | str | Path | None = None, *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 4096, block_size: int = 16, num_kv_blocks: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer=None,
+                 max_model_len: int | None = None, memory_budget: int | None = None,
+                 prefill_dtype: torch.dtype | None = None, step_log_size: int = 10_000):
+        from ..models.loading import load_model, load_tokenizer
+
+        if isinstance(model, (str, Path)):
+            name = model
+            model = load_model(name, dtype=dtype, device=device)
+            if tokenizer is None:
+                try:
+                    tokenizer = load_tokenizer(name)
+                except (OSError, ValueError):
+                    tokenizer = None
+        else:
+            dtype = next(model.parameters()).dtype   # a given model keeps its own dtype
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
+                                   memory_budget=memory_budget, dtype=dtype, prefill_dtype=prefill_dtype,
+                                   device=str(device))
+        self.controller = RoutingController.of(self.model)
+        self.runner = ModelRunner(self.model, self.config)
+        self.block_manager = BlockManager(self.runner.num_blocks, block_size)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.plan: Plan | None = None
+        self.set_plan(plan)
+        self.eos_token_ids = self._eos_ids()
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.step_log: list[StepRecord] = []
+        self.step_log_size = step_log_size
+        self.lock = threading.RLock()
+        self._seqs: dict[str, Sequence] = {}
+        self.tokens_generated = 0
+
+    # ---- configuration -------------------------------------------------------------------------
+    def set_plan(self, plan: Plan | str | Path | None) -> None:
+        """Use ``plan`` from the next step on (None = the full router in both phases)."""
+        plan = resolve_plan(plan, self.model)
+        if plan is not None and plan.fold_stats and not self.controller.fold_tables:
+            from ..calibration import load_fold_tables
+            self.controller.fold_tables.update(load_fold_tables(plan.fold_stats, self.model))
+        if plan is not None:   # compile now so a bad plan fails here, not inside a step
+            self.controller.compile(plan.prefill)
+            self.controller.compile(plan.decode)
+        self.plan = plan
+
+    def phase_policy(self, phase: str):
+        return FULL_PHASE if self.plan is None else self.plan.phase(phase)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if value is None:
+                continue
+            ids.update([value] if isinstance(value, int) else value)
+        return ids
+
+    # ---- requests ------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass tokenizer= or give token ids")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return None, [int(t) for t in prompt]
+
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        """Queue a request; raises ValueError (naming the limit) when it can never run."""
+        sampling = sampling or SamplingParams()
+        sampling.validate()
+        text, ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})")
+        limit = self.config.max_model_len
+        if len(ids) + sampling.max_tokens > limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens and max_tokens={sampling.max_tokens}, which exceeds "
+                             f"the context limit of {limit} tokens (prompt + completion); shorten the prompt or "
+                             f"lower max_tokens")
+        if len(ids) > self.config.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens="
+                             f"{self.config.max_num_batched_tokens}; raise max_num_batched_tokens")
+        bs = self.config.block_size
+        need = (len(ids) + sampling.max_tokens + bs - 1) // bs
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"the request needs {need} KV blocks of {bs} tokens but the pool holds "
+                             f"{self.block_manager.num_blocks}; lower max_tokens or give more num_kv_blocks")
+        with self.lock:
+            seq = Sequence(ids, sampling, request_id=request_id, prompt=text)
+            seq.block_size = bs
+            if seq.request_id in self._seqs:
+                raise ValueError(f"request id {seq.request_id!r} is already in use")
+            self._seqs[seq.request_id] = seq
+            self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> bool:
+        """Stop a request and free its KV blocks. False when it is unknown or already finished."""
+        with self.lock:
+            seq = self._seqs.pop(request_id, None)
+            if seq is None or seq.is_finished:
+                return False
+            seq.finish(reason, error)
+            self.scheduler.finish(seq)
+            return True
+
+    def has_unfinished(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    # ---- one step ------------------------------------------------------------------------------
+    def _token_top_k(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
+        ks = [s.sampling.expert_top_k for s in seqs]
+        if all(k is None for k in ks):
+            return None
+        full = self.controller.layers[0].top_k
+        per_seq = [min(k or full, full) for k in ks]
+        counts = [len(s) if is_prefill else 1 for s in seqs]
+        return torch.tensor(per_seq, device=self.runner.device).repeat_interleave(
+            torch.tensor(counts, device=self.runner.device))                # [T]
+
+    def step(self) -> list[Sequence]:
+        """Run one prefill or decode step; returns the sequences that got a token."""
+        with self.lock:
+            seqs, is_prefill = self.scheduler.schedule()
+            if not seqs:
+                return []
+            phase = "prefill" if is_prefill else "decode"
+            num_tokens = sum(len(s) for s in seqs) if is_prefill else len(seqs)
+            meter = self.controller.meter
+            meter.reset()
+            start = time.perf_counter()
+            with self.controller.policy(self.phase_policy(phase), token_top_k=self._token_top_k(seqs, is_prefill)):
+                logits = self.runner.run(seqs, is_prefill, self.block_manager)            # [B, V]
+            tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+            seconds = time.perf_counter() - start
+            self.step_log.append(StepRecord(phase, len(seqs), num_tokens, seconds, dict(meter.distinct),
+                                            meter.bytes_read))
+            if len(self.step_log) > self.step_log_size:
+                del self.step_log[: len(self.step_log) - self.step_log_size]
+            for seq, token in zip(seqs, tokens):
+                self._append(seq, token)
+            self.tokens_generated += len(seqs)
+            return seqs
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.append_token(token)
+        p = seq.sampling
+        reason = None
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+            cut = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.text, reason = seq.text[:cut], "stop"
+        if reason is None and not p.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        if reason is None and (seq.num_completion_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish(reason)
+            self.scheduler.finish(seq)
+            self._seqs.pop(seq.request_id, None)
+
+    # ---- front ends ----------------------------------------------------------------------------
+    def generate(self, prompts: list[str] | list[list[int]] | str, sampling: SamplingParams | list[SamplingParams]
+                 | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
+        seqs = [self.add_request(p, s) for p, s in zip(prompts, params)]
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(seqs), desc="generate", unit="req")
+        done = 0
+        while any(not s.is_finished for s in seqs):
+            if not self.step() and not self.has_unfinished():
+                break
+            if bar is not None:
+                now = sum(s.is_finished for s in seqs)
+                bar.update(now - done)
+                done = now
+        if bar is not None:
+            bar.close()
+        return [RequestOutput.of(s) for s in seqs]
+
+    def stream(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+               request_id: str | None = None) -> Iterator[StreamDelta]:
+        """Yield the request's new text and tokens after each step (other requests advance too).
+        Closing the iterator early aborts the request and frees its blocks."""
+        seq = self.add_request(prompt, sampling, request_id)
+        sent_text, sent_tokens = 0, 0
+        try:
+            while True:
+                if not seq.is_finished:
+                    self.step()
+                text = seq.text
+                if not seq.is_finished and text.endswith("\ufffd"):
+                    text = text[:-1]   # an incomplete UTF-8 sequence: wait for the next token
+                tokens = seq.completion_token_ids
+                if len(tokens) > sent_tokens or seq.is_finished:
+                    yield StreamDelta(seq.request_id, text[sent_text:], tokens[sent_tokens:], seq.is_finished,
+                                      seq.finish_reason, seq.error)
+                    sent_text, sent_tokens = len(text), len(tokens)
+                if seq.is_finished:
+                    return
+        finally:
+            if not seq.is_finished:
+                self.abort(seq.request_id)
+
+    # ---- numbers -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Queue and pool state for /metrics and logs."""
+        recent = [r for r in self.step_log[-50:] if r.phase == "decode"]
+        secs = sum(r.seconds for r in recent)
+        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                "kv_blocks_total": self.block_manager.num_blocks, "kv_blocks_free": self.block_manager.num_free,
+                "kv_usage": self.block_manager.usage, "preemptions": self.scheduler.num_preemptions,
+                "tokens_generated": self.tokens_generated,
+                "decode_tokens_per_s": (sum(r.num_seqs for r in recent) / secs) if secs > 0 else 0.0,
+                "distinct_experts_last_step": (sum(self.step_log[-1].distinct_experts.values()) /
+                                               max(1, len(self.step_log[-1].distinct_experts))) if self.step_log else 0.0}

@@ -1,0 +1,81 @@
+"""A request as the engine sees it: token ids, its KV block table and its sampling state."""
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum, auto
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    block_size = 16
+
+    def __init__(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+                 prompt: str | None = None):
+        self.seq_id = next(_ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.prompt = prompt
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.sampling = sampling
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.text = ""                      # completion text (stop strings already cut)
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(int(sampling.seed))
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold the KV of every token so far."""
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+
+    def append_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.token_ids.append(int(token_id))
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.finish_time = time.perf_counter()
+
+    def metrics(self) -> dict:
+        end = self.finish_time or time.perf_counter()
+        ttft = (self.first_token_time - self.arrival) if self.first_token_time else None
+        return {"ttft_s": ttft, "total_s": end - self.arrival, "num_preemptions": self.num_preemptions,
+                "prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_completion_tokens}

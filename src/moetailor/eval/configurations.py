@@ -1,0 +1,142 @@
+"""Named evaluation configurations: how a base plan is applied to the two phases.
+
+The four SlimWise configurations (their Table 3) come from one pruning policy P:
+
+    baseline     full prefill, full decode
+    pruned       P prefill,    P decode      (a conventionally pruned checkpoint)
+    reverse      P prefill,    full decode
+    phase-aware  full prefill, P decode      (SlimWise)
+
+Later techniques add a configuration by registering a builder; the runner only knows names::
+
+    @configuration("fold-decode", uses_plan=False, takes_arg=True, help="decode pool of D experts, folded")
+    def _fold_decode(model, plan, arg): ...
+
+A spec string names one configuration, with an optional argument after a colon
+("fold-decode:32", "distilled:build/student").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..plans import Plan, uniform_plan
+from ..routing.policy import LayerPolicy, PhasePolicy
+
+# builder(model, base_plan or None, argument or None) -> the plan the engine runs
+Builder = Callable[[object, Plan | None, str | None], Plan]
+
+
+@dataclass(frozen=True)
+class Configuration:
+    name: str
+    build: Builder
+    uses_plan: bool    # the result depends on the base plan (so it is run once per plan in a sweep)
+    takes_arg: bool
+    help: str
+
+
+CONFIGURATIONS: dict[str, Configuration] = {}
+PHASE_CONFIGURATIONS = ("baseline", "pruned", "reverse", "phase-aware")
+
+
+def configuration(name: str, *, uses_plan: bool, help: str, takes_arg: bool = False):
+    """Register a configuration builder under ``name`` (a decorator)."""
+    def register(fn: Builder) -> Builder:
+        if name in CONFIGURATIONS:
+            raise ValueError(f"configuration {name!r} is already registered")
+        CONFIGURATIONS[name] = Configuration(name, fn, uses_plan, takes_arg, help)
+        return fn
+    return register
+
+
+def pruning_policy(plan: Plan) -> PhasePolicy:
+    """The policy a plan prunes with: its decode policy, or its prefill policy when decode is full."""
+    if not plan.decode.is_identity:
+        return plan.decode
+    if not plan.prefill.is_identity:
+        return plan.prefill
+    raise ValueError("the plan runs the full router in both phases, so pruned/reverse/phase-aware would all equal "
+                     "the baseline; make a pruning plan with `moetailor plan`")
+
+
+def _tagged(plan: Plan, name: str, **extra) -> Plan:
+    from dataclasses import replace
+    return replace(plan, meta={**plan.meta, "configuration": name, **extra})
+
+
+@configuration("baseline", uses_plan=False, help="full prefill, full decode")
+def _baseline(model, plan, arg):
+    return _tagged(plan.with_phases(None, None) if plan is not None else uniform_plan(model), "baseline")
+
+
+@configuration("pruned", uses_plan=True, help="the plan's pruning in both phases (a pruned checkpoint)")
+def _pruned(model, plan, arg):
+    p = pruning_policy(plan)
+    return _tagged(plan.with_phases(prefill=p, decode=p), "pruned")
+
+
+@configuration("reverse", uses_plan=True, help="pruned prefill, full decode")
+def _reverse(model, plan, arg):
+    return _tagged(plan.with_phases(prefill=pruning_policy(plan), decode=None), "reverse")
+
+
+@configuration("phase-aware", uses_plan=True, help="full prefill, pruned decode (SlimWise)")
+def _phase_aware(model, plan, arg):
+    return _tagged(plan.with_phases(prefill=None, decode=pruning_policy(plan)), "phase-aware")
+
+
+@configuration("plan", uses_plan=True, help="the plan exactly as written (its own prefill and decode policies)")
+def _as_written(model, plan, arg):
+    return _tagged(plan, "plan")
+
+
+@configuration("topk", uses_plan=False, takes_arg=True, help="topk:K — every token uses K experts in both phases")
+def _topk(model, plan, arg):
+    try:
+        k = int(arg)
+    except ValueError:
+        raise ValueError(f"topk needs an integer argument (topk:4), got {arg!r}") from None
+    return _tagged(uniform_plan(model, decode=LayerPolicy(top_k=k), prefill=LayerPolicy(top_k=k)), f"topk:{k}")
+
+
+@dataclass(frozen=True)
+class ConfigSpec:
+    name: str
+    arg: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name if self.arg is None else f"{self.name}:{self.arg}"
+
+    @property
+    def definition(self) -> Configuration:
+        return CONFIGURATIONS[self.name]
+
+    def build(self, model, plan: Plan | None) -> Plan:
+        if self.definition.uses_plan and plan is None:
+            raise ValueError(f"configuration {self.label!r} needs a plan; pass --plan PLAN or --sweep SPEC")
+        built = self.definition.build(model, plan, self.arg)
+        built.check_model(model)
+        return built
+
+
+def parse_configs(spec: str | list[str]) -> list[ConfigSpec]:
+    """'baseline,pruned,fold-decode:32' -> validated specs (unknown names list the valid ones)."""
+    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    if not items:
+        raise ValueError(f"no configurations given; valid: {', '.join(CONFIGURATIONS)}")
+    out = []
+    for item in items:
+        name, _, arg = item.partition(":")
+        if name not in CONFIGURATIONS:
+            raise ValueError(f"unknown configuration {name!r}; valid configurations: {', '.join(CONFIGURATIONS)}")
+        c = CONFIGURATIONS[name]
+        if c.takes_arg and not arg:
+            raise ValueError(f"configuration {name!r} needs an argument ({c.help})")
+        if not c.takes_arg and arg:
+            raise ValueError(f"configuration {name!r} takes no argument, got {item!r}")
+        out.append(ConfigSpec(name, arg or None))
+    if len({s.label for s in out}) != len(out):
+        raise ValueError(f"configuration list {items} names one configuration twice")
+    return out

@@ -1,0 +1,389 @@
+"""The evaluation sweep: plans x configurations x sampling x seeds, generated through the engine.
+
+A sweep calibrates once per model (statistics cached in the output directory), makes one plan per
+criterion and keep ratio (cached too), and evaluates each configuration of each plan. The unit of
+work is a *cell* (one configuration, one sampling mode, one seed: every task's prompts in one
+batched ``llm.generate``), written to ``OUT/cells/`` as it completes, so an interrupted sweep
+resumes where it stopped. Held-out KL/perplexity is one more cell per configuration.
+
+Layout of OUT::
+
+    stats/          calibration statistics (once per model)
+    plans/          <criterion>-<keep>.json
+    cells/          one JSON per completed cell
+    results.json    everything, with model, plans, seeds, versions and the command
+    results.md      the tables;  *.png  the plots
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..models.loading import model_fingerprint
+from ..plans import Plan
+from .configurations import ConfigSpec
+from .metrics import Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output
+from .tasks import TASKS, Task, eval_examples, eval_rng, resolve_tasks
+
+SAMPLING_MODES = ("greedy", "sample")
+DEFAULT_KEEPS = (0.75, 0.5, 0.25)
+# Named sweeps: (criteria, keep ratios). "paper" is what docs/results.md reports.
+SWEEPS = {
+    "paper": (("frequency", "reap", "ean", "mass"), (0.5, 0.25)),
+    "full": (None, DEFAULT_KEEPS),  # None = every criterion moetailor knows
+}
+BUDGET_FACTOR = 2.0     # max new tokens = 2x the longest reference completion at trained difficulties
+BUDGET_SAMPLES = 64     # reference completions measured per difficulty to set the budget
+
+
+def available_criteria() -> tuple[str, ...]:
+    from ..plans.criteria import CRITERIA
+    return tuple(CRITERIA)
+
+
+def parse_sweep(spec: str) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """A named sweep ('paper', 'full') or 'criteria=frequency,reap;keep=0.5,0.25' -> (criteria, keeps)."""
+    valid = available_criteria()
+    if spec in SWEEPS:
+        criteria, keeps = SWEEPS[spec]
+        criteria = criteria or valid
+    else:
+        parts = dict(p.split("=", 1) for p in spec.split(";") if "=" in p)
+        if not parts or set(parts) - {"criteria", "keep"} or len(parts) != len(spec.split(";")):
+            raise ValueError(f"cannot read sweep {spec!r}; use a named sweep ({', '.join(SWEEPS)}) or "
+                             "'criteria=frequency,reap;keep=0.5,0.25'")
+        criteria = tuple(c.strip() for c in parts.get("criteria", ",".join(valid)).split(",") if c.strip())
+        try:
+            keeps = tuple(float(k) for k in parts.get("keep", ",".join(map(str, DEFAULT_KEEPS))).split(","))
+        except ValueError:
+            raise ValueError(f"keep ratios in {spec!r} must be numbers like 0.5") from None
+    unknown = [c for c in criteria if c not in valid]
+    if unknown:
+        raise ValueError(f"unknown criterion {unknown[0]!r}; valid criteria: {', '.join(valid)}")
+    bad = [k for k in keeps if not 0.0 < k < 1.0]
+    if bad:
+        raise ValueError(f"keep ratio {bad[0]} must be between 0 and 1 (a share of experts, e.g. 0.5)")
+    return tuple(criteria), tuple(keeps)
+
+
+@dataclass
+class EvalSettings:
+    model: str
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    n: int = 200
+    seeds: int = 3
+    sampling: list[str] = field(default_factory=lambda: ["greedy"])
+    configs: list[ConfigSpec] = field(default_factory=list)
+    plan: str | None = None
+    sweep: str | None = None
+    max_tokens: int | None = None      # None = per task, BUDGET_FACTOR x longest reference completion
+    kl_docs: int = 2                   # held-out documents per text domain
+    kl_window: int = 256               # tokens per held-out window (KL measured on its second half)
+    calib_tokens: int = 32768
+    max_num_seqs: int = 64
+    temperature: float = 1.0
+    top_p: float = 0.95
+
+    def validate(self) -> list[Task]:
+        if self.n <= 0:
+            raise ValueError(f"--n must be a positive number of prompts per task, got {self.n}")
+        if self.seeds <= 0:
+            raise ValueError(f"--seeds must be at least 1, got {self.seeds}")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise ValueError(f"--max-tokens must be positive, got {self.max_tokens}")
+        bad = [s for s in self.sampling if s not in SAMPLING_MODES]
+        if bad or not self.sampling:
+            raise ValueError(f"unknown sampling mode {bad[0] if bad else ''!r}; valid: {', '.join(SAMPLING_MODES)}")
+        if self.plan and self.sweep:
+            raise ValueError("pass either --plan or --sweep, not both")
+        if not self.configs:
+            raise ValueError("no configurations to evaluate (--configs)")
+        if not (self.plan or self.sweep) and any(c.definition.uses_plan for c in self.configs):
+            needing = [c.label for c in self.configs if c.definition.uses_plan]
+            raise ValueError(f"configurations {needing} need a plan; pass --plan PLAN or --sweep SPEC "
+                             "(or --configs baseline)")
+        if self.kl_window < 4:
+            raise ValueError(f"--kl-window must be at least 4 tokens, got {self.kl_window}")
+        return resolve_tasks(self.tasks)
+
+
+def task_budget(task: Task, tokenizer, factor: float = BUDGET_FACTOR) -> int:
+    """Max new tokens for a task: ``factor`` x the longest reference completion (+ EOS) among
+    held-out samples at each trained difficulty, so over-long generation shows up as budget hits."""
+    rng = eval_rng(task.name, 10**6)  # a stream no evaluation seed uses
+    longest = 0
+    for level in task.difficulties:
+        for _ in range(BUDGET_SAMPLES):
+            ex = task.generate(rng, level)
+            longest = max(longest, len(tokenizer(ex.completion, add_special_tokens=False)["input_ids"]) + 1)
+    return int(math.ceil(factor * longest))
+
+
+def _versions() -> dict:
+    import torch
+    import transformers
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        mt = version("moetailor")
+    except PackageNotFoundError:
+        mt = "unknown"
+    return {"moetailor": mt, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def _write_json(path: Path, data) -> None:
+    """Atomic write (temp file + rename), so a killed sweep never leaves half a cell."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration of one base plan: the thing a result row describes."""
+
+    key: str                 # e.g. "reap-0.5/phase-aware" or "baseline"
+    config: str              # configuration label
+    criterion: str | None
+    keep: float | None
+    plan: Plan
+
+
+def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log) -> list[tuple[str | None, float | None, Plan | None]]:
+    """(criterion, keep, plan) per base plan: the given plan, the sweep's plans, or none."""
+    if settings.plan:
+        plan = Plan.load(settings.plan)
+        plan.check_model(model)
+        return [(plan.meta.get("criterion", Path(settings.plan).stem), plan.meta.get("keep_ratio"), plan)]
+    if not settings.sweep:
+        return [(None, None, None)]
+    criteria, keeps = parse_sweep(settings.sweep)
+    stats = calibrated_stats(model, tokenizer, out / "stats", settings.calib_tokens, log)
+    from ..plans.criteria import make_plan
+    sources = []
+    for criterion in criteria:
+        for keep in keeps:
+            path = out / "plans" / f"{criterion}-{keep:g}.json"
+            if path.exists():
+                plan = Plan.load(path)
+                plan.check_model(model)
+            else:
+                plan = make_plan(stats, model, criterion, keep=keep)
+                plan.save(path)
+            sources.append((criterion, keep, plan))
+    return sources
+
+
+def calibrated_stats(model, tokenizer, stats_dir: Path, tokens: int, log):
+    """Calibration statistics for this model: loaded from ``stats_dir`` when a previous run cached
+    them, else computed once on the bundled calibration text and cached."""
+    from ..calibration import ExpertStats, calibrate
+
+    path = stats_dir / "stats.safetensors"
+    if path.exists():
+        return ExpertStats.load(path, model) if _takes_model(ExpertStats.load) else ExpertStats.load(path)
+    log(f"calibrating on {tokens:,} tokens of the bundled calibration text (once per model) ...")
+    t0 = time.time()
+    stats = calibrate(model, tokenizer, "bundled", tokens)
+    stats_dir.mkdir(parents=True, exist_ok=True)
+    stats.save(path)
+    log(f"calibrated in {time.time() - t0:.1f} s -> {path}")
+    return stats
+
+
+def _takes_model(fn) -> bool:
+    import inspect
+    return len(inspect.signature(fn).parameters) >= 2
+
+
+def variants(settings: EvalSettings, sources, model) -> list[Variant]:
+    out, seen = [], set()
+    for criterion, keep, plan in sources:
+        for spec in settings.configs:
+            if spec.definition.uses_plan:
+                prefix = f"{criterion}-{keep:g}" if keep is not None else str(criterion)
+                key = f"{prefix}/{spec.label}"
+                v = Variant(key, spec.label, criterion, keep, spec.build(model, plan))
+            else:
+                key = spec.label
+                v = Variant(key, spec.label, None, None, spec.build(model, plan))
+            if key not in seen:
+                seen.add(key)
+                out.append(v)
+    return out
+
+
+def _cell_file(out: Path, key: str) -> Path:
+    return out / "cells" / (key.replace("/", "__").replace(":", "_") + ".json")
+
+
+class Sweep:
+    """Runs the cells of one evaluation; ``run()`` returns the results dict written to results.json."""
+
+    def __init__(self, settings: EvalSettings, out: str | Path, *, model=None, tokenizer=None,
+                 command: str | None = None, log=print):
+        self.tasks = settings.validate()
+        self.settings, self.out, self.log = settings, Path(out), log
+        self.command = command or " ".join(["moetailor", *sys.argv[1:]])
+        if model is None:
+            from ..models import load_model, load_tokenizer
+            model, tokenizer = load_model(settings.model), load_tokenizer(settings.model)
+        if tokenizer is None:
+            raise ValueError("a tokenizer is needed to evaluate; pass the model as a checkpoint directory with one")
+        self.model, self.tokenizer = model, tokenizer
+        self.fingerprint = model_fingerprint(model)
+        self.budgets = {t.name: settings.max_tokens or task_budget(t, tokenizer) for t in self.tasks}
+        # a cell is reused on resume only when it was made under the same settings
+        self.signature = {"model": self.fingerprint["router_hash"], "n": settings.n, "budgets": self.budgets,
+                          "tasks": [t.name for t in self.tasks], "kl": [settings.kl_docs, settings.kl_window],
+                          "sample": [settings.temperature, settings.top_p]}
+        self._llm = None
+        self._scorer = None
+
+    # -- engine and held-out scorer, built on first use ---------------------------------------
+    @property
+    def llm(self):
+        if self._llm is None:
+            from ..engine import LLM
+            self._llm = LLM(self.model, tokenizer=self.tokenizer, max_num_seqs=self.settings.max_num_seqs)
+        return self._llm
+
+    @property
+    def scorer(self) -> HeldoutScorer:
+        if self._scorer is None:
+            from ..data.corpus import bundled_documents
+            windows = heldout_windows(self.tokenizer, bundled_documents("heldout"), self.settings.kl_docs,
+                                      self.settings.kl_window)
+            self._scorer = HeldoutScorer(self.model, windows)
+        return self._scorer
+
+    # -- cells -----------------------------------------------------------------------------------
+    def _load_cell(self, key: str):
+        path = _cell_file(self.out, key)
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            return None
+        return data if data.get("signature") == self.signature else None
+
+    def _sampling_params(self, mode: str, seed: int, task: str, index: int):
+        from ..engine import SamplingParams
+        if mode == "greedy":
+            return SamplingParams(max_tokens=self.budgets[task], temperature=0.0)
+        return SamplingParams(max_tokens=self.budgets[task], temperature=self.settings.temperature,
+                              top_p=self.settings.top_p, seed=seed * 1_000_003 + index)
+
+    def generation_cell(self, variant: Variant, mode: str, seed: int) -> dict:
+        """Every task's n prompts for one seed in one batched generate call."""
+        examples = [ex for task in self.tasks for ex in eval_examples(task, self.settings.n, seed)]
+        params = [self._sampling_params(mode, seed, ex.task, i) for i, ex in enumerate(examples)]
+        self.llm.set_plan(variant.plan)
+        t0 = time.time()
+        outputs = self.llm.generate([ex.prompt for ex in examples], params)
+        seconds = time.time() - t0
+        gens = [score_output(ex, o, p.max_tokens) for ex, o, p in zip(examples, outputs, params)]
+        return {"generations": [g.to_json() for g in gens], "seconds": seconds,
+                "tokens": sum(g.length for g in gens), "prompts": len(examples)}
+
+    def heldout_cell(self, variant: Variant) -> dict:
+        t0 = time.time()
+        s = self.scorer.score(variant.plan.prefill, variant.plan.decode)
+        return {**s.to_json(), "seconds": time.time() - t0}
+
+    def run(self) -> dict:
+        from tqdm import tqdm
+
+        t_start = time.time()
+        self.out.mkdir(parents=True, exist_ok=True)
+        sources = _plan_sources(self.settings, self.model, self.tokenizer, self.out, self.log)
+        self.variants = variants(self.settings, sources, self.model)
+        seeds = list(range(self.settings.seeds))
+        jobs = [(v, "heldout", None) for v in self.variants]
+        jobs += [(v, mode, seed) for v in self.variants for mode in self.settings.sampling for seed in seeds]
+        cells: dict[str, dict] = {}
+        todo = []
+        for v, mode, seed in jobs:
+            key = f"{v.key}/{mode}" + ("" if seed is None else f"/seed{seed}")
+            cached = self._load_cell(key)
+            if cached is not None:
+                cells[key] = cached
+            else:
+                todo.append((key, v, mode, seed))
+        if cells:
+            self.log(f"resuming: {len(cells)} of {len(jobs)} cells already done in {self.out / 'cells'}")
+        compute_s = 0.0
+        with tqdm(total=len(jobs), initial=len(cells), desc="eval sweep", unit="cell", mininterval=2) as bar:
+            for key, v, mode, seed in todo:
+                bar.set_postfix_str(key, refresh=False)
+                t0 = time.time()
+                data = self.heldout_cell(v) if mode == "heldout" else self.generation_cell(v, mode, seed)
+                compute_s += time.time() - t0
+                data["signature"] = self.signature
+                _write_json(_cell_file(self.out, key), data)
+                cells[key] = data
+                bar.update(1)
+        results = self.aggregate(cells, sources, seeds)
+        results["timing"] = {"this_run_s": time.time() - t_start, "computed_cells": len(todo),
+                             "cached_cells": len(jobs) - len(todo), "cell_compute_s": compute_s,
+                             "generation_s_all_cells": sum(c.get("seconds", 0) for k, c in cells.items()
+                                                           if "/heldout" not in k),
+                             "generated_tokens_all_cells": sum(c.get("tokens", 0) for c in cells.values())}
+        _write_json(self.out / "results.json", results)
+        from .report import write_report
+        write_report(results, self.out)
+        return results
+
+    # -- aggregation -------------------------------------------------------------------------------
+    def aggregate(self, cells: dict[str, dict], sources, seeds: list[int]) -> dict:
+        import numpy as np
+
+        from .report import HIST_BINS
+
+        rows, histograms = [], {}
+        task_names = [t.name for t in self.tasks]
+        for v in self.variants:
+            held = cells[f"{v.key}/heldout"]
+            for mode in self.settings.sampling:
+                per_seed = [[Generation.from_json(r) for r in cells[f"{v.key}/{mode}/seed{s}"]["generations"]]
+                            for s in seeds]
+                shares = [min(g.length / g.max_tokens, 1.0) for gens in per_seed for g in gens]
+                histograms.setdefault(v.key, {})[mode] = np.histogram(shares, HIST_BINS, (0.0, 1.0))[0].tolist()
+                for task in [*task_names, "all"]:
+                    chosen = [[g for g in gens if task in ("all", g.task)] for gens in per_seed]
+                    acc_mean, acc_std = mean_std([accuracy(g) for g in chosen])
+                    lengths = length_stats([g for gens in chosen for g in gens])
+                    rows.append({"variant": v.key, "configuration": v.config, "criterion": v.criterion,
+                                 "keep": v.keep, "sampling": mode, "task": task,
+                                 "accuracy": acc_mean, "accuracy_std": acc_std,
+                                 "accuracy_per_seed": [accuracy(g) for g in chosen], **lengths.to_json(),
+                                 "max_tokens": self.budgets.get(task), "kl": held["kl"],
+                                 "perplexity": held["perplexity"]})
+        return {
+            "format": "moetailor-eval", "version": 1,
+            "command": self.command,
+            "model": {"name": self.settings.model, **self.fingerprint},
+            "settings": {"tasks": task_names, "n": self.settings.n, "seeds": seeds, "sampling": self.settings.sampling,
+                         "temperature": self.settings.temperature, "top_p": self.settings.top_p,
+                         "configurations": [c.label for c in self.settings.configs], "plan": self.settings.plan,
+                         "sweep": self.settings.sweep, "max_tokens": self.budgets,
+                         "budget_rule": None if self.settings.max_tokens else
+                         f"{BUDGET_FACTOR:g}x the longest reference completion (+EOS) at the trained difficulties",
+                         "heldout": {"docs_per_domain": self.settings.kl_docs, "window": self.settings.kl_window,
+                                     "tokens_scored": cells[f"{self.variants[0].key}/heldout"]["tokens"]},
+                         "calibration_tokens": self.settings.calib_tokens if self.settings.sweep else None},
+            "plans": {f"{c}-{k:g}" if k is not None else str(c): p.to_json() for c, k, p in sources if p is not None},
+            "versions": _versions(),
+            "rows": rows,
+            "histograms": histograms,
+        }

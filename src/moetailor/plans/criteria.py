@@ -1,0 +1,160 @@
+"""Expert importance criteria and budget plans made from calibration statistics.
+
+Per layer and routed expert j, over the calibration tokens T_j routed to j (hard top-k membership),
+with g_j the gate weight recorded in the stats file (default: softmax over all experts renormalised
+over the chosen k) and E_j(x) the expert's output:
+
+  frequency      |T_j|
+  mass           sum_{x in T_j} g_j(x)                       (routing mass / soft count)
+  ean            sum_{x in T_j} ||E_j(x)||                   (expert activation norm)
+  weighted-ean   sum_{x in T_j} g_j(x) ||E_j(x)||
+  reap           (1 / |T_j|) sum_{x in T_j} g_j(x) ||E_j(x)||  (REAP; 0 when T_j is empty)
+  random         a seeded uniform draw per expert (the baseline that fails badly)
+  structured-even  keep even ids first (0, 2, 4, ...), then odd ids
+  structured-first keep the lowest ids (the first m')
+
+A layer keeps its m' highest-scoring experts (ties: the lower id); k stays unchanged.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+
+from ..calibration.stats import ExpertStats
+from ..routing.policy import FULL_PHASE, LayerPolicy, PhasePolicy
+from .plan import Plan
+
+CRITERIA: dict[str, str] = {
+    "frequency": "|T_j|: tokens routed to expert j",
+    "mass": "sum over T_j of g_j: routing mass (soft count)",
+    "ean": "sum over T_j of ||E_j(x)||: expert activation norm",
+    "weighted-ean": "sum over T_j of g_j ||E_j(x)||",
+    "reap": "mean over T_j of g_j ||E_j(x)|| (REAP)",
+    "random": "seeded uniform random scores (baseline)",
+    "structured-even": "even expert ids first, then odd (structured baseline)",
+    "structured-first": "lowest expert ids first (structured baseline)",
+}
+PLAN_PHASES = ("decode", "prefill", "both")
+
+
+def expert_scores(stats: ExpertStats, criterion: str, seed: int = 0) -> dict[int, torch.Tensor]:
+    """Per MoE layer, a float64 score [E] per expert (higher = keep first)."""
+    if criterion not in CRITERIA:
+        raise ValueError(f"unknown criterion {criterion!r}; valid criteria: {', '.join(CRITERIA)}")
+    out = {}
+    for i, layer in stats.layers.items():
+        E = layer.num_experts
+        ids = torch.arange(E, dtype=torch.float64)
+        if criterion == "frequency":
+            s = layer.frequency
+        elif criterion == "mass":
+            s = layer.mass
+        elif criterion == "ean":
+            s = layer.ean
+        elif criterion == "weighted-ean":
+            s = layer.weighted_ean
+        elif criterion == "reap":
+            s = layer.reap
+        elif criterion == "random":
+            s = torch.rand(E, generator=torch.Generator().manual_seed(seed * 100_003 + i), dtype=torch.float64)
+        elif criterion == "structured-even":
+            s = (E - ids) + E * (ids % 2 == 0)
+        else:  # structured-first
+            s = E - ids
+        out[i] = s.double().clone()
+    return out
+
+
+def top_experts(scores: torch.Tensor, count: int) -> tuple[int, ...]:
+    """The ``count`` highest scores' ids, sorted (ties go to the lower id)."""
+    order = torch.argsort(-scores, stable=True)
+    return tuple(sorted(order[:count].tolist()))
+
+
+def parse_layer_budgets(spec: str, moe_layers: list[int]) -> dict[int, int]:
+    """``0-2:48,3-5:24`` (decoder layer ranges) or a JSON list with one count per MoE layer."""
+    spec = spec.strip()
+    if spec.startswith("["):
+        import json
+        try:
+            counts = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--layers {spec!r} is not a valid JSON list ({e})") from None
+        if not isinstance(counts, list) or not all(isinstance(c, int) for c in counts):
+            raise ValueError(f"--layers JSON must be a list of integers, got {spec!r}")
+        if len(counts) != len(moe_layers):
+            raise ValueError(f"--layers lists {len(counts)} counts but the model has {len(moe_layers)} MoE layers "
+                             f"({moe_layers}); give one count per MoE layer")
+        return dict(zip(moe_layers, counts))
+    budgets: dict[int, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?:(\d+)", part)
+        if not m:
+            raise ValueError(f"--layers part {part!r} is not LAYER:COUNT or FIRST-LAST:COUNT "
+                             "(example: 0-2:48,3-5:24), nor a JSON list of counts")
+        lo, hi, count = int(m[1]), int(m[2] or m[1]), int(m[3])
+        if hi < lo:
+            raise ValueError(f"--layers range {part!r} runs backwards; write FIRST-LAST with FIRST <= LAST")
+        for layer in range(lo, hi + 1):
+            if layer not in moe_layers:
+                raise ValueError(f"--layers names layer {layer}, which is not a MoE layer of this model "
+                                 f"(MoE layers: {moe_layers})")
+            budgets[layer] = count
+    return budgets
+
+
+def layer_budgets(model_fp: dict, keep: float | None = None, keep_experts: int | None = None,
+                  layers: str | dict[int, int] | None = None) -> dict[int, int]:
+    """Kept expert count per MoE layer. ``layers`` overrides the uniform budget where it names a
+    layer; layers with no budget at all stay full."""
+    E, k, moe = model_fp["num_experts"], model_fp["top_k"], list(model_fp["moe_layers"])
+    if keep is not None and keep_experts is not None:
+        raise ValueError("give either --keep (a ratio) or --keep-experts (a count), not both")
+    if keep is None and keep_experts is None and layers is None:
+        raise ValueError("give a budget: --keep RATIO, --keep-experts COUNT or --layers SPEC")
+    uniform = None
+    if keep is not None:
+        if not 0 < keep <= 1:
+            raise ValueError(f"--keep {keep} must be a ratio in (0, 1] (e.g. 0.5 keeps half the experts)")
+        uniform = max(1, round(keep * E))
+    elif keep_experts is not None:
+        uniform = int(keep_experts)
+    budgets = {i: uniform for i in moe} if uniform is not None else {}
+    if layers is not None:
+        budgets.update(parse_layer_budgets(layers, moe) if isinstance(layers, str) else dict(layers))
+    for i, count in budgets.items():
+        if count > E:
+            raise ValueError(f"layer {i}: cannot keep {count} experts, the layer has only {E}")
+        if count < k:
+            raise ValueError(f"layer {i}: keeping {count} experts is fewer than top-k={k}. Pruning keeps k fixed "
+                             f"(every token still routes to {k} experts, chosen among the kept ones), so keep at "
+                             f"least {k}; to use fewer experts per token lower top_k instead (expert skipping)")
+    return budgets
+
+
+def make_plan(stats: ExpertStats, model=None, criterion: str = "reap", keep: float | None = None,
+              keep_experts: int | None = None, layers: str | dict[int, int] | None = None, phase: str = "decode",
+              seed: int = 0, stats_path: str | None = None, command: str | None = None) -> Plan:
+    """A pruning plan: per layer, the top-m' experts by ``criterion``, in ``phase`` ("decode" by
+    default: SlimWise's phase-aware pruning keeps the full pool for prefill)."""
+    if phase not in PLAN_PHASES:
+        raise ValueError(f"unknown phase {phase!r}; choose from {', '.join(PLAN_PHASES)}")
+    if model is not None:
+        stats.check_model(model)
+    scores = expert_scores(stats, criterion, seed)
+    budgets = layer_budgets(stats.model, keep, keep_experts, layers)
+    policy = PhasePolicy({i: LayerPolicy(keep=top_experts(scores[i], n)) for i, n in sorted(budgets.items())})
+    meta = {"criterion": criterion, "formula": CRITERIA[criterion], "keep_ratio": keep, "keep_experts": keep_experts,
+            "layers": layers if isinstance(layers, str) or layers is None else {str(i): n for i, n in layers.items()},
+            "budgets": {str(i): n for i, n in sorted(budgets.items())}, "phase": phase, "seed": seed,
+            "stats": stats_path, "stats_data": stats.meta.get("data"), "stats_tokens": stats.meta.get("tokens"),
+            "gate": stats.meta.get("gate", {}).get("name"), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "command": command}
+    model_fp = dict(stats.model)
+    if model is not None and getattr(model, "moetailor_source", None):
+        model_fp["source"] = model.moetailor_source
+    return Plan(model=model_fp, prefill=policy if phase in ("prefill", "both") else FULL_PHASE,
+                decode=policy if phase in ("decode", "both") else FULL_PHASE, meta=meta,
+                fold_stats=stats_path if stats.has_fold else None)

@@ -1,0 +1,158 @@
+"""A pruned checkpoint: a stock HF checkpoint holding only a plan's kept experts.
+
+Router rows, fused expert tensors and DeepSeek's ``e_score_correction_bias`` are sliced to the kept
+ids and the config's expert count is set to the kept count, so stock transformers (or vLLM) loads it
+without moetailor. It computes the same function as the full model with a masked router (dropped
+experts' logits -inf before softmax/top-k, k unchanged). The kept original ids are recorded in
+``moetailor_pruning.json`` beside the weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ..models.adapters import moe_layers
+from ..models.architectures import arch_spec
+from ..models.loading import model_fingerprint, resolve_model_path
+from ..plans.plan import Plan
+
+SIDECAR = "moetailor_pruning.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "vocab.txt",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def kept_per_layer(plan: Plan, model, phase: str = "decode") -> dict[int, tuple[int, ...]]:
+    """The kept expert ids per MoE layer that a checkpoint can express, or a clear error."""
+    plan.check_model(model)
+    layers = moe_layers(model)
+    policy = plan.phase(phase)
+    E = layers[0].num_experts
+    kept = {}
+    for layer in layers:
+        p = policy.for_layer(layer.index)
+        extra = {k: v for k, v in p.to_json().items() if k not in ("keep",)}
+        if extra:
+            raise ValueError(f"{phase} layer {layer.index} sets {sorted(extra)}, which a checkpoint cannot hold "
+                             "(only `keep` with pool_mode 'mask' is a property of the weights); serve this plan "
+                             "in masked mode (`moetailor generate/serve --plan`) instead")
+        kept[layer.index] = p.keep if p.keep is not None else tuple(range(E))
+    counts = {len(v) for v in kept.values()}
+    if counts == {E}:
+        raise ValueError(f"the plan's {phase} phase prunes no experts; nothing to write (pick --phase or another plan)")
+    if len(counts) > 1:
+        per_layer = ", ".join(f"{i}:{len(v)}" for i, v in kept.items())
+        raise ValueError(f"the plan keeps different expert counts per layer ({per_layer}); one HF config has one "
+                         "expert count for all layers, so a checkpoint cannot express it. Serve the plan in masked "
+                         "mode (`moetailor generate/serve --plan PLAN`: the full pool with a masked router, same "
+                         "outputs), or make a uniform plan (--keep / --keep-experts)")
+    sem = layers[0].semantics
+    if sem.n_group > 1:
+        size = E // sem.n_group
+        for i, ids in kept.items():
+            per_group = [sum(1 for e in ids if e // size == g) for g in range(sem.n_group)]
+            if len(set(per_group)) > 1 or per_group[0] < 2:
+                raise ValueError(f"layer {i} keeps {per_group} experts in DeepSeek's {sem.n_group} routing groups; a "
+                                 "pruned checkpoint needs the same count (at least 2) in every group to route "
+                                 "identically. Serve the plan in masked mode, or choose kept experts per group")
+    return kept
+
+
+def _module_names(model) -> dict[int, str]:
+    return {id(m): name for name, m in model.named_modules()}
+
+
+def pruned_state(model, kept: dict[int, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], int]:
+    """The model's state dict with routed-expert dims sliced to the kept ids; returns (state, m')."""
+    names = _module_names(model)
+    state = dict(model.state_dict())
+    E = moe_layers(model)[0].num_experts
+    for layer in moe_layers(model):
+        ids = torch.tensor(kept[layer.index], dtype=torch.long)
+        for module in (layer.router, layer.experts):
+            prefix = names[id(module)]
+            for key, tensor in list(module.state_dict().items()):
+                full = f"{prefix}.{key}"
+                if tensor.ndim >= 1 and tensor.shape[0] == E:
+                    state[full] = tensor.index_select(0, ids).clone()
+    return state, len(next(iter(kept.values())))
+
+
+def _dtype_of(path: Path):
+    config = json.loads((path / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else torch.float32
+
+
+def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite: bool = False,
+                     phase: str = "decode", command: str | None = None) -> Path:
+    """Write a stock checkpoint with only the plan's kept experts (``model``: a path, "reference" or a
+    loaded model). Written to a temporary directory and renamed: never half a checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from ..models.loading import load_model
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+    source = None
+    if isinstance(model, (str, Path)):
+        source = resolve_model_path(model)
+        model = load_model(source, dtype=_dtype_of(source))  # keep the stored dtype: sizes shrink as expected
+    elif getattr(model, "moetailor_source", None):
+        source = Path(model.moetailor_source)
+    if not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    if getattr(model, "_moetailor_controller", None) is not None:
+        raise ValueError("this model has a RoutingController installed; prune a freshly loaded model")
+    kept = kept_per_layer(plan, model, phase)
+    spec = arch_spec(model.config)
+    original_E = spec.num_experts(model.config)
+    state, count = pruned_state(model, kept)
+
+    config = type(model.config).from_dict(model.config.to_dict())
+    setattr(config, spec.experts_key, count)
+    pruned = AutoModelForCausalLM.from_config(config, dtype=next(model.parameters()).dtype)
+    missing, unexpected = pruned.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in getattr(pruned, "_tied_weights_keys", {}) and "rotary" not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"pruned state does not fit the pruned config: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    if getattr(config, "tie_word_embeddings", False):
+        pruned.tie_weights()
+    pruned.eval()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        pruned.save_pretrained(tmp)
+        if source is not None:
+            for name in TOKENIZER_FILES:
+                if (source / name).is_file():
+                    shutil.copy2(source / name, tmp / name)
+        sidecar = {"format": "moetailor-pruning", "version": 1, "phase": phase,
+                   "source_model": model_fingerprint(model), "num_experts_original": original_E,
+                   "num_experts_kept": count, "kept": {str(i): list(ids) for i, ids in sorted(kept.items())},
+                   "plan_meta": plan.meta, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": command}
+        (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=1))
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def read_sidecar(path: str | Path) -> dict:
+    """The pruning record of a pruned checkpoint directory."""
+    from ..models.loading import read_json
+
+    return read_json(Path(path) / SIDECAR, "pruning sidecar")

@@ -1,0 +1,35 @@
+"""Shared helpers for the engine tests: a character tokenizer for tiny models (vocab 128)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def char_tokenizer():
+    """Printable ASCII, one token per character; id 0 = <eos>, 1 = <pad>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "<pad>": 1}
+    vocab.update({chr(c): c - 30 for c in range(32, 127)})
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    t.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    t.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", pad_token="<pad>")
+
+
+def random_prompts(lengths, vocab=96, seed=0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate, one prompt at a time (no padding involved)."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=1)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return char_tokenizer()

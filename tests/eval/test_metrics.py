@@ -1,0 +1,89 @@
+import math
+
+import pytest
+import torch
+
+from moetailor.eval.metrics import (Generation, HeldoutScorer, accuracy, kl_divergence, length_stats, mean_std,
+                                    percentile)
+from moetailor.models.tiny import tiny_model
+from moetailor.routing import LayerPolicy, PhasePolicy
+
+
+def gen(length, finish="stop", max_tokens=10, correct=True):
+    return Generation("addition", 1, correct, length, finish, max_tokens)
+
+
+def test_percentiles_on_known_values():
+    values = list(range(1, 11))  # 1..10
+    assert percentile(values, 50) == pytest.approx(5.5)
+    assert percentile(values, 90) == pytest.approx(9.1)  # linear interpolation: 9 + 0.1 * (10 - 9)
+    assert percentile([7], 90) == 7
+    assert math.isnan(percentile([], 50))
+
+
+def test_length_stats_budget_hits_and_eos():
+    gens = [gen(3), gen(5), gen(10, "length"), gen(10, "length"), gen(4, "abort")]
+    s = length_stats(gens)
+    assert s.n == 5
+    assert s.p50 == 5
+    assert s.p90 == pytest.approx(10)
+    assert s.budget_hit == pytest.approx(2 / 5)
+    assert s.eos == pytest.approx(2 / 5)
+    assert s.mean == pytest.approx(32 / 5)
+
+
+def test_generation_that_stopped_on_eos_at_the_budget_is_not_a_hit():
+    # EOS as the last allowed token: the model did stop by itself
+    assert length_stats([gen(10, "stop")]).budget_hit == 0.0
+    assert length_stats([gen(10, "error")]).budget_hit == 1.0
+
+
+def test_accuracy_and_mean_std():
+    assert accuracy([gen(1, correct=True), gen(1, correct=False), gen(1, correct=True), gen(1, correct=True)]) == 0.75
+    mean, std = mean_std([0.5, 0.7, 0.9])
+    assert mean == pytest.approx(0.7)
+    assert std == pytest.approx(0.2)  # sample std (ddof=1)
+    assert mean_std([0.4]) == (0.4, 0.0)
+
+
+def test_generation_json_round_trip():
+    g = Generation("sorting", 2, False, 17, "length", 32)
+    assert Generation.from_json(g.to_json()) == g
+
+
+def test_kl_of_identical_distributions_is_zero():
+    logp = torch.log_softmax(torch.randn(4, 7, 50), -1)
+    assert torch.allclose(kl_divergence(logp, logp), torch.zeros(4, 7), atol=1e-6)
+
+
+def test_kl_of_a_known_pair():
+    p = torch.tensor([0.5, 0.5])
+    q = torch.tensor([0.25, 0.75])
+    expected = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)  # 0.1438 nats
+    assert float(kl_divergence(p.log(), q.log())) == pytest.approx(expected, rel=1e-6)
+    assert float(kl_divergence(q.log(), p.log())) != pytest.approx(expected)  # KL is not symmetric
+
+
+def test_heldout_scorer_full_model_has_zero_kl_and_pruning_has_positive_kl():
+    model = tiny_model("qwen2_moe", num_experts=8, top_k=2)
+    g = torch.Generator().manual_seed(0)
+    windows = torch.randint(2, 96, (3, 24), generator=g).tolist()
+    scorer = HeldoutScorer(model, windows, batch_size=2)
+    full = scorer.score(None, None)
+    assert full.kl == pytest.approx(0.0, abs=1e-6)
+    assert full.tokens == 3 * 12
+    # perplexity of the full model equals exp(NLL) from a plain single forward on the same tokens
+    ids = torch.tensor(windows)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[:, 11:-1].float(), -1)
+    nll = -logp.gather(-1, ids[:, 12:, None]).mean()
+    assert full.perplexity == pytest.approx(math.exp(float(nll)), rel=1e-4)
+
+    pruned = PhasePolicy.uniform([0, 1], LayerPolicy(keep=(0, 1, 2)))
+    decode_only = scorer.score(None, pruned)
+    prefill_only = scorer.score(pruned, None)
+    both = scorer.score(pruned, pruned)
+    assert decode_only.kl > 1e-4 and prefill_only.kl > 1e-4
+    assert both.kl > 1e-4
+    # pruning only the prefix changes the continuation less directly than pruning it
+    assert decode_only.kl != pytest.approx(prefill_only.kl)

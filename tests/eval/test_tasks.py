@@ -1,0 +1,79 @@
+"""The task suite: generators are correct, scorers reject wrong answers, lengths grow."""
+import random
+
+import pytest
+
+from moetailor.eval.tasks import TASKS, eval_examples, extract_answer, get_task, resolve_tasks, score, training_rng
+from moetailor.eval.tasks import addition, brackets, expressions, sorting
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_reference_completion_scores_correct_and_wrong_answers_score_wrong(name):
+    for ex in eval_examples(TASKS[name], 30, seed=1):
+        assert score(ex, ex.completion)
+        assert score(ex, ex.completion + "\n")          # trailing whitespace is not an error
+        wrong = ex.completion.rsplit("####", 1)[0] + "#### " + ex.answer + "0"
+        assert not score(ex, wrong)
+        assert not score(ex, ex.completion.rsplit("####", 1)[0])  # no marker: wrong
+        assert not score(ex, "")
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_output_length_grows_with_difficulty(name):
+    task = TASKS[name]
+    def mean_len(d):
+        rng = random.Random(0)
+        exs = [task.generate(rng, d) for _ in range(50)]
+        return sum(len(e.completion) + len(e.prompt) for e in exs) / len(exs)
+    assert mean_len(1) < mean_len(2) < mean_len(3)
+
+
+def test_addition_trace_and_answer():
+    ex = addition.solve(958, 67)
+    assert ex.answer == "1025"
+    assert ex.completion.splitlines()[0] == "8+7+0=15 c1 | 5"
+    assert extract_answer(ex.completion) == "1025"
+
+
+def test_expression_evaluator_is_ast_based_and_rejects_other_syntax():
+    assert expressions.evaluate("(3+4)*2-(1-9)") == 22
+    assert expressions.evaluate("16--5") == 21
+    for bad in ("__import__('os')", "2**8", "1/2", "x+1"):
+        with pytest.raises((ValueError, SyntaxError)):
+            expressions.evaluate(bad)
+
+
+def test_expression_trace_reduces_one_operation_per_line():
+    rng = random.Random(3)
+    for _ in range(50):
+        ex = expressions.generate(rng, 3)
+        lines = ex.completion.splitlines()[:-1]
+        assert len(lines) == 3  # 4 operations: 3 intermediate lines, then the answer
+        values = {expressions.evaluate(line) for line in lines}
+        assert values == {int(ex.answer)}
+
+
+def test_brackets_and_sorting_answers():
+    assert brackets.solve("([]{})").answer == "yes"
+    assert brackets.solve("([)]").answer == "no"
+    assert brackets.solve("((").answer == "no"
+    assert sorting.solve([5, 3, 41, 3]).answer == "3 3 5 41"
+
+
+def test_training_and_evaluation_streams_are_disjoint():
+    train_prompts = set()
+    rng = training_rng(0)
+    for task in TASKS.values():
+        for i in range(300):
+            train_prompts.add(task.generate(rng, task.difficulties[i % 3]).prompt)
+    evals = [e.prompt for t in TASKS.values() for e in eval_examples(t, 300, seed=0)]
+    # streams differ (only trivially small problems may coincide by chance)
+    assert sum(p in train_prompts for p in evals) < 0.05 * len(evals)
+    assert eval_examples(TASKS["lookup"], 5, seed=0) == eval_examples(TASKS["lookup"], 5, seed=0)
+
+
+def test_unknown_task_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="addition.*lookup"):
+        get_task("gsm8k")
+    assert len(resolve_tasks("all")) == 6
+    assert [t.name for t in resolve_tasks("sorting,reverse")] == ["sorting", "reverse"]
