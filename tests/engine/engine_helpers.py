@@ -1,4 +1,4 @@
-"""Shared helpers for the engine tests: a character tokenizer for tiny models (vocab 128)."""
+"""Shared helpers for the engine tests (imported by name: tests/engine is on sys.path)."""
 from __future__ import annotations
 
 import pytest
@@ -28,8 +28,3 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=1)
     return out[0, len(prompt):].tolist()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return char_tokenizer()

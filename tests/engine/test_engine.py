@@ -10,7 +10,7 @@ from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy, RoutingController
 
-from .conftest import hf_greedy, random_prompts
+from engine_helpers import hf_greedy, random_prompts
 
 LENGTHS = [3, 9, 17, 5, 1, 12, 30, 7]
 
@@ -130,7 +130,7 @@ def test_sampling_seed_top_k_and_stop(tokenizer):
     tiny_p = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.9, top_p=1e-6, seed=5,
                                                    ignore_eos=True))[0]
     assert top1.token_ids == greedy.token_ids == tiny_p.token_ids
-    assert greedy.text == tokenizer.decode(greedy.token_ids)
+    assert greedy.text == tokenizer.decode(greedy.token_ids, skip_special_tokens=True)
     stop = greedy.text[3:5]
     cut = llm.generate([prompt], SamplingParams(max_tokens=12, stop=[stop], ignore_eos=True))[0]
     assert cut.finish_reason == "stop" and cut.text == greedy.text[:greedy.text.find(stop)]
@@ -174,3 +174,13 @@ def test_set_plan_switches_the_decode_pool():
     llm.set_plan(None)
     again = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o.token_ids for o in full] == [o.token_ids for o in again] != [o.token_ids for o in pruned]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_grouped_and_loop_experts_agree_with_sentinel_routes(arch):
+    model = tiny_model(arch, seed=6)
+    prompts = random_prompts([5, 12, 8], seed=6)
+    plan = uniform_plan(model, decode=LayerPolicy(keep=(1, 3, 4, 6), pool_mode="drop"))  # drop -> sentinels
+    params = [SamplingParams(max_tokens=8, ignore_eos=True, expert_top_k=k) for k in (1, None, 2)]
+    outs = {impl: LLM(model, plan, experts_impl=impl).generate(prompts, params) for impl in ("grouped", "loop")}
+    assert [o.token_ids for o in outs["grouped"]] == [o.token_ids for o in outs["loop"]]

@@ -85,5 +85,5 @@ def test_heldout_scorer_full_model_has_zero_kl_and_pruning_has_positive_kl():
     both = scorer.score(pruned, pruned)
     assert decode_only.kl > 1e-4 and prefill_only.kl > 1e-4
     assert both.kl > 1e-4
-    # pruning only the prefix changes the continuation less directly than pruning it
+    # pruning the prefix (KV cache) and pruning the scored tokens are different interventions
     assert decode_only.kl != pytest.approx(prefill_only.kl)

@@ -132,6 +132,7 @@ def calibrate_batches(model, batches, *, gate: str = "renorm", fold: bool = Fals
     ctl = RoutingController.of(model)
     collector = Collector(ctl.layers, gate, fold, all_experts)
     device = ctl.layers[0].router.weight.device
+    body = getattr(model, "model", model)  # the decoder stack: no LM head, no [B, S, vocab] logits to hold
     seen = 0
     t0 = time.time()
     bar = tqdm(total=total_tokens, unit="tok", desc="calibrating", disable=not progress, file=sys.stderr,
@@ -139,7 +140,7 @@ def calibrate_batches(model, batches, *, gate: str = "renorm", fold: bool = Fals
     try:
         with torch.no_grad(), ctl.policy(None), ctl.observing(collector):
             for batch in batches:
-                model(input_ids=batch.to(device), use_cache=False)
+                body(input_ids=batch.to(device), use_cache=False)
                 seen += batch.numel()
                 bar.update(batch.numel())
     finally:

@@ -185,6 +185,8 @@ class ExpertStats:
             meta = json.loads(header["meta"])
         except (KeyError, json.JSONDecodeError):
             raise ValueError(f"{path} has no readable metadata; rerun `moetailor calibrate`") from None
+        if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict) or "moe_layers" not in meta["model"]:
+            raise ValueError(f"{path} lacks the model fingerprint in its metadata; rerun `moetailor calibrate`")
         layers = {}
         for i in meta["model"]["moe_layers"]:
             got = {n: tensors.get(f"layer{i}.{n}") for n in REQUIRED + FOLD}

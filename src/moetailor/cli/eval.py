@@ -32,6 +32,7 @@ def register(sub) -> None:
     p.add_argument("--kl-docs", type=int, default=2, help="held-out documents per text domain for KL/perplexity")
     p.add_argument("--kl-window", type=int, default=256, help="tokens per held-out window")
     p.add_argument("--calib-tokens", type=int, default=32768, help="calibration tokens for --sweep")
+    p.add_argument("--calib-data", default="mix", help="calibration data spec for --sweep (tasks, text, mix, a file)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch size")
     p.add_argument("--out", required=True, help="output directory (an interrupted run resumes from its cells)")
     p.add_argument("--write-docs", default=None, help="also write a results page there (e.g. docs/results.md)")
@@ -49,7 +50,7 @@ def run(args) -> int:
         model=args.model, tasks=[t.name for t in resolve_tasks(args.tasks)], n=args.n, seeds=args.seeds,
         sampling=[s.strip() for s in args.sampling.split(",") if s.strip()], configs=parse_configs(args.configs),
         plan=args.plan, sweep=args.sweep, max_tokens=args.max_tokens, kl_docs=args.kl_docs,
-        kl_window=args.kl_window, calib_tokens=args.calib_tokens, max_num_seqs=args.max_num_seqs)
+        kl_window=args.kl_window, calib_tokens=args.calib_tokens, calib_data=args.calib_data, max_num_seqs=args.max_num_seqs)
     settings.validate()  # bad input fails before the model loads
     if args.sweep:
         from ..eval.runner import parse_sweep

@@ -17,10 +17,15 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32    # weights and KV cache
     prefill_dtype: torch.dtype | None = None  # autocast dtype for prefill steps (bf16 matmuls pay for long prompts)
     device: str = "cpu"
+    experts_impl: str = "grouped"         # "grouped": one grouped GEMM per projection; "loop": routing's per-expert loop
+
+    EXPERTS_IMPLS = ("grouped", "loop")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.experts_impl not in self.EXPERTS_IMPLS:
+            raise ValueError(f"experts_impl={self.experts_impl!r}; choose one of {self.EXPERTS_IMPLS}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be at least 1 (or None to size it automatically)")

@@ -78,7 +78,8 @@ class LLM:
                  max_num_batched_tokens: int = 4096, block_size: int = 16, num_kv_blocks: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer=None,
                  max_model_len: int | None = None, memory_budget: int | None = None,
-                 prefill_dtype: torch.dtype | None = None, step_log_size: int = 10_000):
+                 prefill_dtype: torch.dtype | None = None, experts_impl: str = "grouped",
+                 step_log_size: int = 10_000):
         from ..models.loading import load_model, load_tokenizer
 
         if isinstance(model, (str, Path)):
@@ -87,7 +88,7 @@ class LLM:
             if tokenizer is None:
                 try:
                     tokenizer = load_tokenizer(name)
-                except (OSError, ValueError):
+                except Exception:   # no tokenizer files: token-id prompts only
                     tokenizer = None
         else:
             dtype = next(model.parameters()).dtype   # a given model keeps its own dtype
@@ -96,7 +97,7 @@ class LLM:
         self.config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
                                    memory_budget=memory_budget, dtype=dtype, prefill_dtype=prefill_dtype,
-                                   device=str(device))
+                                   device=str(device), experts_impl=experts_impl)
         self.controller = RoutingController.of(self.model)
         self.runner = ModelRunner(self.model, self.config)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)
@@ -123,8 +124,9 @@ class LLM:
             self.controller.compile(plan.decode)
         self.plan = plan
 
-    def phase_policy(self, phase: str):
-        return FULL_PHASE if self.plan is None else self.plan.phase(phase)
+    def phase_policy(self, phase: str, plan: Plan | None = None):
+        plan = plan or self.plan
+        return FULL_PHASE if plan is None else plan.phase(phase)
 
     @property
     def max_model_len(self) -> int:
@@ -148,8 +150,10 @@ class LLM:
         return None, [int(t) for t in prompt]
 
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
-                    request_id: str | None = None) -> Sequence:
-        """Queue a request; raises ValueError (naming the limit) when it can never run."""
+                    request_id: str | None = None, plan: Plan | None = None, plan_key: str | None = None) -> Sequence:
+        """Queue a request; raises ValueError (naming the limit) when it can never run.
+        ``plan`` overrides the engine's plan for this request (``plan_key`` names it; requests
+        with different keys run in different steps)."""
         sampling = sampling or SamplingParams()
         sampling.validate()
         text, ids = self.encode(prompt)
@@ -172,13 +176,42 @@ class LLM:
             raise ValueError(f"the request needs {need} KV blocks of {bs} tokens but the pool holds "
                              f"{self.block_manager.num_blocks}; lower max_tokens or give more num_kv_blocks")
         with self.lock:
-            seq = Sequence(ids, sampling, request_id=request_id, prompt=text)
+            if plan is not None:
+                plan = resolve_plan(plan, self.model)
+                self.controller.compile(plan.prefill), self.controller.compile(plan.decode)
+                plan_key = plan_key or f"plan-{id(plan)}"
+            seq = Sequence(ids, sampling, request_id=request_id, prompt=text, plan=plan, plan_key=plan_key)
             seq.block_size = bs
             if seq.request_id in self._seqs:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
             self._seqs[seq.request_id] = seq
             self.scheduler.add(seq)
         return seq
+
+    def adopt(self, token_ids: list[int], num_prompt_tokens: int, sampling: SamplingParams, kv: list,
+              request_id: str, generator_state: torch.Tensor | None = None, prompt: str | None = None) -> Sequence:
+        """Take over a sequence prefilled elsewhere (disaggregated decode): its KV blocks (``read_blocks``
+        of the prefill runner) are written into this pool unchanged and it joins the decode batch.
+        Without room it waits and is recomputed here, like a preempted sequence."""
+        with self.lock:
+            seq = Sequence(token_ids[:num_prompt_tokens], sampling, request_id=request_id, prompt=prompt)
+            seq.block_size = self.config.block_size
+            seq.token_ids = list(token_ids)
+            seq.first_token_time = time.perf_counter()
+            if generator_state is not None and seq.generator is not None:
+                seq.generator.set_state(generator_state)
+            if self.tokenizer is not None:
+                seq.text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+            self._seqs[request_id] = seq
+            if len(self.scheduler.running) < self.config.max_num_seqs and self.block_manager.can_allocate(seq):
+                self.block_manager.allocate(seq)
+                n_src = next(k for k, _ in (x for x in kv if x is not None)).shape[0] // self.config.block_size
+                self.runner.write_blocks(seq.block_table[:n_src], kv)
+                seq.status = SequenceStatus.RUNNING
+                self.scheduler.running.append(seq)
+            else:
+                self.scheduler.add(seq)
+            return seq
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> bool:
         """Stop a request and free its KV blocks. False when it is unknown or already finished."""
@@ -215,7 +248,7 @@ class LLM:
             meter = self.controller.meter
             meter.reset()
             start = time.perf_counter()
-            with self.controller.policy(self.phase_policy(phase), token_top_k=self._token_top_k(seqs, is_prefill)):
+            with self.controller.policy(self.phase_policy(phase, seqs[0].plan), token_top_k=self._token_top_k(seqs, is_prefill)):
                 logits = self.runner.run(seqs, is_prefill, self.block_manager)            # [B, V]
             tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
             seconds = time.perf_counter() - start

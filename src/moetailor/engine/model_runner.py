@@ -6,7 +6,7 @@ from contextlib import nullcontext
 
 import torch
 
-from . import attention
+from . import attention, experts
 from .attention import Context, paged_mode, step_context
 from .config import EngineConfig
 from .sequence import Sequence
@@ -26,6 +26,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         attention.register()
+        experts.register()
+        self.experts_impl = experts.IMPLEMENTATION if config.experts_impl == "grouped" else None
         limit = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
         if config.max_model_len is None:
             config.max_model_len = min(limit, 4096)
@@ -147,6 +149,6 @@ class ModelRunner:
         cast = self.config.prefill_dtype if is_prefill else None
         autocast = torch.autocast(self.device.type, dtype=cast) if cast is not None and cast != self.config.dtype \
             else nullcontext()
-        with paged_mode(self.model), step_context(ctx), autocast:
+        with paged_mode(self.model), experts.experts_mode(self.model, self.experts_impl), step_context(ctx), autocast:
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
         return out.logits[0].float()                                                  # [B, V]

@@ -2,7 +2,9 @@
 
 Prefill first: admit waiting sequences while slots, free blocks and the token budget allow.
 Otherwise decode every running sequence, preempting (free blocks, recompute later) from the back
-of the queue when the pool cannot hold the next token.
+of the queue when the pool cannot hold the next token. Requests that chose a different expert plan
+(``seq.plan_key``) never share a step: a step takes the group at the head of its queue, and a
+decode step sends its group to the back so groups take turns.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ class Scheduler:
         num_tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if scheduled and seq.plan_key != scheduled[0].plan_key:
+                break
             if num_tokens + len(seq) > self.max_num_batched_tokens and scheduled:
                 break
             if not self.block_manager.can_allocate(seq):
@@ -47,8 +51,13 @@ class Scheduler:
         if scheduled:
             return scheduled, True
 
+        others: list[Sequence] = []
+        key = self.running[0].plan_key if self.running else None
         while self.running:
             seq = self.running.popleft()
+            if seq.plan_key != key:
+                others.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
@@ -58,7 +67,7 @@ class Scheduler:
             else:
                 self.block_manager.may_append(seq)
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+        self.running.extendleft(reversed(others + scheduled))
         return scheduled, False
 
     def preempt(self, seq: Sequence) -> None:

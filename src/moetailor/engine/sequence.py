@@ -23,13 +23,15 @@ class Sequence:
     block_size = 16
 
     def __init__(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
-                 prompt: str | None = None):
+                 prompt: str | None = None, plan=None, plan_key: str | None = None):
         self.seq_id = next(_ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.prompt = prompt
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.sampling = sampling
+        self.plan = plan                    # a per-request Plan, or None for the engine's plan
+        self.plan_key = plan_key            # sequences with different keys never share a step
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.finish_reason: str | None = None

@@ -42,7 +42,7 @@ def summary_table(results: dict, sampling: str) -> str:
             "EOS %", "KL (nats)", "ppl"]
     rows = [(r["criterion"] or "–", "–" if r["keep"] is None else f"{r['keep']:.0%}", r["configuration"],
              f"{_pct(r['accuracy'])} ± {_pct(r['accuracy_std'])}", _num(r["p50"], 0), _num(r["p90"], 0),
-             _pct(r["budget_hit"]), _pct(r["eos"]), _num(r["kl"], 3), _num(r["perplexity"], 2))
+             _pct(r["budget_hit"]), _pct(r["eos"]), _num(r["kl"], 4), _num(r["perplexity"], 2))
             for r in _rows(results, sampling)]
     return markdown_table(cols, rows)
 
@@ -92,15 +92,14 @@ def findings(results: dict, sampling: str) -> list[str]:
                 p90 = sum(r["p90"] for r in rs) / len(rs)
                 out.append(f"{config.capitalize()}: mean budget-hit share {100 * hit:.1f}% (Baseline "
                            f"{100 * base['budget_hit']:.1f}%), mean p90 length {p90:.1f} (Baseline {base['p90']:.0f}).")
-        collapsed = [r for r in rows if r["configuration"] != "baseline"
-                     and (r["accuracy"] < 0.5 * base["accuracy"] or r["budget_hit"] > 0.5)]
+        collapsed = [r for r in rows if r["configuration"] != "baseline" and _collapsed(r, base)]
+        rule = (f"accuracy below half of Baseline's {_pct(base['accuracy'])}%, or over half the generations hitting "
+                f"the budget and 25+ points more than Baseline's {_pct(base['budget_hit'])}%")
         if collapsed:
             names = ", ".join(f"{r['variant']} ({_pct(r['accuracy'])}%, hit {_pct(r['budget_hit'])}%)" for r in collapsed)
-            out.append(f"Collapsed (accuracy below half of Baseline's {_pct(base['accuracy'])}% or over half the "
-                       f"generations hitting the budget): {names}.")
+            out.append(f"Collapsed ({rule}): {names}.")
         else:
-            out.append("No configuration collapsed (none fell below half of Baseline's accuracy or had over half "
-                       "its generations hit the budget).")
+            out.append(f"No configuration collapsed ({rule}).")
         crit = {}
         for (c, _), v in by_plan.items():
             if "pruned" in v:
@@ -110,6 +109,12 @@ def findings(results: dict, sampling: str) -> list[str]:
             out.append("Pruned accuracy by criterion (mean over keep ratios): "
                        + ", ".join(f"{c} {100 * m:.1f}%" for m, c in reversed(means)) + ".")
     return out
+
+
+def _collapsed(row: dict, base: dict) -> bool:
+    worse_accuracy = base["accuracy"] > 0 and row["accuracy"] < 0.5 * base["accuracy"]
+    runaway = row["budget_hit"] > 0.5 and row["budget_hit"] >= base["budget_hit"] + 0.25
+    return worse_accuracy or runaway
 
 
 def plot(results: dict, out: Path, sampling: str) -> list[Path]:
@@ -134,16 +139,19 @@ def plot(results: dict, out: Path, sampling: str) -> list[Path]:
             pts = sorted(((r["keep"], r["accuracy"], r["accuracy_std"]) for r in rows
                           if r["criterion"] == crit and r["configuration"] == config and r["keep"] is not None))
             if pts:
+                if base is not None:  # every configuration starts from the full model at keep 1.0
+                    pts.append((1.0, base["accuracy"], base["accuracy_std"]))
                 x, y, e = zip(*pts)
                 ax.errorbar(x, [100 * v for v in y], yerr=[100 * v for v in e], marker="o", capsize=3, label=config)
         if base is not None:
             ax.axhline(100 * base["accuracy"], color="k", ls="--", lw=1, label="baseline")
         ax.set_title(str(crit))
-        ax.set_xlabel("keep ratio")
-        ax.invert_xaxis()
+        ax.set_xlabel("share of experts kept")
+        ax.set_xlim(1.05, 0.0)
+        ax.set_ylim(-3, 103)
     axes[0][0].set_ylabel("exact-match accuracy %")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"accuracy vs expert keep ratio ({sampling})", fontsize=10)
+    fig.suptitle(f"accuracy vs keep ratio ({sampling})", fontsize=10)
     fig.tight_layout()
     written.append(_save(fig, out / PLOTS[0]))
 
@@ -163,7 +171,7 @@ def plot(results: dict, out: Path, sampling: str) -> list[Path]:
     for row in axes:
         row[0].set_ylabel("tokens")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"output length per configuration ({sampling}, all tasks)", fontsize=10)
+    fig.suptitle(f"output length, all tasks ({sampling})", fontsize=10)
     fig.tight_layout()
     written.append(_save(fig, out / PLOTS[1]))
 
@@ -184,7 +192,7 @@ def plot(results: dict, out: Path, sampling: str) -> list[Path]:
             ax.set_title(f"{crit} keep {keep:.0%}" if keep is not None else str(crit), fontsize=9)
             ax.set_xlabel("length / max new tokens", fontsize=8)
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"length distribution ({sampling}); the last bin holds budget hits", fontsize=10)
+    fig.suptitle(f"length distribution ({sampling})\nlast bin = budget hits", fontsize=10)
     fig.tight_layout()
     written.append(_save(fig, out / PLOTS[2]))
     return written

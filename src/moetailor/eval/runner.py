@@ -8,7 +8,7 @@ resumes where it stopped. Held-out KL/perplexity is one more cell per configurat
 
 Layout of OUT::
 
-    stats/          calibration statistics (once per model)
+    stats.safetensors  calibration statistics (once per model)
     plans/          <criterion>-<keep>.json
     cells/          one JSON per completed cell
     results.json    everything, with model, plans, seeds, versions and the command
@@ -87,6 +87,7 @@ class EvalSettings:
     kl_docs: int = 2                   # held-out documents per text domain
     kl_window: int = 256               # tokens per held-out window (KL measured on its second half)
     calib_tokens: int = 32768
+    calib_data: str = "mix"            # calibration data spec (see moetailor.calibration.data)
     max_num_seqs: int = 64
     temperature: float = 1.0
     top_p: float = 0.95
@@ -167,42 +168,40 @@ def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log) -> l
     if not settings.sweep:
         return [(None, None, None)]
     criteria, keeps = parse_sweep(settings.sweep)
-    stats = calibrated_stats(model, tokenizer, out / "stats", settings.calib_tokens, log)
+    stats_path = out / "stats.safetensors"
+    stats = calibrated_stats(model, tokenizer, stats_path, settings.calib_data, settings.calib_tokens, log)
     from ..plans.criteria import make_plan
     sources = []
     for criterion in criteria:
         for keep in keeps:
             path = out / "plans" / f"{criterion}-{keep:g}.json"
-            if path.exists():
-                plan = Plan.load(path)
-                plan.check_model(model)
-            else:
-                plan = make_plan(stats, model, criterion, keep=keep)
+            plan = Plan.load(path) if path.exists() else None
+            if plan is None or plan.model.get("router_hash") != stats.model.get("router_hash"):
+                plan = make_plan(stats, model, criterion, keep=keep, stats_path=str(stats_path))
                 plan.save(path)
+            plan.check_model(model)
             sources.append((criterion, keep, plan))
     return sources
 
 
-def calibrated_stats(model, tokenizer, stats_dir: Path, tokens: int, log):
-    """Calibration statistics for this model: loaded from ``stats_dir`` when a previous run cached
-    them, else computed once on the bundled calibration text and cached."""
-    from ..calibration import ExpertStats, calibrate
+def calibrated_stats(model, tokenizer, path: Path, data: str, tokens: int, log):
+    """Calibration statistics for this model: loaded from ``path`` when an earlier run cached them
+    (and they match the model), else computed once and cached there."""
+    from ..calibration import ExpertStats, StatsMismatch, calibrate
 
-    path = stats_dir / "stats.safetensors"
     if path.exists():
-        return ExpertStats.load(path, model) if _takes_model(ExpertStats.load) else ExpertStats.load(path)
-    log(f"calibrating on {tokens:,} tokens of the bundled calibration text (once per model) ...")
+        stats = ExpertStats.load(path)
+        try:
+            stats.check_model(model)
+            return stats
+        except StatsMismatch as e:
+            log(f"cached statistics are for another model ({e}); recalibrating")
+    log(f"calibrating on {tokens:,} tokens of {data!r} (once per model) ...")
     t0 = time.time()
-    stats = calibrate(model, tokenizer, "bundled", tokens)
-    stats_dir.mkdir(parents=True, exist_ok=True)
+    stats = calibrate(model, tokenizer, data, tokens, progress=False)
     stats.save(path)
     log(f"calibrated in {time.time() - t0:.1f} s -> {path}")
     return stats
-
-
-def _takes_model(fn) -> bool:
-    import inspect
-    return len(inspect.signature(fn).parameters) >= 2
 
 
 def variants(settings: EvalSettings, sources, model) -> list[Variant]:
@@ -381,7 +380,8 @@ class Sweep:
                          f"{BUDGET_FACTOR:g}x the longest reference completion (+EOS) at the trained difficulties",
                          "heldout": {"docs_per_domain": self.settings.kl_docs, "window": self.settings.kl_window,
                                      "tokens_scored": cells[f"{self.variants[0].key}/heldout"]["tokens"]},
-                         "calibration_tokens": self.settings.calib_tokens if self.settings.sweep else None},
+                         "calibration": {"data": self.settings.calib_data, "tokens": self.settings.calib_tokens}
+                         if self.settings.sweep else None},
             "plans": {f"{c}-{k:g}" if k is not None else str(c): p.to_json() for c, k, p in sources if p is not None},
             "versions": _versions(),
             "rows": rows,

@@ -13,6 +13,7 @@ import json
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -72,8 +73,9 @@ class Mixture:
     Domains are sampled uniformly (not by size), so no single source dominates.
     """
 
-    def __init__(self, tokenizer, corpus_dir: Path, seq_len: int, task_share: float, seed: int):
-        self.tok, self.seq_len, self.task_share = tokenizer, seq_len, task_share
+    def __init__(self, tokenizer, corpus_dir: Path, seq_len: int, task_share: float, seed: int,
+                 mask_prompts: bool = False):
+        self.tok, self.seq_len, self.task_share, self.mask_prompts = tokenizer, seq_len, task_share, mask_prompts
         self.rng = random.Random(seed)
         self.task_rng = training_rng(seed)
         self.eos = tokenizer.eos_token_id
@@ -83,31 +85,58 @@ class Mixture:
             ids = tokenizer(docs, add_special_tokens=False)["input_ids"]
             self.streams[name] = np.fromiter((t for d in ids for t in (*d, self.eos)), dtype=np.int32)
 
-    def _task_sequence(self) -> list[int]:
-        out: list[int] = []
+    def _task_sequence(self) -> tuple[list[int], list[int]]:
+        """Packed task examples; with ``mask_prompts`` only completions (+ EOS) carry loss, since
+        prompts are random draws the model cannot predict."""
+        ids: list[int] = []
+        labels: list[int] = []
         tasks = list(TASKS.values())
-        while len(out) < self.seq_len + 1:
+        while len(ids) < self.seq_len:
             task = self.rng.choice(tasks)
             ex = task.generate(self.task_rng, self.rng.choice(task.difficulties))
-            out += self.tok(ex.prompt + ex.completion, add_special_tokens=False)["input_ids"] + [self.eos]
-        return out[: self.seq_len + 1]
+            prompt = self.tok(ex.prompt, add_special_tokens=False)["input_ids"]
+            completion = self.tok(ex.completion, add_special_tokens=False)["input_ids"] + [self.eos]
+            ids += prompt + completion
+            labels += ([-100] * len(prompt) if self.mask_prompts else prompt) + completion
+        return ids[: self.seq_len], labels[: self.seq_len]
 
-    def _text_sequence(self) -> list[int]:
+    def _text_sequence(self) -> tuple[list[int], list[int]]:
         stream = self.streams[self.rng.choice(DOMAIN_NAMES)]
         start = self.rng.randrange(0, len(stream) - self.seq_len - 1)
-        return stream[start:start + self.seq_len + 1].tolist()
+        ids = stream[start:start + self.seq_len].tolist()
+        return ids, ids
 
-    def batch(self, batch_size: int) -> torch.Tensor:
+    def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [self._task_sequence() if self.rng.random() < self.task_share else self._text_sequence()
                 for _ in range(batch_size)]
-        return torch.tensor(rows, dtype=torch.long)  # [B, T+1]
+        ids = torch.tensor([r[0] for r in rows], dtype=torch.long)     # [B, T]
+        labels = torch.tensor([r[1] for r in rows], dtype=torch.long)  # [B, T]; -100 = no loss
+        return ids, labels
 
 
-def train(out: Path, steps: int, batch_size: int = 12, seq_len: int = 512, lr: float = 1e-3, warmup: int = 100,
-          task_share: float = 0.7, seed: int = 0, threads: int = 2) -> Path:
+@dataclass(frozen=True)
+class Stage:
+    """One training stage: the recipe changes between stages, the model carries over."""
+
+    steps: int
+    lr: float
+    warmup: int
+    task_share: float
+    mask_prompts: bool
+
+
+# Stage 1 learns text and the task formats; stage 2 (measured necessary: 30% task accuracy after
+# stage 1) spends its tokens on task completions, with prompt tokens masked out of the loss.
+STAGES = (Stage(steps=1000, lr=1e-3, warmup=100, task_share=0.7, mask_prompts=False),
+          Stage(steps=650, lr=1e-3, warmup=30, task_share=0.9, mask_prompts=True))
+
+
+def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 12, seq_len: int = 512, seed: int = 0,
+          threads: int = 2, start_stage: int = 1) -> Path:
+    """Run ``stages`` from ``start_stage`` (1-based); a later start resumes from out/checkpoint,
+    which every stage writes at its end."""
     from transformers import AutoTokenizer, Qwen2MoeForCausalLM
 
-    torch.manual_seed(seed)
     torch.set_num_threads(threads)
     out.mkdir(parents=True, exist_ok=True)
     corpus_dir = out / "corpus"
@@ -117,46 +146,59 @@ def train(out: Path, steps: int, batch_size: int = 12, seq_len: int = 512, lr: f
     if not (tok_dir / "tokenizer.json").exists():
         train_tokenizer(corpus_dir, tok_dir, seed=seed)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    mixture = Mixture(tokenizer, corpus_dir, seq_len, task_share, seed)
-    model = Qwen2MoeForCausalLM(model_config(len(tokenizer)))
+    torch.manual_seed(seed)
+    if start_stage == 1:
+        model = Qwen2MoeForCausalLM(model_config(len(tokenizer)))
+        log: list[dict] = []
+    else:
+        model = Qwen2MoeForCausalLM.from_pretrained(out / "checkpoint", dtype=torch.float32)
+        log = [r for r in json.loads((out / "train_log.json").read_text()) if r.get("stage", 1) < start_stage]
     model.train()
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"parameters: {n_params / 1e6:.1f}M")
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95))
-    log = []
-    t0 = time.time()
-    bar = tqdm(range(steps), desc="training", mininterval=10)
-    for step in bar:
-        scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
-        for group in opt.param_groups:
-            group["lr"] = lr * scale
-        batch = mixture.batch(batch_size)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            result = model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone(), output_router_logits=True)
-        # transformers shifts labels internally; labels = inputs is the causal LM convention.
-        loss = result.loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        lm_loss = float(loss) - float(result.aux_loss or 0) * model.config.router_aux_loss_coef
-        log.append({"step": step, "loss": lm_loss, "aux": float(result.aux_loss or 0), "lr": lr * scale,
-                    "elapsed_s": time.time() - t0, "tokens": (step + 1) * batch_size * seq_len})
-        bar.set_postfix(loss=f"{lm_loss:.3f}", tok_s=f"{log[-1]['tokens'] / log[-1]['elapsed_s']:.0f}")
-        if (step + 1) % 200 == 0 or step + 1 == steps:
-            (out / "train_log.json").write_text(json.dumps(log))
-            model.save_pretrained(out / "checkpoint")
+    print(f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M")
+    for number, stage in enumerate(stages, start=1):
+        if number < start_stage:
+            continue
+        torch.manual_seed(seed + number)
+        mixture = Mixture(tokenizer, corpus_dir, seq_len, stage.task_share, seed + number - 1, stage.mask_prompts)
+        _run_stage(model, mixture, stage, number, batch_size, seq_len, log, out)
     export_dir = out / "model"
     model.config.dtype = "bfloat16"
     model.to(torch.bfloat16).save_pretrained(export_dir)
     tokenizer.save_pretrained(export_dir)
-    (out / "train_log.json").write_text(json.dumps(log))
     plot_loss(log, out / "loss.png")
-    print(f"trained {steps} steps, {log[-1]['tokens']:,} tokens in {log[-1]['elapsed_s'] / 60:.1f} min -> {export_dir}")
+    minutes = sum(r["step_s"] for r in log) / 60
+    print(f"trained {len(log)} steps, {sum(r['batch_tokens'] for r in log):,} tokens in {minutes:.1f} min -> {export_dir}")
     return export_dir
+
+
+def _run_stage(model, mixture: Mixture, stage: Stage, number: int, batch_size: int, seq_len: int, log: list,
+               out: Path) -> None:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=stage.lr, betas=(0.9, 0.95))
+    bar = tqdm(range(stage.steps), desc=f"training stage {number}", mininterval=10)
+    for step in bar:
+        t0 = time.time()
+        scale = min(1.0, (step + 1) / stage.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / stage.steps)))
+        for group in opt.param_groups:
+            group["lr"] = stage.lr * scale
+        ids, labels = mixture.batch(batch_size)                              # [B, T] each
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            # transformers shifts labels internally: labels = inputs is the causal LM convention
+            result = model(input_ids=ids, labels=labels, output_router_logits=True)
+        opt.zero_grad(set_to_none=True)
+        result.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        aux = float(result.aux_loss or 0)
+        lm_loss = float(result.loss) - aux * model.config.router_aux_loss_coef
+        log.append({"stage": number, "step": len(log), "loss": lm_loss, "aux": aux, "lr": stage.lr * scale,
+                    "step_s": time.time() - t0, "batch_tokens": batch_size * seq_len})
+        bar.set_postfix(loss=f"{lm_loss:.3f}", tok_s=f"{batch_size * seq_len / log[-1]['step_s']:.0f}")
+        if (step + 1) % 200 == 0 or step + 1 == stage.steps:
+            (out / "train_log.json").write_text(json.dumps(log))
+            model.save_pretrained(out / "checkpoint")
 
 
 def plot_loss(log: list[dict], path: Path) -> None:
@@ -164,7 +206,7 @@ def plot_loss(log: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in log]
+    steps = list(range(len(log)))
     loss = np.array([r["loss"] for r in log])
     smooth = np.convolve(loss, np.ones(20) / 20, mode="valid") if len(loss) > 20 else loss
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -182,13 +224,12 @@ def plot_loss(log: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("build/reference-run"))
-    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=12)
     parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start-stage", type=int, default=1, help="resume at this stage from out/checkpoint")
     args = parser.parse_args()
-    train(args.out, args.steps, args.batch_size, args.seq_len, args.lr, seed=args.seed)
+    train(args.out, STAGES, args.batch_size, args.seq_len, args.seed, start_stage=args.start_stage)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,227 @@
+"""`moetailor bench decode`: decode speed against the memory-bandwidth floor, per pool and batch.
+
+For each model and batch, every pool runs side by side in one run (noise on a shared machine hits
+all of them alike): step time, tokens/s, distinct experts per layer measured next to the formula
+m'(1-(1-k/m')^B), bytes per step, achieved bandwidth next to the read bandwidth measured in the
+same run, each pool's speedup next to its ideal traffic ratio, and the same batches through
+transformers ``generate``.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .bandwidth import gemv_bandwidth, read_bandwidth
+from .measure import DecodeResult, engine_decode, hf_decode, make_llm
+from .pools import Pool, make_pools, plan_pool
+from .report import Report, close, figure
+from .traffic import expected_distinct
+
+
+@dataclass
+class DecodeConfig:
+    model: str = "both"
+    batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    keeps: list[float] = field(default_factory=lambda: [0.75, 0.5, 0.25])
+    top_ks: list[int] = field(default_factory=list)
+    steps: int | None = None
+    quick: bool = False
+    synthetic_layers: int = 2
+    hf: bool = True
+    pruned: bool = True
+
+    def resolved(self) -> "DecodeConfig":
+        if self.quick:
+            batches = [b for b in self.batches if b in (1, 8, 64)] or self.batches[:3]
+            keeps = [0.5] if 0.5 in self.keeps or not self.keeps else self.keeps[:1]
+            return DecodeConfig(self.model, batches, keeps, self.top_ks, self.steps or 4, True,
+                                self.synthetic_layers, self.hf, self.pruned, self.plans, self.prompt_len)
+        return DecodeConfig(self.model, self.batches, self.keeps, self.top_ks, self.steps or 12, False,
+                            self.synthetic_layers, self.hf, self.pruned, self.plans, self.prompt_len)
+
+    plans: list[str] = field(default_factory=list)   # extra decode pools from plan files (e.g. folding, issue 7)
+    prompt_len: int = 16
+
+
+@dataclass
+class Measured:
+    model: str
+    pool: Pool
+    result: DecodeResult
+
+
+def load_bench_model(name: str, synthetic_layers: int = 2):
+    """'synthetic' (built in memory), 'reference' or a local checkpoint path."""
+    if name == "synthetic":
+        from .synthetic import synthetic_model
+        return synthetic_model(synthetic_layers)
+    from ..models.loading import load_model
+    return load_model(name)
+
+
+def model_names(spec: str) -> list[str]:
+    if spec != "both":
+        return [spec]
+    from ..models.loading import REFERENCE_DIR
+    return ["synthetic", "reference"] if (REFERENCE_DIR / "config.json").exists() else ["synthetic"]
+
+
+def measure_model(name: str, cfg: DecodeConfig, progress_desc: str = "decode", model=None
+                  ) -> tuple[list[Measured], dict]:
+    """Every pool at every batch for one model, plus transformers' step time per batch (if asked).
+
+    ``model``: an already built model to measure under ``name`` (default: load it by name)."""
+    from tqdm import tqdm
+
+    if model is None:
+        model = load_bench_model(name, cfg.synthetic_layers)
+    hf: dict[int, float] = {}
+    if cfg.hf:  # stock transformers first, before the engine installs its routing control
+        for b in tqdm(cfg.batches, desc=f"{name}: transformers generate", unit="batch"):
+            hf[b] = hf_decode(model, b, cfg.prompt_len, cfg.steps)
+    pools = make_pools(model, cfg.keeps, cfg.pruned, cfg.top_ks) + [plan_pool(model, p) for p in cfg.plans]
+    max_len = cfg.prompt_len + cfg.steps + 4
+    llm = make_llm(model, max(cfg.batches), max_len)
+    pruned_llms = {id(p): make_llm(p.model, max(cfg.batches), max_len) for p in pools if p.kind == "pruned"}
+    out: list[Measured] = []
+    bar = tqdm(total=len(cfg.batches) * len(pools), desc=f"{name}: {progress_desc}", unit="run")
+    for b in cfg.batches:
+        for pool in pools:
+            bar.set_postfix_str(f"batch {b}, {pool.label}")
+            if pool.kind == "pruned":
+                r = engine_decode(pruned_llms[id(pool)], b, cfg.prompt_len, cfg.steps)
+            else:
+                llm.set_plan(pool.plan)
+                r = engine_decode(llm, b, cfg.prompt_len, cfg.steps,
+                                  expert_top_k=pool.top_k if pool.kind == "top-k" else None)
+            out.append(Measured(name, pool, r))
+            bar.update()
+    bar.close()
+    llm.set_plan(None)
+    del llm, pruned_llms, pools, model
+    gc.collect()
+    return out, hf
+
+
+def run_decode(cfg: DecodeConfig, out: Path, command: str = "") -> Report:
+    cfg = cfg.resolved()
+    rep = Report("Decode: speed against the memory-bandwidth floor", out, command)
+    read_bw = read_bandwidth(512 << 20 if cfg.quick else 1 << 30)
+    gemv_bw = gemv_bandwidth(experts=20 if cfg.quick else 40)
+    rep.note(f"Machine read bandwidth (torch.sum over {'512 MiB' if cfg.quick else '1 GiB'} fp32, best of 5): "
+             f"**{read_bw / 1e9:.1f} GB/s**; fp32 GEMV over expert weights (one token through "
+             f"{20 if cfg.quick else 40} experts of 2048x1024): **{gemv_bw / 1e9:.1f} GB/s**. "
+             f"{cfg.steps} timed decode steps per cell (median), prompts of {cfg.prompt_len} tokens.")
+    rep.data = {"read_bandwidth": read_bw, "gemv_bandwidth": gemv_bw, "models": {}}
+    goals = []
+    for name in model_names(cfg.model):
+        measured, hf = measure_model(name, cfg)
+        _tables(rep, name, measured, hf, read_bw)
+        _plots(rep, name, measured, read_bw, gemv_bw)
+        rep.data["models"][name] = _json(measured, hf)
+        goals += _goals(name, measured, hf, read_bw)
+    rep.table("Goals (issue 6) against this run", ["goal", "model", "measured", "met"], goals)
+    return rep
+
+
+def _by_batch(measured: list[Measured]) -> dict[int, dict[str, Measured]]:
+    table: dict[int, dict[str, Measured]] = {}
+    for m in measured:
+        table.setdefault(m.result.batch, {})[m.pool.label] = m
+    return table
+
+
+def _tables(rep: Report, name: str, measured: list[Measured], hf: dict[int, float], read_bw: float) -> None:
+    rows = []
+    for b, cells in _by_batch(measured).items():
+        full = cells["full"].result
+        for label, c in cells.items():
+            r, p = c.result, c.pool
+            speedup = full.step_s / r.step_s
+            ideal = full.total_bytes / r.total_bytes
+            rows.append((label, b, f"{r.step_s * 1e3:.1f}", f"{r.tokens_per_s:.1f}", f"{r.distinct:.1f}",
+                         f"{expected_distinct(p.experts, p.top_k, b):.1f}", f"{r.expert_bytes / 1e6:.0f}",
+                         f"{r.total_bytes / 1e6:.0f}", f"{r.bandwidth / 1e9:.1f}", f"{r.bandwidth / read_bw:.0%}",
+                         f"{speedup:.2f}x", f"{ideal:.2f}x", f"{speedup / ideal:.2f}"))
+    rep.table(f"{name}: decode per pool and batch",
+              ["pool", "batch", "step ms", "tok/s", "distinct/layer", "formula", "expert MB/step", "total MB/step",
+               "GB/s", "of read BW", "speedup", "ideal (bytes)", "speedup/ideal"], rows)
+    if hf:
+        rows = []
+        for b, cells in _by_batch(measured).items():
+            if b in hf:
+                e = cells["full"].result.step_s
+                rows.append((b, f"{e * 1e3:.1f}", f"{hf[b] * 1e3:.1f}", f"{b / e:.1f}", f"{b / hf[b]:.1f}",
+                             f"{hf[b] / e:.2f}x"))
+        rep.table(f"{name}: engine (full pool) vs transformers generate",
+                  ["batch", "engine step ms", "transformers step ms", "engine tok/s", "transformers tok/s",
+                   "engine / transformers"], rows)
+
+
+def _plots(rep: Report, name: str, measured: list[Measured], read_bw: float, gemv_bw: float) -> None:
+    labels = list(dict.fromkeys(m.pool.label for m in measured))
+    series = {l: [m for m in measured if m.pool.label == l] for l in labels}
+    fig, ax = figure("batch", "decode tokens/s", f"{name}: tokens/s vs batch per pool", logx=True)
+    for l, ms in series.items():
+        ax.plot([m.result.batch for m in ms], [m.result.tokens_per_s for m in ms], marker="o", ms=3, label=l)
+    ax.legend(fontsize=8)
+    rep.plot(f"{name}_tokens_per_s.png", fig)
+    close(fig)
+
+    fig, ax = figure("batch", "GB/s", f"{name}: achieved bandwidth vs the measured floor", logx=True)
+    for l, ms in series.items():
+        ax.plot([m.result.batch for m in ms], [m.result.bandwidth / 1e9 for m in ms], marker="o", ms=3, label=l)
+    ax.axhline(read_bw / 1e9, color="black", ls="--", lw=1, label="read bandwidth (torch.sum)")
+    ax.axhline(0.7 * read_bw / 1e9, color="grey", ls=":", lw=1, label="70% of read bandwidth")
+    ax.axhline(gemv_bw / 1e9, color="brown", ls="-.", lw=1, label="fp32 GEMV probe")
+    ax.legend(fontsize=8)
+    rep.plot(f"{name}_bandwidth.png", fig)
+    close(fig)
+
+    fig, ax = figure("batch", "distinct experts per layer per step", f"{name}: measured vs m'(1-(1-k/m')^B)", logx=True)
+    for i, (l, ms) in enumerate(series.items()):
+        color = f"C{i}"
+        ax.plot([m.result.batch for m in ms], [m.result.distinct for m in ms], marker="o", ms=3, color=color, label=l)
+        ax.plot([m.result.batch for m in ms], [expected_distinct(m.pool.experts, m.pool.top_k, m.result.batch)
+                                               for m in ms], ls="--", color=color, lw=1)
+    ax.legend(fontsize=8, title="solid: measured, dashed: formula")
+    rep.plot(f"{name}_distinct_experts.png", fig)
+    close(fig)
+
+
+def _goals(name: str, measured: list[Measured], hf: dict[int, float], read_bw: float) -> list[tuple]:
+    rows = []
+    by = _by_batch(measured)
+    if name == "synthetic":
+        big = [(b, c["full"].result.bandwidth / read_bw) for b, c in by.items() if b >= 8]
+        if big:
+            worst = min(f for _, f in big)
+            rows.append(("full-pool decode >= 70% of read BW at batch >= 8", name,
+                         ", ".join(f"B={b}: {f:.0%}" for b, f in big), "yes" if worst >= 0.7 else "no"))
+    for kind in ("mask", "pruned"):
+        cells = [(b, c[f"{kind} 50%"]) for b, c in by.items() if f"{kind} 50%" in c]
+        if cells:
+            ratios = []
+            for b, c in cells:
+                full = by[b]["full"].result
+                ratios.append((b, (full.step_s / c.result.step_s) / (full.total_bytes / c.result.total_bytes)))
+            worst = min(r for _, r in ratios)
+            rows.append((f"50% pool ({kind}) speedup >= 0.95x ideal traffic ratio", name,
+                         ", ".join(f"B={b}: {r:.2f}" for b, r in ratios), "yes" if worst >= 0.95 else "no"))
+    if name != "synthetic" and hf:
+        b = 32 if 32 in hf else max(hf)
+        ratio = hf[b] / by[b]["full"].result.step_s
+        rows.append((f"engine >= 3x transformers at batch 32", name, f"B={b}: {ratio:.2f}x", "yes" if ratio >= 3 else "no"))
+    return rows
+
+
+def _json(measured: list[Measured], hf: dict[int, float]) -> dict:
+    return {"cells": [{"pool": m.pool.label, "kind": m.pool.kind, "keep": m.pool.keep, "experts": m.pool.experts,
+                       "top_k": m.pool.top_k, "batch": m.result.batch, "step_s": m.result.step_s,
+                       "tokens_per_s": m.result.tokens_per_s, "distinct": m.result.distinct,
+                       "formula": expected_distinct(m.pool.experts, m.pool.top_k, m.result.batch),
+                       "expert_bytes": m.result.expert_bytes, "total_bytes": m.result.total_bytes,
+                       "bandwidth": m.result.bandwidth} for m in measured],
+            "transformers_step_s": hf}

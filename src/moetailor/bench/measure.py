@@ -1,0 +1,124 @@
+"""Timed decode and prefill through the engine (and through transformers ``generate``).
+
+Each measurement runs ``batch`` seeded random prompts together, so every decode step holds the
+whole batch; the engine's ``step_log`` gives each step's seconds, distinct experts per layer and
+expert bytes. The first decode step is a warm-up and is not counted; the median step is reported.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..models.adapters import moe_layers
+from .traffic import expected_distinct
+
+
+@dataclass
+class DecodeResult:
+    batch: int
+    step_s: float                  # median decode step seconds
+    distinct: float                # measured distinct experts per layer per step (mean)
+    expert_bytes: float            # measured routed-expert bytes per step (mean)
+    total_bytes: float             # expert bytes + other weights + KV read per step
+    steps: int
+    tokens: list[list[int]]        # generated ids per sequence (to compare pools that must agree)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.step_s
+
+    @property
+    def bandwidth(self) -> float:
+        return self.total_bytes / self.step_s
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (batch, length), generator=g).tolist()
+
+
+def static_bytes(model) -> int:
+    """Weight bytes a decode step reads besides routed experts: all parameters except the routed
+    experts and the input embedding (a lookup reads only the batch's rows)."""
+    experts = {id(l.experts.gate_up_proj) for l in moe_layers(model)} | {id(l.experts.down_proj) for l in moe_layers(model)}
+    embed = id(model.get_input_embeddings().weight)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in experts and id(p) != embed)
+
+
+def make_llm(model, max_batch: int, max_len: int):
+    from ..engine import LLM
+
+    blocks_per_seq = (max_len + 15) // 16 + 1
+    return LLM(model, max_num_seqs=max_batch, max_num_batched_tokens=max(4096, max_batch * max_len),
+               num_kv_blocks=max_batch * blocks_per_seq + 4, max_model_len=max_len + 16)
+
+
+def engine_decode(llm, batch: int, prompt_len: int, steps: int, expert_top_k: int | None = None,
+                  seed: int = 0) -> DecodeResult:
+    """Decode ``steps`` tokens (after one warm-up step) for ``batch`` sequences through ``llm``."""
+    from ..engine import SamplingParams
+
+    llm.step_log.clear()
+    sp = SamplingParams(max_tokens=steps + 2, ignore_eos=True, expert_top_k=expert_top_k)
+    outs = llm.generate(prompts(batch, prompt_len, llm.vocab_size, seed), sp)
+    records = [r for r in llm.step_log if r.phase == "decode" and r.num_seqs == batch][1:]
+    if not records:
+        raise RuntimeError(f"no full-batch decode steps were logged for batch {batch}")
+    step_s = statistics.median(r.seconds for r in records)
+    distinct = statistics.fmean(statistics.fmean(r.distinct_experts.values()) for r in records)
+    expert_b = statistics.fmean(r.expert_bytes for r in records)
+    kv_per_token = llm.runner.block_bytes / llm.config.block_size
+    mean_ctx = prompt_len + 1 + steps / 2
+    total = expert_b + static_bytes(llm.model) + batch * mean_ctx * kv_per_token
+    return DecodeResult(batch, step_s, distinct, expert_b, total, len(records), [o.token_ids for o in outs])
+
+
+class _StepClock:
+    """A transformers streamer that timestamps each generated token (``put`` runs once per step)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_decode(model, batch: int, prompt_len: int, steps: int, seed: int = 0) -> float:
+    """Median decode step seconds of transformers ``generate`` (greedy, KV cache) on the same prompts.
+
+    ``model`` should be stock (no RoutingController), so this is what transformers alone delivers.
+    """
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.tensor(prompts(batch, prompt_len, vocab, seed))                 # [B, L]
+    clock = _StepClock()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 2,
+                       min_new_tokens=steps + 2, do_sample=False, streamer=clock,
+                       pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else 0)
+    # times[0]: prompt pushed; times[1]: first token (prefill); then one per decode step
+    gaps = [b - a for a, b in zip(clock.times[2:], clock.times[3:])]
+    return statistics.median(gaps)
+
+
+def engine_prefill(llm, batch: int, prompt_len: int, repeats: int = 3, seed: int = 0) -> float:
+    """Best prefill tokens/s of ``batch`` prompts of ``prompt_len`` tokens admitted in one step."""
+    from ..engine import SamplingParams
+
+    best = 0.0
+    for r in range(repeats):
+        llm.step_log.clear()
+        llm.generate(prompts(batch, prompt_len, llm.vocab_size, seed + r), SamplingParams(max_tokens=1, ignore_eos=True))
+        for rec in llm.step_log:
+            if rec.phase == "prefill":
+                best = max(best, rec.num_tokens / rec.seconds)
+    return best
+
+
+def formula_distinct(experts: int, top_k: int, batch: int) -> float:
+    return expected_distinct(experts, top_k, batch)

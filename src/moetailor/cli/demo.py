@@ -1,0 +1,80 @@
+"""`moetailor demo`: the main job on the bundled model, end to end in about a minute.
+
+Runs task prompts through the engine twice — the full model, then phase-aware (full prefill,
+a 50% decode pool from the bundled REAP plan) — and prints the outputs, their correctness and
+length, and decode throughput with the expert traffic each decode step read.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .common import print_table
+
+BUNDLED_PLAN = Path(__file__).resolve().parent.parent / "assets" / "plans" / "reference-reap-50.json"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("demo", help="run the bundled model: full vs phase-aware decode, outputs and throughput")
+    p.add_argument("--model", default="reference", help="checkpoint directory or 'reference'")
+    p.add_argument("--plan", default=str(BUNDLED_PLAN), help="decode plan (default: bundled 50%% REAP plan)")
+    p.add_argument("--per-task", type=int, default=2, help="prompts per task")
+    p.set_defaults(func=run)
+
+
+def _decode_summary(llm, since: int) -> dict:
+    steps = [s for s in llm.step_log[since:] if s.phase == "decode"]
+    seconds = sum(s.seconds for s in steps)
+    tokens = sum(s.num_tokens for s in steps)
+    distinct = [sum(s.distinct_experts.values()) / max(1, len(s.distinct_experts)) for s in steps]
+    return {"tokens_per_s": tokens / seconds if seconds else 0.0,
+            "distinct_per_layer": sum(distinct) / max(1, len(distinct)),
+            "mib_per_step": sum(s.expert_bytes for s in steps) / max(1, len(steps)) / 2**20}
+
+
+def run(args) -> int:
+    from ..engine import LLM, SamplingParams
+    from ..eval.tasks import TASKS, eval_examples, extract_answer, score
+    from ..models import describe
+    from ..plans import Plan
+
+    t0 = time.time()
+    llm = LLM(args.model)
+    facts = describe(llm.model)
+    print(f"model: {facts['architecture']}, {facts['layers']} layers, {facts['routed_experts_per_layer']} routed "
+          f"experts top-{facts['top_k']}, {facts['parameters_total'] / 1e6:.1f}M parameters")
+    plan = Plan.load(args.plan)
+    plan.check_model(llm.model)
+    kept = plan.kept_experts("decode")
+    print(f"decode plan: {args.plan} ({plan.meta.get('criterion', '?')}, keeps "
+          f"{sum(map(len, kept.values())) / max(1, len(kept)):.0f} of {facts['routed_experts_per_layer']} experts per layer)")
+
+    examples = [ex for task in TASKS.values() for ex in eval_examples(task, args.per_task, seed=0)]
+    sampling = SamplingParams(max_tokens=160, temperature=0.0)
+    results = {}
+    for name, config in (("full", None), ("phase-aware", plan.with_phases(decode=plan.decode))):
+        llm.set_plan(config)
+        since = len(llm.step_log)
+        outputs = llm.generate([ex.prompt for ex in examples], sampling)
+        results[name] = (outputs, _decode_summary(llm, since))
+
+    rows = []
+    for i, ex in enumerate(examples):
+        row = [ex.task, ex.prompt.strip().replace("\n", " ")[:34]]
+        for name in results:
+            out = results[name][0][i]
+            answer = extract_answer(out.text)
+            row += [(answer or "—")[:18], "yes" if score(ex, out.text) else "no", len(out.token_ids)]
+        rows.append(tuple(row))
+    print_table("task prompts: full model vs phase-aware (full prefill, 50% decode pool)",
+                ["task", "prompt", "full answer", "ok", "len", "phase-aware answer", "ok", "len"], rows)
+    summary = []
+    for name, (outputs, dec) in results.items():
+        acc = sum(score(ex, o.text) for ex, o in zip(examples, outputs)) / len(examples)
+        summary.append((name, f"{acc:.0%}", f"{dec['tokens_per_s']:.0f}", f"{dec['distinct_per_layer']:.1f}",
+                        f"{dec['mib_per_step']:.1f}"))
+    print_table(f"decode at batch {len(examples)} (engine, {llm.config.dtype})",
+                ["configuration", "accuracy", "decode tok/s", "distinct experts / layer / step",
+                 "expert MiB read / step"], summary)
+    print(f"done in {time.time() - t0:.0f} s")
+    return 0

@@ -1,0 +1,65 @@
+"""`moetailor distill MODEL PLAN --data SPEC --steps N --out DIR`: repair the pruned decoder by
+distillation from the full model's KV cache (SlimWise). Writes a stock checkpoint (shared expert
+twice as wide) plus the plan to decode it with."""
+from __future__ import annotations
+
+import shlex
+import sys
+
+from .common import print_table
+
+
+def register(sub) -> None:
+    p = sub.add_parser("distill", help="train the pruned decoder (router, norms, a residual shared expert) to continue "
+                       "from the full model's KV cache; export a stock checkpoint")
+    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    p.add_argument("plan", help="plan file from `moetailor plan` (its decode policy is the student)")
+    p.add_argument("--data", default="mix", help="training text: tasks | text | text:DOMAIN[,DOMAIN] | mix | FILE.jsonl "
+                   "| FILE.txt (default mix: task training stream + calibration text, never evaluation seeds)")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    p.add_argument("--out", required=True, help="output checkpoint directory (state for --resume: OUT.partial)")
+    p.add_argument("--split-point", default="uniform",
+                   help="uniform (s ~ U[0, L), default) | zero (ordinary distillation, the ablation) | a fraction in [0, 1)")
+    p.add_argument("--alpha", type=float, default=0.1, help="loss = alpha * CE + (1 - alpha) * KD (default 0.1)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (router: 1/10 of it; default 1e-4)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (then cosine to 10%%)")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="write a resumable checkpoint every N steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-se2", action="store_true", help="train router and norms only (required for architectures "
+                   "without a shared expert)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the matmuls (faster on AMX CPUs)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--resume", action="store_true", help="continue the interrupted run in OUT.partial")
+    p.add_argument("--overwrite", action="store_true", help="replace --out (and any interrupted run) if it exists")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+
+    from ..transforms.distill import DistillConfig, distill_checkpoint
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = DistillConfig(steps=args.steps, alpha=args.alpha, lr=args.lr, batch_size=args.batch_size,
+                        seq_len=args.seq_len, split_point=args.split_point, warmup=args.warmup,
+                        checkpoint_every=args.checkpoint_every, seed=args.seed, se2=not args.no_se2, bf16=args.bf16)
+    cfg.validate()
+    command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    out, result = distill_checkpoint(args.model, args.plan, args.data, cfg, args.out, overwrite=args.overwrite,
+                                     resume=args.resume, command=command)
+    counts = result.student.counts()
+    first, last = result.log[0], result.log[-1]
+    print_table(f"distilled decoder -> {out}", ["property", "value"], [
+        ("steps", f"{len(result.log)} (resumed from {result.resumed_from})" if result.resumed_from else len(result.log)),
+        ("tokens (teacher / student)", f"{last['tokens']:,} / {sum(r['student_tokens'] for r in result.log):,}"),
+        ("time", f"{result.seconds:.0f} s ({last['tokens'] / max(result.seconds, 1e-9):.0f} tok/s)"),
+        ("loss first -> last", f"{first['loss']:.4f} -> {last['loss']:.4f} (KD {first['kd']:.4f} -> {last['kd']:.4f}, "
+                               f"CE {first['ce']:.4f} -> {last['ce']:.4f})"),
+        ("trainable", f"{counts['trainable']:,} of {counts['model'] + counts['se2']:,} ({counts['trainable_share']:.2%}): "
+                      f"router {counts['router']:,}, norms {counts['norms']:,}, SE2 {counts['se2']:,}"),
+        ("serve", f"prefill on {args.model}, decode on {out} with {out}/plan.json"),
+    ])
+    return 0

@@ -1,0 +1,116 @@
+"""`moetailor generate MODEL --prompt ...`: run prompts through the phase-aware engine.
+
+Prefill always runs the model's full router unless ``--plan`` says otherwise; ``--decode-plan``
+applies a plan's decode policy to decode steps only (colocated), ``--decode-model`` decodes on a
+pruned checkpoint in a separate worker process (disaggregated).
+"""
+from __future__ import annotations
+
+import argparse
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Options shared by `generate` and `serve`."""
+    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--decode-plan", metavar="PLAN", help="plan JSON whose decode policy runs on decode steps "
+                      "(prefill keeps the full router)")
+    pool.add_argument("--plan", metavar="PLAN", help="plan JSON applied as written (its prefill and decode policies)")
+    pool.add_argument("--decode-model", metavar="DIR", help="pruned checkpoint (from `moetailor prune`) for a "
+                      "separate decode worker process (disaggregated serving)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--memory-budget-mb", type=float, default=None,
+                   help="weights + KV cache budget; the KV pool gets what the weights leave")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and KV cache")
+    p.add_argument("--prefill-dtype", choices=sorted(DTYPES), default=None,
+                   help="autocast dtype for prefill steps (bf16 pays for long prompts on AMX CPUs)")
+    p.add_argument("--experts-impl", choices=("grouped", "loop"), default="grouped",
+                   help="expert execution: one grouped GEMM per projection, or a loop over the routed experts")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+
+
+def build_engine(args):
+    """An LLM (colocated) or DisaggregatedLLM from the shared options."""
+    import torch
+
+    from ..engine import LLM
+    from ..plans.plan import Plan
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, DTYPES[args.dtype])
+    kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, dtype=dtype, device=args.device,
+                  max_model_len=args.max_model_len, experts_impl=args.experts_impl,
+                  memory_budget=int(args.memory_budget_mb * 2**20) if args.memory_budget_mb else None,
+                  prefill_dtype=getattr(torch, DTYPES[args.prefill_dtype]) if args.prefill_dtype else None)
+    if args.decode_model:
+        from ..engine.disagg import DisaggregatedLLM
+        return DisaggregatedLLM(args.model, decode_model=args.decode_model, **kwargs)
+    plan = None
+    if args.decode_plan:
+        plan = Plan.load(args.decode_plan)
+        plan = plan.with_phases(prefill=None, decode=plan.decode)
+    elif args.plan:
+        plan = Plan.load(args.plan)
+    return LLM(args.model, plan, **kwargs)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with the phase-aware engine (full prefill, planned decode)")
+    add_engine_arguments(p)
+    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--expert-top-k", type=int, default=None, help="active experts per token for these requests")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import time
+
+    from ..engine import SamplingParams
+    from .common import print_table
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                            expert_top_k=args.expert_top_k)
+    llm = build_engine(args)
+    try:
+        start = time.perf_counter()
+        outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
+        seconds = time.perf_counter() - start
+        for out in outputs:
+            print(f"--- prompt: {out.prompt!r}")
+            print(f"{out.text}")
+            if out.error:
+                print(f"[error: {out.error}]")
+        decode = [r for r in llm.step_log if r.phase == "decode"]
+        dsec = sum(r.seconds for r in decode)
+        dtok = sum(r.num_seqs for r in decode)
+        distinct = [sum(r.distinct_experts.values()) / max(1, len(r.distinct_experts)) for r in decode]
+        rows = [("requests", len(outputs)),
+                ("completion tokens", sum(len(o.token_ids) for o in outputs)),
+                ("wall time (s)", f"{seconds:.2f}"),
+                ("decode tokens/s", f"{dtok / dsec:.1f}" if dsec else "-"),
+                ("distinct experts per layer per decode step (mean)",
+                 f"{sum(distinct) / len(distinct):.1f}" if distinct else "-"),
+                ("finish reasons", ", ".join(sorted({str(o.finish_reason) for o in outputs})))]
+        print_table(f"moetailor generate {args.model}", ["measure", "value"], rows)
+    finally:
+        close = getattr(llm, "close", None)
+        if close:
+            close()
+    return 0

@@ -1,0 +1,58 @@
+"""`moetailor split MODEL --parts N --data SPEC --out DIR`: MoE-Prism sub-expert splitting.
+
+Writes a stock checkpoint of the same architecture with N x the experts, 1/N the expert width and
+N x the top-k; requests then choose 1..N*k sub-experts per token (``expert_top_k``).
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+
+from .common import print_table
+
+
+def register(sub) -> None:
+    p = sub.add_parser("split", help="split every expert into N co-activated sub-experts (elastic per-request k)")
+    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    p.add_argument("--parts", type=int, required=True, help="N: sub-experts per expert (must divide the expert width)")
+    p.add_argument("--data", default="text", help="calibration data spec (tasks | text[:DOMAINS] | mix | FILE); default text")
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--method", choices=("anneal", "random"), default="anneal",
+                   help="neuron grouping: co-activation annealing (default) or a random equal split (baseline)")
+    p.add_argument("--gate", choices=("exact", "proxy", "finetune"), default="proxy",
+                   help="sub-expert router: exact (identical rows; full budget = original exactly), proxy "
+                        "(training-free: heaviest parts first, default), finetune (proxy + router-only KL training)")
+    p.add_argument("--tokens", type=int, default=16384, help="calibration tokens for profiling (default 16384)")
+    p.add_argument("--seq-len", type=int, default=256, help="calibration window length (default 256)")
+    p.add_argument("--anneal-steps", type=int, default=4000, help="simulated-annealing swap steps per layer")
+    p.add_argument("--finetune-steps", type=int, default=60, help="router training steps for --gate finetune")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..transforms.split import split_checkpoint
+
+    if args.tokens < 1:
+        raise ValueError(f"--tokens must be at least 1 (got {args.tokens})")
+    command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    out, result = split_checkpoint(args.model, args.data, args.parts, args.out, method=args.method, gate=args.gate,
+                                   tokens=args.tokens, seq_len=args.seq_len, steps=args.anneal_steps, seed=args.seed,
+                                   overwrite=args.overwrite, finetune_steps=args.finetune_steps, command=command)
+    cfg = result.model.config
+    k = int(cfg.num_experts_per_tok)
+    rows = [("experts per layer", f"{len(next(iter(result.layers.values())).groups)} -> "
+                                  f"{len(next(iter(result.layers.values())).groups) * args.parts}"),
+            ("top-k", f"{k // args.parts} -> {k} (per-request budget 1..{k})"),
+            ("partition", args.method), ("gate", args.gate)]
+    for i, o in sorted(result.meta.get("objective", {}).items(), key=lambda kv: int(kv[0])):
+        rows.append((f"layer {i} co-activation J", f"{o['objective']:.2f} (random {o['random']:.2f})"))
+    spreads = [s.spread for s in result.layers.values() if s.spread is not None]
+    if spreads:
+        rows.append(("proxy constant-direction spread", f"{min(spreads):.3f}..{max(spreads):.3f} (0 = exact)"))
+    if "finetune" in result.meta:
+        f = result.meta["finetune"]
+        rows.append(("router fine-tune KL", f"{f['kl_first_cycle']:.4f} -> {f['kl_last_cycle']:.4f} ({f['steps']} steps)"))
+    print_table(f"split checkpoint -> {out}", ["property", "value"], rows)
+    return 0

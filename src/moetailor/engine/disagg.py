@@ -1,0 +1,334 @@
+"""Disaggregated prefill/decode: two worker processes, one pool of experts each.
+
+The prefill worker holds the full checkpoint, runs prefill steps only, samples each request's
+first token and hands the request's KV blocks to the decode worker through a torch.multiprocessing
+queue (tensors travel in shared memory); the decode worker holds the pruned checkpoint (from
+``moetailor prune``; or the full model with the plan's decode policy when none is given), writes
+those blocks into its own pool unchanged and decodes. Freed expert weight memory becomes KV
+capacity: under the same ``memory_budget`` the decode worker holds more blocks (``capacity()``).
+
+If the decode worker dies, its in-flight requests end with finish_reason "error" and a message,
+a new decode worker is started, and requests keep being served.
+"""
+from __future__ import annotations
+
+import queue as queue_mod
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from .llm import RequestOutput
+from .sampling import SamplingParams
+
+
+@dataclass
+class RemoteSequence:
+    """The front end's view of a request running in the workers (what the server reads)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    completion_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    stage: str = "prefill"              # "prefill" -> "decode" once handed over
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.finish_reason, self.error, self.finish_time = reason, error, time.perf_counter()
+
+    def output(self) -> RequestOutput:
+        end = self.finish_time or time.perf_counter()
+        ttft = self.first_token_time - self.arrival if self.first_token_time else None
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
+                             list(self.completion_token_ids), self.finish_reason,
+                             {"ttft_s": ttft, "total_s": end - self.arrival}, self.error)
+
+
+def _build_llm(model, plan, kwargs):
+    from .llm import LLM
+    torch.set_num_threads(kwargs.pop("threads", None) or torch.get_num_threads())
+    return LLM(model, plan, **kwargs)
+
+
+def _report(out_q, kind: str, llm) -> None:
+    out_q.put(("ready", kind, {"num_blocks": llm.block_manager.num_blocks, "weight_bytes": llm.runner.weight_bytes,
+                               "block_bytes": llm.runner.block_bytes, "max_model_len": llm.max_model_len}))
+
+
+def _delta(seq, stage: str) -> tuple:
+    """The request's whole completion so far: deltas from two processes may arrive in any order."""
+    return ("delta", seq.request_id, list(seq.completion_token_ids), seq.text, seq.finish_reason, seq.error, stage)
+
+
+def prefill_worker(model, kwargs: dict, in_q, kv_q, out_q) -> None:
+    """Full pool. Prefill, sample the first token, ship the KV blocks, free them."""
+    llm = _build_llm(model, None, kwargs)
+    _report(out_q, "prefill", llm)
+    while True:
+        messages = [in_q.get()] if not llm.has_unfinished() else []
+        while True:
+            try:
+                messages.append(in_q.get_nowait())
+            except queue_mod.Empty:
+                break
+        for msg in messages:
+            if msg[0] == "stop":
+                return
+            if msg[0] == "add":
+                _, rid, ids, sampling = msg
+                try:
+                    llm.add_request(ids, sampling, request_id=rid)
+                except ValueError as e:   # e.g. more KV blocks than this worker's pool holds
+                    out_q.put(("delta", rid, [], "", "error", str(e), "prefill"))
+            elif msg[0] == "abort":
+                llm.abort(msg[1])
+        for seq in llm.step():            # the queue holds only new requests: always a prefill step
+            if seq.is_finished:           # finished on its first token
+                out_q.put(_delta(seq, "prefill"))
+                continue
+            kv = llm.runner.read_blocks(seq.block_table)      # per layer (k, v) [n*bs, nKV, D]
+            state = seq.generator.get_state() if seq.generator is not None else None
+            kv_q.put(("seq", seq.request_id, seq.token_ids, seq.num_prompt_tokens, seq.sampling, state, kv,
+                      seq.prompt))
+            out_q.put(_delta(seq, "decode"))
+            llm.abort(seq.request_id)     # frees the prefill worker's blocks
+
+
+def decode_worker(model, plan, kwargs: dict, kv_q, ctl_q, out_q) -> None:
+    """Pruned (or masked) pool. Adopt prefilled sequences and decode them."""
+    llm = _build_llm(model, plan, kwargs)
+    _report(out_q, "decode", llm)
+    while True:
+        try:
+            while True:
+                msg = ctl_q.get_nowait()
+                if msg[0] == "stop":
+                    return
+                if msg[0] == "abort":
+                    llm.abort(msg[1])
+                elif msg[0] == "crash":   # fault injection for tests
+                    import os
+                    os._exit(3)
+        except queue_mod.Empty:
+            pass
+        try:
+            msg = kv_q.get(timeout=0.05) if not llm.has_unfinished() else kv_q.get_nowait()
+            while msg is not None:
+                _, rid, ids, n_prompt, sampling, state, kv, prompt = msg
+                llm.adopt(ids, n_prompt, sampling, kv, request_id=rid, generator_state=state, prompt=prompt)
+                msg = kv_q.get_nowait()
+        except queue_mod.Empty:
+            pass
+        for seq in llm.step():
+            out_q.put(_delta(seq, "decode"))
+
+
+class DisaggregatedLLM:
+    """Same front end as ``LLM`` (generate, add_request, step, abort), work done by two processes."""
+
+    def __init__(self, model, decode_model: str | Path | None = None, plan=None, *, tokenizer=None,
+                 startup_timeout: float = 300.0, **engine_kwargs):
+        from ..models.loading import load_tokenizer
+
+        if decode_model is None and plan is None:
+            raise ValueError("disaggregated serving needs a pruned decode checkpoint (decode_model=DIR from "
+                             "`moetailor prune`) or a plan whose decode policy the decode worker applies")
+        if tokenizer is None and isinstance(model, (str, Path)):
+            try:
+                tokenizer = load_tokenizer(model)
+            except Exception:   # no tokenizer files: token-id prompts only
+                tokenizer = None
+        self.tokenizer = tokenizer
+        self.model = None                  # the weights live in the workers
+        self.engine_kwargs = dict(engine_kwargs, tokenizer=tokenizer)
+        self.decode_spec = (decode_model if decode_model is not None else model,
+                            None if decode_model is not None else plan)
+        self.ctx = mp.get_context("spawn")
+        self.in_q, self.kv_q, self.ctl_q, self.out_q = (self.ctx.Queue() for _ in range(4))
+        self.lock = threading.RLock()
+        self.seqs: dict[str, RemoteSequence] = {}
+        self.ready: dict[str, dict] = {}
+        self.step_log: list = []
+        self.tokens_generated = 0
+        self.decode_restarts = 0
+        self.prefill = self.ctx.Process(target=prefill_worker, args=(model, dict(self.engine_kwargs), self.in_q,
+                                                                      self.kv_q, self.out_q), daemon=True)
+        self.prefill.start()
+        self.decode = self._start_decode()
+        self._wait_ready({"prefill", "decode"}, startup_timeout)
+        self.max_model_len = engine_kwargs.get("max_model_len") or self.ready["prefill"].get("max_model_len") or 4096
+        self._next_id = 0
+
+    def _start_decode(self):
+        model, plan = self.decode_spec
+        proc = self.ctx.Process(target=decode_worker, args=(model, plan, dict(self.engine_kwargs), self.kv_q,
+                                                            self.ctl_q, self.out_q), daemon=True)
+        proc.start()
+        return proc
+
+    def _wait_ready(self, kinds: set[str], timeout: float) -> None:
+        deadline = time.time() + timeout
+        while not kinds <= set(self.ready):
+            for name, proc in (("prefill", self.prefill), ("decode", self.decode)):
+                if name in kinds and not proc.is_alive():
+                    raise RuntimeError(f"the {name} worker exited with code {proc.exitcode} while loading; "
+                                       "run the same model with `moetailor generate` to see the error")
+            if time.time() > deadline:
+                raise RuntimeError(f"workers not ready after {timeout:.0f} s")
+            self._drain(timeout=0.1)
+
+    def capacity(self) -> dict:
+        """KV blocks in each worker, and what the decode worker would hold with the full weights."""
+        p, d = self.ready["prefill"], self.ready["decode"]
+        budget = self.engine_kwargs.get("memory_budget")
+        full = (budget - p["weight_bytes"]) // d["block_bytes"] if budget else None
+        return {"prefill_blocks": p["num_blocks"], "decode_blocks": d["num_blocks"],
+                "decode_blocks_with_full_weights": full, "prefill_weight_bytes": p["weight_bytes"],
+                "decode_weight_bytes": d["weight_bytes"], "block_bytes": d["block_bytes"], "memory_budget": budget}
+
+    # ---- the LLM-like front end ------------------------------------------------------------------
+    def encode(self, prompt):
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass tokenizer= or give token ids")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return None, [int(t) for t in prompt]
+
+    def add_request(self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
+                    plan=None, plan_key=None) -> RemoteSequence:
+        if plan is not None:
+            raise ValueError("per-request expert plans are not available in disaggregated mode (the decode pool "
+                             "is the pruned checkpoint); use expert_top_k or a colocated server")
+        sampling = sampling or SamplingParams()
+        sampling.validate()
+        text, ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if len(ids) + sampling.max_tokens > self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens and max_tokens={sampling.max_tokens}, which exceeds "
+                             f"the context limit of {self.max_model_len} tokens (prompt + completion); shorten the "
+                             f"prompt or lower max_tokens")
+        with self.lock:
+            if request_id is None:
+                request_id = f"d{self._next_id}"
+                self._next_id += 1
+            seq = RemoteSequence(request_id, text, ids, sampling)
+            self.seqs[request_id] = seq
+            self.in_q.put(("add", request_id, ids, sampling))
+        return seq
+
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> bool:
+        with self.lock:
+            seq = self.seqs.pop(request_id, None)
+            if seq is None or seq.is_finished:
+                return False
+            seq.finish(reason, error)
+            self.in_q.put(("abort", request_id))
+            self.ctl_q.put(("abort", request_id))
+            return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    def step(self) -> list[RemoteSequence]:
+        """Collect what the workers produced since the last call (waits briefly for something)."""
+        lost = self._check_decode_worker()
+        return lost + self._drain(timeout=0.05)
+
+    def _drain(self, timeout: float) -> list[RemoteSequence]:
+        updated = []
+        try:
+            msg = self.out_q.get(timeout=timeout)
+            while True:
+                if msg[0] == "ready":
+                    self.ready[msg[1]] = msg[2]
+                else:
+                    seq = self._apply(msg)
+                    if seq is not None:
+                        updated.append(seq)
+                msg = self.out_q.get_nowait()
+        except queue_mod.Empty:
+            pass
+        return updated
+
+    def _apply(self, msg) -> RemoteSequence | None:
+        _, rid, ids, text, reason, error, stage = msg
+        with self.lock:
+            seq = self.seqs.get(rid)
+            if seq is None:
+                return None
+            if ids and seq.first_token_time is None:
+                seq.first_token_time = time.perf_counter()
+            if len(ids) >= len(seq.completion_token_ids):       # ignore a stale (reordered) message
+                self.tokens_generated += len(ids) - len(seq.completion_token_ids)
+                seq.completion_token_ids, seq.text = list(ids), text
+            if stage == "decode":
+                seq.stage = stage
+            if reason is not None:
+                seq.finish(reason, error)
+                self.seqs.pop(rid, None)
+            return seq
+
+    def _check_decode_worker(self) -> list[RemoteSequence]:
+        """When the decode worker died: end its requests with an error and start a new one."""
+        if self.decode.is_alive():
+            return []
+        code = self.decode.exitcode
+        self._drain(timeout=0.01)        # hand-over notices already sent
+        with self.lock:
+            lost = [s for s in self.seqs.values() if s.stage == "decode"]
+            for seq in lost:
+                seq.finish("error", f"the decode worker exited (code {code}) while decoding this request; "
+                                    "it was ended, resubmit it")
+                self.seqs.pop(seq.request_id, None)
+            self.decode_restarts += 1
+            self.ready.pop("decode", None)
+            self.decode = self._start_decode()
+        return lost
+
+    def generate(self, prompts, sampling=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        seqs = [self.add_request(p, s) for p, s in zip(prompts, params)]
+        while any(not s.is_finished for s in seqs):
+            self.step()
+        return [s.output() for s in seqs]
+
+    def stats(self) -> dict:
+        return {"waiting": sum(s.stage == "prefill" for s in self.seqs.values()),
+                "running": sum(s.stage == "decode" for s in self.seqs.values()),
+                "kv_blocks_total": self.ready.get("decode", {}).get("num_blocks", 0), "kv_blocks_free": 0,
+                "kv_usage": 0.0, "preemptions": 0, "tokens_generated": self.tokens_generated,
+                "decode_tokens_per_s": 0.0, "distinct_experts_last_step": 0.0}
+
+    def crash_decode_worker(self) -> None:
+        """Fault injection (tests): the decode worker exits at once."""
+        self.ctl_q.put(("crash",))
+
+    def close(self) -> None:
+        for q, proc in ((self.in_q, self.prefill), (self.ctl_q, self.decode)):
+            if proc.is_alive():
+                q.put(("stop",))
+        for proc in (self.prefill, self.decode):
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

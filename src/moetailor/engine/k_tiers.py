@@ -1,0 +1,289 @@
+"""k-aware batching policy for per-request expert budgets (MoE-Prism's scheduler), as pure data.
+
+A request asks for ``k`` sub-experts per token (``SamplingParams.expert_top_k``). A step that mixes
+budgets runs at the largest one unless the engine keeps budgets apart, so this module decides
+which requests share a step and at which k. It never reads the model: it works on
+``KRequest(request_id, k, arrival)`` lists and returns ``Batch``es. Two guarantees hold for every
+batch: ``batch.k >= k`` of every member (a request never gets FEWER experts than it asked for;
+running it at more is allowed, and counted in ``Batch.upgraded``), and every queued request is
+served within a bounded wait (``OnlineLanes``: at most ``max_wait`` steps between turns of a lane).
+
+Step cost model (``StepCost``), per decode step of B sequences at budget k in each of L MoE layers
+with m experts:
+
+    seconds(k, B) = fixed + per_token * B + L * (per_expert * U(k, B) + per_route * B * k)
+    U(k, B) = m * (1 - (1 - k/m)^B)       expected distinct experts a batch touches (uniform routing)
+
+``per_expert`` is the cost of touching one expert's weights (bytes per expert / bandwidth on a
+memory-bound machine, plus the per-call overhead of a small matmul), ``per_route`` the compute of
+one token through one expert, ``per_token`` attention and the dense parts. Throughput of a batch is
+B / seconds(k, B).
+
+Offline mode (``plan_offline``): requests are sorted into tiers by k (ascending). Each tier fills
+batches of ``max_batch``; the residual (a partial batch) either runs alone at its own k, or merges
+upward into the next tier, where it is served at the higher k. The choice compares the estimated
+time to serve [residual + next tier] both ways: alone = seconds(k_t, r) + T(next tier),
+merged = T(next tier + residual) at the next tier's k (T = sum of step seconds over its batches).
+
+Online mode (``OnlineLanes``): running requests are split into a low-k and a high-k lane at a
+boundary; each decode step serves one lane (the one that has waited ``max_wait`` steps first,
+otherwise the one with the higher estimated throughput), and within a lane the requests served
+longest ago first. The boundary adapts every ``adapt_every`` steps to the candidate that
+minimises the estimated time to give every running request one token, moving only when that
+saves more than ``hysteresis`` (a soft boundary), and may collapse to a single lane.
+
+Wiring into the engine (scheduler/llm belong to the engine): see ``OnlineLanes`` and
+``plan_offline`` docstrings; in short, the engine's decode step asks ``lanes.next_batch(running)``
+for which running sequences to step and passes ``batch.k`` as every member's token budget (or
+each member's own k: both respect the guarantee, since route() trims per token).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class KRequest:
+    request_id: str
+    k: int              # sub-experts per token asked for
+    arrival: float = 0.0
+
+
+@dataclass(frozen=True)
+class Batch:
+    request_ids: tuple[str, ...]
+    k: int                          # budget the step runs at: >= every member's k
+    upgraded: tuple[str, ...] = ()  # members served above their own k (merged upward)
+
+
+def validate_expert_top_k(k: int | None, max_k: int, parts: int | None = None) -> int:
+    """A request's budget checked against the model: 1 <= k <= max_k (= N * k_max for a split
+    model). None means the full budget. Raises ValueError naming the range."""
+    if k is None:
+        return max_k
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ValueError(f"expert_top_k must be an integer, got {k!r}")
+    if not 1 <= k <= max_k:
+        what = f" ({parts} sub-experts x {max_k // parts} experts)" if parts else ""
+        raise ValueError(f"expert_top_k={k} is out of range: this model routes 1..{max_k} experts per token{what}; "
+                         f"ask for a budget in [1, {max_k}] or leave it unset for the full budget")
+    return k
+
+
+def model_max_k(model) -> tuple[int, int | None]:
+    """(max budget, parts) of a loaded model: its top-k, and N when it is a moetailor split."""
+    from ..models.adapters import moe_layers
+
+    max_k = moe_layers(model)[0].top_k
+    source = getattr(model, "moetailor_source", None)
+    parts = None
+    if source:
+        from ..transforms.split import read_split_sidecar
+        side = read_split_sidecar(source)
+        parts = side["parts"] if side else None
+    return max_k, parts
+
+
+# ---------------------------------------------------------------------------------------------
+# cost model
+# ---------------------------------------------------------------------------------------------
+
+def expected_union(k: int, batch: int, num_experts: int) -> float:
+    """Expected distinct experts touched by ``batch`` tokens each routed to ``k`` of ``num_experts``
+    (uniform, independent routing): m (1 - (1 - k/m)^B)."""
+    if batch <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - min(k, num_experts) / num_experts) ** batch)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    num_layers: int
+    num_experts: int
+    per_expert: float          # s to touch one expert (weights read + call overhead)
+    per_route: float = 0.0     # s per (token, expert) pair
+    per_token: float = 0.0     # s per sequence for attention and dense parts
+    fixed: float = 0.0         # s per step
+
+    def seconds(self, k: int, batch: int) -> float:
+        if batch <= 0:
+            return 0.0
+        moe = self.per_expert * expected_union(k, batch, self.num_experts) + self.per_route * batch * k
+        return self.fixed + self.per_token * batch + self.num_layers * moe
+
+    def throughput(self, k: int, batch: int) -> float:
+        return batch / self.seconds(k, batch) if batch > 0 else 0.0
+
+    def serve(self, k: int, n: int, max_batch: int) -> float:
+        """Seconds for one decode step of ``n`` requests at ``k`` in batches of ``max_batch``."""
+        full, rest = divmod(n, max_batch)
+        return full * self.seconds(k, max_batch) + self.seconds(k, rest)
+
+    @classmethod
+    def from_bandwidth(cls, num_layers: int, num_experts: int, expert_bytes: int, bandwidth: float,
+                       per_call: float = 0.0, **kw) -> "StepCost":
+        """Memory-bound estimate: touching an expert costs its bytes / bandwidth (+ call overhead)."""
+        return cls(num_layers, num_experts, expert_bytes / bandwidth + per_call, **kw)
+
+    @classmethod
+    def fit(cls, samples: list[tuple[int, int, float, float]], num_layers: int, num_experts: int) -> "StepCost":
+        """Least-squares fit from measured steps ``(batch, k, mean distinct experts per layer, seconds)``
+        (the engine's ``step_log`` has all four); coefficients clipped at 0."""
+        import torch
+
+        if len(samples) < 4:
+            raise ValueError(f"fitting a step cost needs at least 4 measured steps (got {len(samples)})")
+        X = torch.tensor([[1.0, b, num_layers * u, num_layers * b * k] for b, k, u, _ in samples], dtype=torch.float64)
+        y = torch.tensor([[s] for *_, s in samples], dtype=torch.float64)
+        coef = torch.linalg.lstsq(X, y).solution[:, 0].clamp_min(0).tolist()
+        return cls(num_layers, num_experts, per_expert=coef[2], per_route=coef[3], per_token=coef[1], fixed=coef[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# offline: tiers, flush or merge upward
+# ---------------------------------------------------------------------------------------------
+
+def _batches(reqs: list[KRequest], k: int, max_batch: int) -> list[Batch]:
+    out = []
+    for i in range(0, len(reqs), max_batch):
+        chunk = reqs[i:i + max_batch]
+        out.append(Batch(tuple(r.request_id for r in chunk), k, tuple(r.request_id for r in chunk if r.k < k)))
+    return out
+
+
+def plan_offline(requests: list[KRequest], max_batch: int, cost: StepCost) -> list[Batch]:
+    """Group queued requests into k tiers and batches (see the module docstring). Batches come out
+    ordered by their oldest member's arrival, so no tier waits behind all the others."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1 (got {max_batch})")
+    tiers: dict[int, list[KRequest]] = {}
+    for r in sorted(requests, key=lambda r: (r.arrival, r.request_id)):
+        tiers.setdefault(r.k, []).append(r)
+    ks = sorted(tiers)
+    out: list[Batch] = []
+    carry: list[KRequest] = []
+    for t, k in enumerate(ks):
+        pool = carry + tiers[k]
+        carry = []
+        full = len(pool) - len(pool) % max_batch
+        out += _batches(pool[:full], k, max_batch)
+        residual = pool[full:]
+        if not residual:
+            continue
+        if t + 1 < len(ks):
+            k_next, n_next = ks[t + 1], len(tiers[ks[t + 1]])
+            alone = cost.seconds(k, len(residual)) + cost.serve(k_next, n_next, max_batch)
+            merged = cost.serve(k_next, n_next + len(residual), max_batch)
+            if merged < alone:
+                carry = residual
+                continue
+        out += _batches(residual, k, max_batch)
+    arrival = {r.request_id: r.arrival for r in requests}
+    return sorted(out, key=lambda b: min(arrival[i] for i in b.request_ids))
+
+
+def plan_fcfs_max_k(requests: list[KRequest], max_batch: int) -> list[Batch]:
+    """The baseline: batches in arrival order, each run at its largest member's k."""
+    reqs = sorted(requests, key=lambda r: (r.arrival, r.request_id))
+    out = []
+    for i in range(0, len(reqs), max_batch):
+        chunk = reqs[i:i + max_batch]
+        out += _batches(chunk, max(r.k for r in chunk), max_batch)
+    return out
+
+
+def estimated_seconds(batches: list[Batch], cost: StepCost) -> float:
+    """Estimated seconds of one decode step of every batch (the plans' comparison)."""
+    return sum(cost.seconds(b.k, len(b.request_ids)) for b in batches)
+
+
+# ---------------------------------------------------------------------------------------------
+# online: two decode lanes with an adaptive boundary and bounded wait
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class OnlineLanes:
+    """Decode lanes for low-k (k <= boundary) and high-k requests.
+
+    Engine wiring: keep one ``OnlineLanes`` per engine; at each decode step call
+    ``next_batch([KRequest(seq.request_id, seq.k, seq.arrival) for seq in running])`` and step only
+    the returned ids (the others keep their KV blocks and wait), with ``token_top_k`` = ``batch.k``
+    for each (or each member's own k). ``max_batch`` should equal the engine's max_num_seqs per step.
+    """
+
+    cost: StepCost
+    max_batch: int
+    boundary: int | None = None      # None: one lane (decided by adapt())
+    max_wait: int = 2                # a non-empty lane is served at least once every max_wait + 1 steps
+    adapt_every: int = 8
+    hysteresis: float = 0.05
+    step: int = 0
+    last_served: dict[str, int] = field(default_factory=dict)   # request id -> step it last ran
+    lane_served: dict[str, int] = field(default_factory=dict)   # "low"/"high" -> step it last ran
+
+    def lanes(self, running: list[KRequest]) -> tuple[list[KRequest], list[KRequest]]:
+        if self.boundary is None:
+            return [], list(running)
+        return [r for r in running if r.k <= self.boundary], [r for r in running if r.k > self.boundary]
+
+    def round_seconds(self, running: list[KRequest], boundary: int | None) -> float:
+        """Estimated seconds to give every running request one token with this boundary."""
+        low, high = (([], running) if boundary is None else
+                     ([r for r in running if r.k <= boundary], [r for r in running if r.k > boundary]))
+        return sum(self.cost.serve(max(r.k for r in lane), len(lane), self.max_batch) for lane in (low, high) if lane)
+
+    def adapt(self, running: list[KRequest]) -> None:
+        """Move the boundary to the cheapest candidate when it saves more than ``hysteresis``."""
+        if not running:
+            return
+        ks = sorted({r.k for r in running})
+        candidates = [None] + ks[:-1]
+        best = min(candidates, key=lambda b: self.round_seconds(running, b))
+        now = self.round_seconds(running, self.boundary)
+        if self.round_seconds(running, best) < now * (1 - self.hysteresis):
+            self.boundary = best
+
+    def next_batch(self, running: list[KRequest]) -> Batch | None:
+        """The requests to step now and their k; None when nothing runs."""
+        if not running:
+            return None
+        if self.step % self.adapt_every == 0:
+            self.adapt(running)
+        low, high = self.lanes(running)
+        lanes = {name: lane for name, lane in (("low", low), ("high", high)) if lane}
+        for name in lanes:
+            self.lane_served.setdefault(name, self.step)
+
+        def waited(name: str) -> int:
+            return self.step - self.lane_served[name]
+
+        for r in running:  # a newcomer queues behind requests already waiting (no overtaking)
+            self.last_served.setdefault(r.request_id, self.step - 1)
+
+        def take(lane: list[KRequest]) -> list[KRequest]:
+            return sorted(lane, key=lambda r: (self.last_served[r.request_id], r.arrival,
+                                               r.request_id))[:self.max_batch]
+
+        overdue = [n for n in lanes if waited(n) >= self.max_wait]
+        if overdue:
+            name = max(overdue, key=waited)
+        else:
+            name = max(lanes, key=lambda n: (self.cost.throughput(max(r.k for r in take(lanes[n])),
+                                                                  len(take(lanes[n]))), waited(n)))
+        chosen = take(lanes[name])
+        k = max(r.k for r in chosen)
+        self.lane_served[name] = self.step + 1
+        for r in chosen:
+            self.last_served[r.request_id] = self.step
+        self.step += 1
+        return Batch(tuple(r.request_id for r in chosen), k, tuple(r.request_id for r in chosen if r.k < k))
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's bookkeeping."""
+        self.last_served.pop(request_id, None)
+
+
+def wait_bound(lanes: OnlineLanes, lane_size: int) -> int:
+    """Most steps a request in a lane of ``lane_size`` waits between two of its turns."""
+    return math.ceil(lane_size / lanes.max_batch) * (lanes.max_wait + 1)

@@ -1,0 +1,87 @@
+"""Decode/SLO/prefill benchmarks end to end on a tiny model (counts and wiring, never timings)."""
+import pytest
+import torch
+
+from moetailor.bench.decode import DecodeConfig, _goals, _plots, _tables, measure_model
+from moetailor.bench.pools import kept_ids, make_pools, mask_plan, pruned_model
+from moetailor.bench.report import Report
+from moetailor.bench.slo import _report_model, throughput_at_slo
+from moetailor.bench.synthetic import synthetic_config
+from moetailor.bench.traffic import expected_distinct
+from moetailor.models.tiny import tiny_model
+
+
+def test_pruned_pool_equals_masked_pool():
+    from moetailor.routing import RoutingController
+
+    model = tiny_model("olmoe", num_experts=8, top_k=2)
+    pruned = pruned_model(model, 0.5)
+    assert pruned.config.num_experts == 4
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = pruned(ids).logits
+        ctl = RoutingController(model)
+        with ctl.policy(mask_plan(model, 0.5).decode):
+            got = model(ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kept_ids_and_pools():
+    assert len(kept_ids(64, 0.25, 8)) == 16
+    assert len(kept_ids(8, 0.1, 2)) == 2                              # never fewer than k
+    assert kept_ids(64, 0.5, 8) == kept_ids(64, 0.5, 8)               # seeded
+    with pytest.raises(ValueError, match="keep"):
+        kept_ids(64, 1.5, 8)
+    model = tiny_model("olmoe", num_experts=8, top_k=2)
+    pools = make_pools(model, [0.5], pruned=False, top_ks=[1])
+    assert [p.label for p in pools] == ["full", "mask 50%", "k'=1"]
+    with pytest.raises(ValueError, match="top-k"):
+        make_pools(model, [], pruned=False, top_ks=[3])
+
+
+def test_synthetic_config_shapes():
+    cfg = synthetic_config(layers=2)
+    assert (cfg.hidden_size, cfg.num_experts, cfg.intermediate_size, cfg.num_experts_per_tok) == (2048, 64, 1024, 8)
+    pool = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.intermediate_size * 4
+    assert pool >= 2e9                                                # well above the 300 MiB L3
+    with pytest.raises(ValueError):
+        synthetic_config(layers=0)
+
+
+def test_decode_measures_traffic_on_tiny_model(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_model("olmoe", num_experts=8, top_k=2)
+    cfg = DecodeConfig(model="tiny", batches=[1, 4], keeps=[0.5], top_ks=[1], steps=3, hf=True, pruned=True)
+    measured, hf = measure_model("tiny", cfg, model=model)
+    assert set(hf) == {1, 4} and all(v > 0 for v in hf.values())
+    labels = {m.pool.label for m in measured}
+    assert labels == {"full", "mask 50%", "pruned 50%", "k'=1"}
+    per_expert = 3 * 32 * 16 * 4
+    for m in measured:
+        r, p = m.result, m.pool
+        assert r.steps >= 1 and r.step_s > 0
+        assert 1 <= r.distinct <= p.experts                           # masked/pruned pools never leave the pool
+        if r.batch == 1:
+            assert r.distinct == pytest.approx(p.top_k)               # one token reads exactly k (or k') experts
+        assert r.expert_bytes == pytest.approx(r.distinct * 2 * per_expert)  # 2 MoE layers
+        assert r.total_bytes > r.expert_bytes
+        assert r.distinct <= expected_distinct(p.experts, p.top_k, r.batch) * 2
+    rep = Report("t", tmp_path)
+    _tables(rep, "tiny", measured, hf, read_bw=1e10)
+    _plots(rep, "tiny", measured, 1e10, 1e10)
+    goals = _goals("tiny", measured, hf, 1e10)
+    assert any("engine" in g[0] for g in goals) and any("50% pool" in g[0] for g in goals)
+    _report_model(rep, "tiny", measured, slo=None)
+    rep.write()
+    text = (tmp_path / "report.md").read_text()
+    assert "mask 50%" in text and "formula" in text and "tok/s at SLO" in text
+    assert (tmp_path / "tiny_bandwidth.png").exists() and (tmp_path / "tiny_slo.png").exists()
+
+
+def test_throughput_at_slo_interpolates():
+    pts = [(100.0, 100.0), (50.0, 400.0), (20.0, 640.0)]              # (per-user, machine) as batch grows
+    assert throughput_at_slo(pts, 100.0) == (100.0, 100.0)
+    u, t = throughput_at_slo(pts, 75.0)
+    assert u == 75.0 and t == pytest.approx(250.0)
+    assert throughput_at_slo(pts, 10.0) == (20.0, 640.0)
+    assert throughput_at_slo(pts, 200.0) is None

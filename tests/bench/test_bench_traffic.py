@@ -1,0 +1,78 @@
+"""Traffic accounting on known inputs: the distinct-expert formula, counting, bytes per expert."""
+import pytest
+import torch
+
+from moetailor.bench.traffic import (RouteCounter, distinct_experts, expected_distinct, expected_expert_bytes,
+                                     expert_bytes, ideal_speedup, measured_expert_bytes)
+
+
+def test_formula_known_values():
+    assert expected_distinct(64, 8, 0) == 0
+    assert expected_distinct(64, 8, 1) == pytest.approx(8.0)          # one token reads exactly k experts
+    assert expected_distinct(64, 8, 2) == pytest.approx(64 * (1 - (56 / 64) ** 2))  # 15.0
+    assert expected_distinct(64, 8, 2) == pytest.approx(15.0)
+    assert expected_distinct(8, 8, 5) == pytest.approx(8.0)           # k = m: every expert, every step
+    # SlimWise: m=256, k=8, B=64 reads about 87% of the pool
+    assert expected_distinct(256, 8, 64) / 256 == pytest.approx(1 - (1 - 8 / 256) ** 64)
+    assert 0.86 < expected_distinct(256, 8, 64) / 256 < 0.88
+
+
+def test_formula_monotone_and_bounded():
+    values = [expected_distinct(64, 8, b) for b in range(0, 200)]
+    assert all(a < b for a, b in zip(values, values[1:]))
+    assert values[-1] < 64
+
+
+def test_formula_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="top_k"):
+        expected_distinct(4, 8, 1)
+    with pytest.raises(ValueError, match="batch"):
+        expected_distinct(64, 8, -1)
+
+
+def test_formula_matches_uniform_simulation():
+    g = torch.Generator().manual_seed(0)
+    m, k, B = 64, 8, 16
+    counts = [distinct_experts(torch.stack([torch.randperm(m, generator=g)[:k] for _ in range(B)]), m)
+              for _ in range(400)]
+    assert sum(counts) / len(counts) == pytest.approx(expected_distinct(m, k, B), rel=0.02)
+
+
+def test_distinct_counts_ignore_sentinel():
+    E = 8
+    index = torch.tensor([[0, 3], [3, E], [E, E], [7, 0]])          # [T, K], E = dropped route
+    assert distinct_experts(index, E) == 3
+    assert distinct_experts(torch.full((4, 2), E), E) == 0
+    assert distinct_experts(torch.tensor([[5]]), E) == 1
+
+
+def test_bytes_per_expert():
+    assert expert_bytes(2048, 1024, 4) == 3 * 2048 * 1024 * 4 == 25_165_824  # synthetic expert, fp32
+    assert expert_bytes(2048, 512, 2) == 6_291_456                          # Qwen3.6 expert, bf16
+    assert expert_bytes(16, 8, 4, gated=False) == 2 * 16 * 8 * 4
+    assert expected_expert_bytes(2, 64, 8, 1, 100) == pytest.approx(2 * 8 * 100)
+    assert measured_expert_bytes({0: 3, 5: 4}, 10) == 70
+    assert ideal_speedup(200.0, 100.0) == 2.0
+    with pytest.raises(ValueError):
+        ideal_speedup(1.0, 0.0)
+
+
+def test_route_counter_and_meter_agree_on_tiny_model():
+    from moetailor.models import moe_layers
+    from moetailor.models.tiny import tiny_model
+    from moetailor.routing import LayerPolicy, PhasePolicy, RoutingController
+
+    model = tiny_model("qwen3_moe", num_experts=8, top_k=2)
+    ctl = RoutingController(model)
+    counter = RouteCounter()
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(1))
+    layers = moe_layers(model)
+    keep = PhasePolicy.uniform([l.index for l in layers], LayerPolicy(keep=(0, 1, 2)))
+    with torch.no_grad(), ctl.observing(counter), ctl.policy(keep):
+        ctl.meter.reset()
+        model(ids)
+    assert set(counter.distinct) == {l.index for l in layers}
+    assert all(1 <= v <= 3 for v in counter.distinct.values())       # masked to 3 experts
+    assert counter.distinct == ctl.meter.distinct
+    assert ctl.meter.bytes_read == measured_expert_bytes(counter.distinct, layers[0].expert_bytes())
+    assert layers[0].expert_bytes() == expert_bytes(32, 16, 4)

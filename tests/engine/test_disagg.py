@@ -1,0 +1,75 @@
+"""Disaggregated prefill/decode in two processes: output equals colocated token for token (pruned
+checkpoint and masked model), freed weights become KV blocks, decode-worker death is survived."""
+from __future__ import annotations
+
+import pytest
+
+from moetailor.engine import LLM, SamplingParams
+from moetailor.engine.disagg import DisaggregatedLLM
+from moetailor.models.tiny import tiny_model
+from moetailor.plans import uniform_plan
+from moetailor.routing import LayerPolicy
+from moetailor.transforms.prune import prune_checkpoint
+
+from engine_helpers import random_prompts
+
+KEEP = (0, 2, 5, 7, 9, 11)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("disagg")
+    model = tiny_model("qwen2_moe", seed=5, num_experts=16, expert_width=64)
+    model.save_pretrained(root / "full")
+    plan = uniform_plan(model, decode=LayerPolicy(keep=KEEP))
+    plan.save(root / "plan.json")
+    prune_checkpoint(model, plan, root / "pruned")
+    return root, model, plan
+
+
+def colocated(model, plan, prompts, params):
+    return LLM(model, plan, block_size=4).generate(prompts, params)
+
+
+def test_disaggregated_equals_colocated_and_frees_kv_capacity(checkpoints):
+    root, model, plan = checkpoints
+    prompts = random_prompts([5, 14, 9, 3], seed=5)
+    params = [SamplingParams(max_tokens=10, ignore_eos=True), SamplingParams(max_tokens=7, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=1, ignore_eos=True)]
+    ref = colocated(model, plan, prompts, params)
+    budget = 2 * 2**20
+    with DisaggregatedLLM(str(root / "full"), decode_model=str(root / "pruned"), block_size=4,
+                          memory_budget=budget) as dis:
+        outs = dis.generate(prompts, params)
+        cap = dis.capacity()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.finish_reason for o in outs] == ["length"] * 4
+    assert cap["decode_weight_bytes"] < cap["prefill_weight_bytes"]
+    assert cap["decode_blocks"] > cap["decode_blocks_with_full_weights"] == cap["prefill_blocks"]
+
+
+def test_disaggregated_masked_decode_equals_colocated(checkpoints):
+    root, model, plan = checkpoints
+    prompts = random_prompts([6, 11], seed=6)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with DisaggregatedLLM(str(root / "full"), plan=plan, block_size=4) as dis:
+        outs = dis.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in colocated(model, plan, prompts, params)]
+
+
+def test_decode_worker_death_ends_requests_with_error_and_serving_continues(checkpoints):
+    root, model, plan = checkpoints
+    prompt = random_prompts([6], seed=7)[0]
+    with DisaggregatedLLM(str(root / "full"), decode_model=str(root / "pruned"), block_size=4) as dis:
+        seq = dis.add_request(prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+        while seq.stage != "decode" or len(seq.completion_token_ids) < 3:
+            dis.step()
+        dis.crash_decode_worker()
+        while not seq.is_finished:
+            dis.step()
+        assert seq.finish_reason == "error" and "decode worker exited" in seq.error
+        assert dis.decode_restarts == 1
+        again = dis.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert again.finish_reason == "length"
+    assert again.token_ids == colocated(model, plan, [prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids

@@ -1,0 +1,122 @@
+"""The k-aware batching policy: never fewer experts than asked, every request served exactly once
+(offline) and within a bounded wait (online), tier decisions follow the cost model, bad budgets
+get clear errors."""
+import random
+
+import pytest
+
+from moetailor.engine.k_tiers import (Batch, KRequest, OnlineLanes, StepCost, expected_union, estimated_seconds,
+                                      plan_fcfs_max_k, plan_offline, validate_expert_top_k, wait_bound)
+
+# a memory-bound-ish model: touching an expert dominates, compute per route is small
+COST = StepCost(num_layers=6, num_experts=256, per_expert=1e-4, per_route=2e-6, per_token=1e-4, fixed=1e-3)
+
+
+def mix(n, ks, seed=0):
+    rng = random.Random(seed)
+    return [KRequest(f"r{i}", rng.choice(ks), arrival=i * 0.01) for i in range(n)]
+
+
+def check_budgets(requests, batches):
+    k_of = {r.request_id: r.k for r in requests}
+    for b in batches:
+        assert all(b.k >= k_of[i] for i in b.request_ids), b
+        assert set(b.upgraded) == {i for i in b.request_ids if k_of[i] < b.k}
+
+
+def test_expected_union():
+    assert expected_union(8, 1, 64) == pytest.approx(8)
+    assert expected_union(64, 3, 64) == pytest.approx(64)
+    assert expected_union(8, 0, 64) == 0
+    assert expected_union(4, 16, 256) < expected_union(32, 16, 256)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_offline_never_below_budget_and_serves_everyone_once(seed):
+    reqs = mix(53, [2, 4, 8, 16, 32], seed)
+    batches = plan_offline(reqs, max_batch=8, cost=COST)
+    check_budgets(reqs, batches)
+    ids = [i for b in batches for i in b.request_ids]
+    assert sorted(ids) == sorted(r.request_id for r in reqs)
+    assert all(len(b.request_ids) <= 8 for b in batches)
+    # a k-aware plan is never estimated slower than the max-k baseline on a heterogeneous mix
+    assert estimated_seconds(batches, COST) <= estimated_seconds(plan_fcfs_max_k(reqs, 8), COST)
+
+
+def test_offline_flush_or_merge_follows_the_cost_model():
+    reqs = [KRequest(f"a{i}", 4) for i in range(9)] + [KRequest(f"b{i}", 32) for i in range(7)]
+    # a per-step cost dominates (launch, attention) and the big tier has room: the residual joins it
+    merge = plan_offline(reqs, 8, StepCost(6, 256, per_expert=1e-4, fixed=1.0))
+    assert [b.k for b in merge] == [4, 32] and merge[1].upgraded == ("a8",)
+    # compute per route dominates: running the residual at k=32 costs more than its own small step
+    flush = plan_offline(reqs, 8, StepCost(6, 256, per_expert=0.0, per_route=1e-3))
+    assert sorted(b.k for b in flush) == [4, 4, 32] and all(not b.upgraded for b in flush)
+    check_budgets(reqs, merge), check_budgets(reqs, flush)
+
+
+def test_offline_orders_batches_by_oldest_member():
+    reqs = [KRequest("old-high", 32, 0.0)] + [KRequest(f"n{i}", 2, 1.0 + i) for i in range(16)]
+    batches = plan_offline(reqs, 8, COST)
+    assert "old-high" in batches[0].request_ids
+
+
+def test_online_lanes_bounded_wait_and_budgets():
+    """A steady stream of cheap low-k requests must not starve the lone high-k request."""
+    lanes = OnlineLanes(COST, max_batch=4, max_wait=2, adapt_every=4)
+    running = [KRequest("high", 32, 0.0)] + [KRequest(f"low{i}", 2, 0.1 * i) for i in range(12)]
+    lanes.boundary = 2
+    last = {r.request_id: -1 for r in running}
+    worst = {r.request_id: 0 for r in running}
+    for step in range(60):
+        # arrivals: a new low-k request every step, an old one finishes
+        running.append(KRequest(f"new{step}", 2, 10 + step))
+        done = running.pop(1)
+        lanes.forget(done.request_id)
+        last.setdefault(running[-1].request_id, step)
+        worst.setdefault(running[-1].request_id, 0)
+        batch = lanes.next_batch(running)
+        check_budgets(running, [batch])
+        assert len(batch.request_ids) <= 4
+        for i in batch.request_ids:
+            worst[i] = max(worst[i], step - last[i])
+            last[i] = step
+    assert worst["high"] <= lanes.max_wait + 1
+    low_lane = sum(1 for r in running if r.k <= (lanes.boundary or 0))
+    assert max(worst[r.request_id] for r in running) <= wait_bound(lanes, max(low_lane, len(running)))
+
+
+def test_online_boundary_adapts_and_collapses():
+    # compute-bound: separating k=2 from k=32 pays, so two lanes
+    lanes = OnlineLanes(StepCost(6, 256, per_expert=0.0, per_route=1e-3, fixed=1e-4), max_batch=16)
+    running = [KRequest(f"l{i}", 2) for i in range(8)] + [KRequest(f"h{i}", 32) for i in range(8)]
+    lanes.next_batch(running)
+    assert lanes.boundary == 2
+    # a big fixed per-step cost: one lane is cheaper, the boundary collapses
+    one = OnlineLanes(StepCost(6, 256, per_expert=1e-6, fixed=1.0), max_batch=16, boundary=2)
+    one.next_batch(running)
+    assert one.boundary is None
+
+
+def test_validate_expert_top_k():
+    assert validate_expert_top_k(None, 32) == 32
+    assert validate_expert_top_k(12, 32, parts=4) == 12
+    with pytest.raises(ValueError, match=r"1\.\.32 .*4 sub-experts x 8 experts"):
+        validate_expert_top_k(33, 32, parts=4)
+    with pytest.raises(ValueError, match="out of range"):
+        validate_expert_top_k(0, 32)
+    with pytest.raises(ValueError, match="integer"):
+        validate_expert_top_k(2.5, 32)
+
+
+def test_cost_fit_recovers_coefficients():
+    truth = StepCost(6, 256, per_expert=2e-4, per_route=3e-6, per_token=5e-4, fixed=2e-3)
+    samples = []
+    for b in (1, 2, 4, 8, 16):
+        for k in (4, 16, 32):
+            u = expected_union(k, b, 256)
+            samples.append((b, k, u, truth.seconds(k, b)))
+    fit = StepCost.fit(samples, 6, 256)
+    for name in ("per_expert", "per_route", "per_token", "fixed"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-3)
+    with pytest.raises(ValueError, match="at least 4"):
+        StepCost.fit(samples[:2], 6, 256)

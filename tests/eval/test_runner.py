@@ -1,0 +1,138 @@
+"""End-to-end sweeps on a tiny random model through the real engine (small n, short budgets)."""
+import json
+
+import pytest
+
+from moetailor.cli.main import main
+from moetailor.eval.configurations import parse_configs
+from moetailor.eval.runner import EvalSettings, Sweep, parse_sweep, task_budget
+from moetailor.eval.tasks import TASKS, eval_examples
+from moetailor.models.tiny import tiny_model
+from moetailor.plans import PlanMismatch, uniform_plan
+from moetailor.routing import LayerPolicy
+
+
+def small_settings(**overrides) -> EvalSettings:
+    base = dict(model="tiny", tasks=["reverse", "sorting"], n=2, seeds=2,
+                configs=parse_configs("baseline,pruned,reverse,phase-aware"), sweep="criteria=frequency;keep=0.5",
+                max_tokens=6, kl_docs=1, kl_window=16, calib_tokens=512, calib_data="tasks")
+    base.update(overrides)
+    return EvalSettings(**base)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2_moe", num_experts=8, top_k=2, vocab=98, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def swept(model, char_tok, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    results = Sweep(small_settings(), out, model=model, tokenizer=char_tok, command="moetailor eval tiny").run()
+    return out, results
+
+
+def test_sweep_writes_results_tables_and_plots(swept):
+    out, results = swept
+    for name in ("results.json", "results.md", "accuracy_vs_keep.png", "length_by_configuration.png",
+                 "length_distribution.png", "stats.safetensors", "plans/frequency-0.5.json"):
+        assert (out / name).is_file(), name
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["command"] == "moetailor eval tiny"
+    assert saved["settings"]["seeds"] == [0, 1]
+    assert set(saved["versions"]) >= {"torch", "transformers", "moetailor"}
+    assert saved["model"]["router_hash"]
+    plan = saved["plans"]["frequency-0.5"]
+    assert all(len(p["keep"]) == 4 for p in plan["decode"].values())  # 50% of 8 experts
+    variants = {r["variant"] for r in saved["rows"]}
+    assert variants == {"baseline", "frequency-0.5/pruned", "frequency-0.5/reverse", "frequency-0.5/phase-aware"}
+    assert "| frequency | 50% | phase-aware |" in (out / "results.md").read_text()
+
+
+def test_rows_are_consistent_with_the_budget(swept):
+    _, results = swept
+    for r in results["rows"]:
+        n = 2 * 2 * (2 if r["task"] == "all" else 1)  # n x seeds (x tasks for "all")
+        assert r["n"] == n
+        assert len(r["accuracy_per_seed"]) == 2
+        assert 0 <= r["p50"] <= r["p90"] <= 6
+        assert r["budget_hit"] + r["eos"] == pytest.approx(1.0)  # every generation stopped one of the two ways
+    by = {(r["variant"], r["task"]): r for r in results["rows"]}
+    assert by["baseline", "all"]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert by["frequency-0.5/phase-aware", "all"]["kl"] > 0
+    assert by["frequency-0.5/reverse", "all"]["kl"] > 0
+    assert sum(results["histograms"]["baseline"]["greedy"]) == 8
+
+
+def test_interrupted_sweep_resumes_from_completed_cells(swept, model, char_tok):
+    out, first = swept
+    cells = sorted((out / "cells").glob("*.json"))
+    assert len(cells) == 4 * 3  # 4 variants x (held-out + 2 seeds)
+    lost = out / "cells" / "frequency-0.5__reverse__greedy__seed1.json"
+    lost.unlink()  # as if the sweep was killed before this cell finished
+    stamps = {p: p.stat().st_mtime_ns for p in cells if p != lost}
+    again = Sweep(small_settings(), out, model=model, tokenizer=char_tok, command="moetailor eval tiny").run()
+    assert again["timing"]["computed_cells"] == 1 and again["timing"]["cached_cells"] == 11
+    assert lost.exists()
+    assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())
+    assert again["rows"] == first["rows"]  # greedy generation is deterministic
+
+
+def test_changed_settings_do_not_reuse_cells(swept, model, char_tok):
+    out, _ = swept
+    results = Sweep(small_settings(max_tokens=5, configs=parse_configs("baseline")), out, model=model,
+                    tokenizer=char_tok, command="x").run()
+    assert results["timing"]["computed_cells"] == 3
+    assert all(r["p90"] <= 5 for r in results["rows"])
+
+
+def test_budget_is_twice_the_longest_reference_answer(char_tok):
+    for name in ("addition", "sorting"):
+        budget = task_budget(TASKS[name], char_tok)
+        longest = max(len(char_tok(ex.completion)["input_ids"]) + 1 for ex in eval_examples(TASKS[name], 60, 0))
+        assert 2 * longest <= budget <= 4 * longest
+
+
+def test_plan_for_another_model_is_an_error(model, char_tok, tmp_path):
+    other = tiny_model("qwen2_moe", seed=3, num_experts=8, top_k=2)
+    path = uniform_plan(other, decode=LayerPolicy(keep=(0, 1, 2, 3))).save(tmp_path / "other.json")
+    with pytest.raises(PlanMismatch, match="does not match the model"):
+        Sweep(small_settings(sweep=None, plan=str(path)), tmp_path / "out", model=model, tokenizer=char_tok).run()
+
+
+def test_bad_settings_are_errors():
+    with pytest.raises(ValueError, match="--n must be a positive"):
+        small_settings(n=0).validate()
+    with pytest.raises(ValueError, match="--n must be a positive"):
+        small_settings(n=-3).validate()
+    with pytest.raises(ValueError, match="valid tasks: addition"):
+        small_settings(tasks=["addition", "poetry"]).validate()
+    with pytest.raises(ValueError, match="need a plan"):
+        small_settings(sweep=None).validate()
+    with pytest.raises(ValueError, match="unknown sampling mode"):
+        small_settings(sampling=["beam"]).validate()
+    with pytest.raises(ValueError, match="valid criteria: frequency"):
+        parse_sweep("criteria=frequency,vibes;keep=0.5")
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        parse_sweep("criteria=reap;keep=50")
+    assert parse_sweep("paper") == (("frequency", "reap", "ean", "mass"), (0.5, 0.25))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--n", "0"], "--n must be a positive"),
+    (["--tasks", "addition,poetry"], "valid tasks"),
+    (["--sweep", "criteria=vibes"], "valid criteria"),
+    (["--sweep", "paper", "--configs", "baseline,halfway"], "valid configurations"),
+])
+def test_cli_rejects_bad_input_before_loading_a_model(argv, message, tmp_path, capsys):
+    assert main(["eval", "no-such-model-dir", "--out", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sampled_generation_is_reproducible_per_seed(model, char_tok, tmp_path):
+    settings = small_settings(sweep=None, configs=parse_configs("baseline"), sampling=["sample"], seeds=1, n=3,
+                              max_tokens=5)
+    a = Sweep(settings, tmp_path / "a", model=model, tokenizer=char_tok).run()
+    b = Sweep(settings, tmp_path / "b", model=model, tokenizer=char_tok).run()
+    assert a["rows"] == b["rows"]
+    assert all(r["sampling"] == "sample" for r in a["rows"])
