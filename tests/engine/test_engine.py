@@ -180,7 +180,9 @@ def test_set_plan_switches_the_decode_pool():
 def test_grouped_and_loop_experts_agree_with_sentinel_routes(arch):
     model = tiny_model(arch, seed=6)
     prompts = random_prompts([5, 12, 8], seed=6)
-    plan = uniform_plan(model, decode=LayerPolicy(keep=(1, 3, 4, 6), pool_mode="drop"))  # drop -> sentinels
-    params = [SamplingParams(max_tokens=8, ignore_eos=True, expert_top_k=k) for k in (1, None, 2)]
-    outs = {impl: LLM(model, plan, experts_impl=impl).generate(prompts, params) for impl in ("grouped", "loop")}
-    assert [o.token_ids for o in outs["grouped"]] == [o.token_ids for o in outs["loop"]]
+    drop = uniform_plan(model, decode=LayerPolicy(keep=(1, 3, 4, 6), pool_mode="drop"))  # drop -> sentinels
+    budgets = [SamplingParams(max_tokens=8, ignore_eos=True, expert_top_k=k) for k in (1, None, 2)]
+    plain = SamplingParams(max_tokens=8, ignore_eos=True)
+    for plan, params in ((drop, plain), (None, budgets)):
+        outs = {impl: LLM(model, plan, experts_impl=impl).generate(prompts, params) for impl in ("grouped", "loop")}
+        assert [o.token_ids for o in outs["grouped"]] == [o.token_ids for o in outs["loop"]]

@@ -119,3 +119,11 @@ def test_phase_policy_json_round_trip():
     policy = PhasePolicy({0: LayerPolicy(keep=(3, 1, 2)), 2: LayerPolicy(top_k=2, skip_beta=0.5)})
     again = PhasePolicy.from_json(policy.to_json())
     assert again == policy and again.layers[0].keep == (1, 2, 3)
+
+
+def test_per_token_k_combines_with_drop_and_fold_pools():
+    k_per_token = torch.tensor([1, 3])
+    for mode in ("drop", "fold"):
+        w, i = run(LayerPolicy(keep=(0, 1, 4, 5), pool_mode=mode), tables(), token_top_k=k_per_token)
+        assert (i[0, 1:] == E).all() and i[0, 0] == 0
+        assert set(i[1].tolist()) - {E} <= {0, 1, 4, 5}

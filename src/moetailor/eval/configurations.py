@@ -140,3 +140,6 @@ def parse_configs(spec: str | list[str]) -> list[ConfigSpec]:
     if len({s.label for s in out}) != len(out):
         raise ValueError(f"configuration list {items} names one configuration twice")
     return out
+
+
+from . import technique_configs  # noqa: E402,F401  (folding and skipping configurations, issues 7 and 8)

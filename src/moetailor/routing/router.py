@@ -101,11 +101,12 @@ def route(logits: torch.Tensor, sem: RouterSemantics, cp: CompiledPolicy, bias: 
         beyond = torch.arange(k, device=index.device)[None, :] >= token_top_k[:, None]  # [T, k]
         weights, index = _drop(weights, index, beyond, sentinel, renormalise=sem.normalise)
     if p.keep is not None and p.pool_mode != "mask":
-        outside = ~cp.keep_mask[index]                                     # [T, k]
+        safe = index.clamp_max(E - 1)                                       # sentinels stay sentinels
+        outside = (index < E) & ~cp.keep_mask[safe]                         # [T, k]
         if p.pool_mode == "fold":
-            folded_w = weights * cp.pool_scale[index]
+            folded_w = weights * cp.pool_scale[safe]
             weights = torch.where(outside, folded_w, weights)
-            index = torch.where(outside, cp.pool_target[index], index)
+            index = torch.where(outside, cp.pool_target[safe], index)
             outside = outside & (folded_w == 0)                             # unobserved pairs are dropped
         weights, index = _drop(weights, index, outside, sentinel, renormalise=False)
     if p.skip_beta is not None:

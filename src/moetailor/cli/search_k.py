@@ -1,0 +1,76 @@
+"""`moetailor search-k MODEL --budget N --out PLAN`: a per-layer active-expert allocation that keeps
+next-token KL to the full model low under a total budget (coordinate descent; see plans/search_k.py)."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from .common import print_table
+
+
+def register(sub) -> None:
+    p = sub.add_parser("search-k", help="search a per-layer active-expert allocation under a total budget "
+                       "(next-token KL to the full model on calibration text) and write it as a plan")
+    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget", type=int, help="total active experts per token summed over MoE layers")
+    budget.add_argument("--mean-k", type=float, help="mean active experts per MoE layer (budget = round(mean * layers))")
+    p.add_argument("--out", required=True, help="plan JSON to write")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--phase", choices=("both", "decode", "prefill"), default="both",
+                   help="phases the allocation applies to (default both)")
+    p.add_argument("--data", default="mix", help="calibration text spec, as for `moetailor calibrate` (default mix)")
+    p.add_argument("--tokens", type=int, default=4096, help="calibration tokens scored per allocation (default 4096)")
+    p.add_argument("--window", type=int, default=128, help="tokens per window; KL is scored on each second half")
+    p.add_argument("--max-rounds", type=int, default=20, help="at most this many accepted transfers")
+    p.add_argument("--tol", type=float, default=1e-4, help="a transfer must lower KL by more than this (nats)")
+    p.add_argument("--heldout-docs", type=int, default=1,
+                   help="held-out documents per text domain to check the result on (0 = skip)")
+    p.add_argument("--accuracy-n", type=int, default=0,
+                   help="also report greedy task accuracy (full, uniform, searched) on N prompts per task")
+    p.add_argument("--tasks", default="all", help="tasks for --accuracy-n")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..models import load_model, load_tokenizer
+    from ..models.loading import resolve_model_path
+    from ..plans.search_k import search_plan
+    from ..plans.techniques import Shape
+
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise FileExistsError(f"{out} exists; pass --force to overwrite it or choose another --out")
+    if args.tokens < 1 or args.window < 4:
+        raise ValueError("--tokens must be >= 1 and --window >= 4")
+    resolve_model_path(args.model)
+    model = load_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    shape = Shape.of(model)
+    budget = args.budget if args.budget is not None else int(round(args.mean_k * len(shape.layers)))
+    command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["search-k"] else None
+    plan, summary = search_plan(model, tokenizer, budget, data=args.data, tokens=args.tokens, window=args.window,
+                                phase=args.phase, max_rounds=args.max_rounds, tol=args.tol,
+                                heldout_docs=args.heldout_docs, accuracy_n=args.accuracy_n, tasks=args.tasks,
+                                seed=args.seed, command=command)
+    plan.save(out)
+    s = summary["search"]
+    rows = [(pos, layer, u, k) for pos, (layer, u, k) in enumerate(zip(shape.layers, s["uniform"], s["ks"]))]
+    print_table(f"search-k {args.model}: budget {budget} ({budget / len(shape.layers):.2f} per layer), "
+                f"{args.phase} phase(s)", ["MoE layer", "decoder layer", "uniform k", "searched k"], rows)
+    quality = [("KL on search text (nats/token)", f"{s['uniform_kl']:.4f}", f"{s['kl']:.4f}")]
+    if "heldout" in summary:
+        h = summary["heldout"]
+        quality.append(("KL on held-out text", f"{h['uniform_kl']:.4f}", f"{h['searched_kl']:.4f}"))
+    if "accuracy" in summary:
+        a = summary["accuracy"]
+        quality.append((f"task accuracy (n={args.accuracy_n}/task; full {100 * a['full']:.1f}%)",
+                        f"{100 * a['uniform']:.1f}%", f"{100 * a['searched']:.1f}%"))
+    print_table(f"quality ({s['evaluations']} allocations scored, {s['rounds']} transfers, {summary['seconds']:.0f} s)",
+                ["measure", "uniform", "searched"], quality)
+    print(f"wrote {out}  (evaluate: moetailor eval {args.model} --plan {out} --configs baseline,plan)")
+    print(json.dumps({"ks": s["ks"], "kl": s["kl"], "uniform_kl": s["uniform_kl"]}))
+    return 0

@@ -1,0 +1,147 @@
+"""Evaluation configurations for folding (issue 7) and skipping (issue 8); see plans/techniques.py.
+
+    fold-prefill:K    prefill tokens keep K of k routes, the rest folded; full decode
+    drop-prefill:K    the same without folding (the rest dropped, not renormalised)
+    fold-decode:D     decode steps keep a pool of D experts, routes outside folded; full prefill
+    drop-decode:D     the same pool (same importance), routes outside dropped
+    plan+fold         the plan's decode pool, excluded routes folded (phase-aware pruning + folding)
+    plan+drop         the plan's decode pool, excluded routes dropped (no re-routing, no folding)
+    topk-decode:K     k' = K in decode only;  topk-prefill:K  in prefill only  (``topk:K``: both)
+    layer-k:K1/K2/..  per-MoE-layer k in both phases;  bhep:B/H/E/P  the four-tuple allocation
+    skip              NAEE dynamic skipping, per-layer beta from statistics, both phases
+    skip-decode       the same in decode only
+
+Fold statistics (and the stats skip reads beta from) come from, in order: ``@PATH`` after the
+argument (``fold-decode:32@stats.safetensors``), the base plan's ``fold_stats``, the base plan's
+``meta.stats`` (skip only), else a fold calibration of the model made once and cached
+(``plans.techniques.ensure_fold_stats``). Loaded when the configuration is built, so the held-out
+KL (which runs before the engine) sees the tables too.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from ..plans.techniques import (Shape, bhep_policy, ensure_fold_stats, fold_decode, fold_prefill, layer_k_policy,
+                                load_checked_stats, parse_k_list, pool_with_fold, skip_policy, technique_plan,
+                                top_k_policy)
+from .configurations import configuration, pruning_policy
+
+
+def _split(arg: str | None, example: str) -> tuple[str, str | None]:
+    """'32@path' -> ('32', 'path')."""
+    if not arg:
+        raise ValueError(f"this configuration needs an argument, e.g. {example}")
+    value, _, path = arg.partition("@")
+    return value.strip(), (path.strip() or None)
+
+
+def _int(value: str, name: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} needs an integer argument ({name}:4), got {value!r}") from None
+
+
+def _stats(model, plan, explicit: str | None, for_skip: bool = False) -> Path:
+    if explicit:
+        return ensure_fold_stats(model, path=explicit)
+    if plan is not None and plan.fold_stats and Path(plan.fold_stats).is_file():
+        return Path(plan.fold_stats)
+    if for_skip and plan is not None and plan.meta.get("stats") and Path(plan.meta["stats"]).is_file():
+        return Path(plan.meta["stats"])
+    return ensure_fold_stats(model)
+
+
+def _plan(model, base, label: str, prefill=None, decode=None, stats=None):
+    meta = {**(base.meta if base is not None else {}), "configuration": label}
+    return technique_plan(model, prefill, decode, stats, **meta)
+
+
+def _fold_config(kind: str, fold: bool):
+    name = f"{'fold' if fold else 'drop'}-{kind}"
+    arg_name = "K_pre" if kind == "prefill" else "D"
+    example = f"{name}:{4 if kind == 'prefill' else 32}"
+
+    def build(model, plan, arg):
+        value, path = _split(arg, example)
+        n = _int(value, name)
+        shape = Shape.of(model)
+        policy = fold_prefill(shape, n, fold) if kind == "prefill" else fold_decode(shape, n, fold)
+        stats = _stats(model, plan, path) if (fold or kind == "decode") else None
+        label = f"{name}:{n}"
+        return _plan(model, plan, label, **{kind: policy}, stats=stats)
+
+    what = "each prefill token keeps K_pre of its k routes" if kind == "prefill" else "each decode step keeps D experts"
+    configuration(name, uses_plan=False, takes_arg=True,
+                  help=f"{example}[@STATS] — {what}, the rest {'folded (ExFold)' if fold else 'dropped'}; "
+                       f"{arg_name} is the budget")(build)
+
+
+for _kind in ("prefill", "decode"):
+    for _fold in (True, False):
+        _fold_config(_kind, _fold)
+
+
+def _pool(fold: bool):
+    label = "plan+fold" if fold else "plan+drop"
+
+    def build(model, plan, arg):
+        policy = pool_with_fold(pruning_policy(plan), fold)
+        stats = _stats(model, plan, None) if fold else None
+        return _plan(model, plan, label, decode=policy, stats=stats)
+
+    configuration(label, uses_plan=True,
+                  help=f"full prefill, the plan's decode pool with excluded routes "
+                       f"{'folded onto kept experts (ExFold)' if fold else 'dropped (no re-routing)'}")(build)
+
+
+_pool(True)
+_pool(False)
+
+
+def _topk(phase: str):
+    def build(model, plan, arg):
+        k = _int(arg, f"topk-{phase}")
+        return _plan(model, plan, f"topk-{phase}:{k}", **{phase: top_k_policy(Shape.of(model), k)})
+
+    configuration(f"topk-{phase}", uses_plan=False, takes_arg=True,
+                  help=f"topk-{phase}:K — every token uses K experts in {phase} only")(build)
+
+
+_topk("decode")
+_topk("prefill")
+
+
+@configuration("layer-k", uses_plan=False, takes_arg=True,
+               help="layer-k:K1/K2/... — one k per MoE layer (in order), both phases")
+def _layer_k(model, plan, arg):
+    policy = layer_k_policy(Shape.of(model), parse_k_list(arg))
+    return _plan(model, plan, f"layer-k:{arg}", prefill=policy, decode=policy)
+
+
+@configuration("bhep", uses_plan=False, takes_arg=True,
+               help="bhep:B/H/E/P — B experts in the first MoE layer, H at layer P, E in the last, interpolated")
+def _bhep(model, plan, arg):
+    values = parse_k_list(arg)
+    if len(values) != 4:
+        raise ValueError(f"bhep takes four numbers B/H/E/P, got {arg!r}")
+    policy = bhep_policy(Shape.of(model), *values)
+    return _plan(model, plan, f"bhep:{arg}", prefill=policy, decode=policy)
+
+
+def _skip(phases: tuple[str, ...], name: str):
+    def build(model, plan, arg):
+        stats = load_checked_stats(_stats(model, plan, None, for_skip=True), model)
+        policy = skip_policy(Shape.of(model), stats)
+        built = _plan(model, plan, name, **{p: policy for p in phases})
+        betas = {str(i): p.skip_beta for i, p in policy.layers.items()}
+        return replace(built, meta={**built.meta, "skip_beta": betas})
+
+    configuration(name, uses_plan=False,
+                  help=f"NAEE dynamic skipping in {' and '.join(phases)} (per-layer beta = median w2/w1 from "
+                       "calibration statistics)")(build)
+
+
+_skip(("prefill", "decode"), "skip")
+_skip(("decode",), "skip-decode")

@@ -1,0 +1,183 @@
+"""`moetailor search-k`: a per-layer active-expert allocation under a total budget (issue 8).
+
+Quality is the next-token KL divergence from the full model on calibration text (teacher-forced,
+scored as the engine serves: first half of each window under the prefill policy, second half
+from that KV cache under the decode policy; ``eval.metrics.HeldoutScorer``).
+
+The search is coordinate descent over single-expert transfers, so the total stays fixed:
+
+  1. start from the uniform allocation: budget // n per MoE layer, the remainder one each to the
+     last layers;
+  2. each round, evaluate every move "one expert from layer i to layer j" (k_i > 1, k_j < k),
+     and take the move that lowers KL most;
+  3. stop when no move lowers KL by more than ``tol`` nats, or after ``max_rounds`` rounds.
+
+Allocations already scored are cached, so a round costs at most n(n-1) forward passes over the
+calibration windows. The result is checked on held-out text (the bundled held-out documents,
+never seen by the search) and optionally on task accuracy, and written as a plan.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ..routing.policy import PhasePolicy
+from .plan import Plan
+from .techniques import Shape, layer_k_policy, technique_plan
+
+SEARCH_PHASES = ("both", "decode", "prefill")
+METHOD = ("coordinate descent over single-expert transfers between MoE layers (total fixed), from the uniform "
+          "allocation; each round takes the transfer that lowers next-token KL to the full model most; stops when "
+          "none lowers it by more than tol or after max_rounds")
+
+
+@dataclass
+class SearchResult:
+    ks: list[int]                      # per MoE layer, the chosen k
+    kl: float                          # its KL on the search text
+    uniform: list[int]                 # the starting allocation
+    uniform_kl: float
+    rounds: int
+    evaluations: int
+    history: list[dict] = field(default_factory=list)   # one entry per accepted move
+
+    def to_json(self) -> dict:
+        return {"ks": self.ks, "kl": self.kl, "uniform": self.uniform, "uniform_kl": self.uniform_kl,
+                "rounds": self.rounds, "evaluations": self.evaluations, "history": self.history}
+
+
+def uniform_allocation(shape: Shape, budget: int) -> list[int]:
+    """budget // n experts per MoE layer; the remainder goes one each to the last layers."""
+    n = len(shape.layers)
+    if not n <= budget <= n * shape.top_k:
+        raise ValueError(f"a total budget of {budget} active experts cannot be spread over {n} MoE layers with "
+                         f"1..{shape.top_k} experts each; choose a budget in [{n}, {n * shape.top_k}]")
+    base, extra = divmod(budget, n)
+    return [base + (1 if pos >= n - extra else 0) for pos in range(n)]
+
+
+def phase_policies(policy: PhasePolicy, phase: str) -> tuple[PhasePolicy | None, PhasePolicy | None]:
+    """(prefill, decode) for a search phase."""
+    if phase not in SEARCH_PHASES:
+        raise ValueError(f"unknown phase {phase!r}; choose from {', '.join(SEARCH_PHASES)}")
+    return (policy if phase in ("both", "prefill") else None, policy if phase in ("both", "decode") else None)
+
+
+def search_k(model, windows: list[list[int]], budget: int, *, phase: str = "both", max_rounds: int = 20,
+             tol: float = 1e-4, start: list[int] | None = None, progress: bool = True, log=None) -> SearchResult:
+    """Coordinate descent (see the module docstring) on ``windows`` of calibration token ids."""
+    from tqdm import tqdm
+
+    from ..eval.metrics import HeldoutScorer
+
+    log = log or (lambda m: print(m, file=sys.stderr))
+    shape = Shape.of(model)
+    phase_policies(PhasePolicy(), phase)   # validate before any work
+    if max_rounds < 0:
+        raise ValueError(f"--max-rounds must be >= 0, got {max_rounds}")
+    current = list(start) if start is not None else uniform_allocation(shape, budget)
+    layer_k_policy(shape, current)
+    if sum(current) != budget:
+        raise ValueError(f"the start allocation {current} spends {sum(current)} experts, not the budget {budget}")
+    scorer = HeldoutScorer(model, windows)
+    scored: dict[tuple[int, ...], float] = {}
+
+    def kl(ks: list[int]) -> float:
+        key = tuple(ks)
+        if key not in scored:
+            scored[key] = scorer.score(*phase_policies(layer_k_policy(shape, ks), phase)).kl
+        return scored[key]
+
+    n, k = len(current), shape.top_k
+    uniform, current_kl = list(current), kl(current)
+    history, rounds = [], 0
+    for rounds in range(1, max_rounds + 1):
+        moves = [(i, j) for i in range(n) for j in range(n) if i != j and current[i] > 1 and current[j] < k]
+        best = None
+        for i, j in tqdm(moves, desc=f"search-k round {rounds}", unit="move", disable=not progress, file=sys.stderr,
+                         leave=False):
+            cand = list(current)
+            cand[i] -= 1
+            cand[j] += 1
+            value = kl(cand)
+            if best is None or value < best[0]:
+                best = (value, cand, i, j)
+        if best is None or best[0] >= current_kl - tol:
+            rounds -= 1
+            break
+        history.append({"round": rounds, "from_layer": best[2], "to_layer": best[3], "ks": best[1], "kl": best[0]})
+        log(f"round {rounds}: move one expert from MoE layer {best[2]} to {best[3]} -> {best[1]}, "
+            f"KL {current_kl:.4f} -> {best[0]:.4f}")
+        current, current_kl = best[1], best[0]
+    return SearchResult(current, current_kl, uniform, scored[tuple(uniform)], rounds, len(scored), history)
+
+
+def calibration_windows(tokenizer, data: str, tokens: int, window: int, seed: int = 0) -> list[list[int]]:
+    """Full-length windows of calibration text (the spec of ``moetailor calibrate --data``)."""
+    from ..calibration.data import iter_token_windows
+
+    if window < 4:
+        raise ValueError(f"--window must be at least 4 tokens, got {window}")
+    out = [w for w in iter_token_windows(tokenizer, data, tokens, window, seed) if len(w) == window]
+    if not out:
+        raise ValueError(f"--tokens {tokens} is less than one window of {window} tokens; raise --tokens")
+    return out
+
+
+def task_accuracy(model, tokenizer, plans: dict[str, Plan | None], n: int, tasks: str = "all",
+                  seed: int = 0) -> dict[str, float]:
+    """Greedy exact-match accuracy of each plan over ``n`` prompts per task, through the engine."""
+    from ..engine import LLM, SamplingParams
+    from ..eval.metrics import accuracy, score_output
+    from ..eval.runner import task_budget
+    from ..eval.tasks import eval_examples, resolve_tasks
+
+    chosen = resolve_tasks(tasks)
+    examples = [ex for t in chosen for ex in eval_examples(t, n, seed)]
+    budgets = {t.name: task_budget(t, tokenizer) for t in chosen}
+    params = [SamplingParams(max_tokens=budgets[ex.task], temperature=0.0) for ex in examples]
+    llm = LLM(model, tokenizer=tokenizer, max_num_seqs=64)
+    out = {}
+    for name, plan in plans.items():
+        llm.set_plan(plan)
+        outputs = llm.generate([ex.prompt for ex in examples], params)
+        out[name] = accuracy([score_output(ex, o, p.max_tokens) for ex, o, p in zip(examples, outputs, params)])
+    llm.set_plan(None)
+    return out
+
+
+def search_plan(model, tokenizer, budget: int, *, data: str = "mix", tokens: int = 4096, window: int = 128,
+                phase: str = "both", max_rounds: int = 20, tol: float = 1e-4, heldout_docs: int = 1,
+                accuracy_n: int = 0, tasks: str = "all", seed: int = 0, progress: bool = True,
+                command: str | None = None, log=None) -> tuple[Plan, dict]:
+    """Search, check on held-out text (and tasks), and return the plan with a summary."""
+    from ..data.corpus import bundled_documents
+    from ..eval.metrics import HeldoutScorer, heldout_windows
+
+    t0 = time.time()
+    shape = Shape.of(model)
+    uniform_allocation(shape, budget)
+    phase_policies(PhasePolicy(), phase)
+    windows = calibration_windows(tokenizer, data, tokens, window, seed)
+    result = search_k(model, windows, budget, phase=phase, max_rounds=max_rounds, tol=tol, progress=progress, log=log)
+    summary = {"budget": budget, "mean_k": budget / len(shape.layers), "phase": phase, "method": METHOD,
+               "data": data, "tokens": len(windows) * window, "window": window, "tol": tol,
+               "max_rounds": max_rounds, "search": result.to_json()}
+    if heldout_docs > 0:
+        held = heldout_windows(tokenizer, bundled_documents("heldout"), heldout_docs, window)
+        scorer = HeldoutScorer(model, held)
+        summary["heldout"] = {
+            "tokens": len(held) * (window - window // 2),
+            "uniform_kl": scorer.score(*phase_policies(layer_k_policy(shape, result.uniform), phase)).kl,
+            "searched_kl": scorer.score(*phase_policies(layer_k_policy(shape, result.ks), phase)).kl}
+    policy = layer_k_policy(shape, result.ks)
+    prefill, decode = phase_policies(policy, phase)
+    plan = technique_plan(model, prefill, decode, None, technique="layer-k", search=summary, command=command)
+    if accuracy_n > 0:
+        uniform_plan = technique_plan(model, *phase_policies(layer_k_policy(shape, result.uniform), phase))
+        summary["accuracy"] = task_accuracy(model, tokenizer, {"full": None, "uniform": uniform_plan,
+                                                               "searched": plan}, accuracy_n, tasks, seed)
+        summary["accuracy_n"] = accuracy_n
+    summary["seconds"] = round(time.time() - t0, 1)
+    return plan, summary

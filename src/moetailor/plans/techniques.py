@@ -1,0 +1,393 @@
+"""Plan builders for expert folding (ExFold, issue 7) and expert skipping / per-layer allocation
+(Faster MoE inference, issue 8). Every technique is a setting of the shared ``LayerPolicy``; this
+module only writes policies and plans, ``routing.router.route`` applies them.
+
+Folding (``../shared/papers/README.md`` §2):
+  fold-prefill:K   each token keeps K of its top-k routes, the rest fold onto the kept expert with
+                   the lowest loss L[src, dst] (weight S[src, dst] * g_src added)   token_keep=K
+  fold-decode:D    each step keeps a pool of D experts by batch importance (sum of gate x mean
+                   output norm); routes outside the pool fold onto the lowest-loss pool expert
+                                                                                    batch_pool=D
+  plan+fold        a plan's static pool (``keep``), excluded routes folded        pool_mode="fold"
+  drop-*/plan+drop the same budgets without folding: excluded routes vanish, no renormalisation
+                   (the pool of drop-decode is chosen with the same importance as fold-decode)
+
+Skipping (§4):
+  topk:K           every token uses K < k experts (renormalised as the model's router does)
+  layer-k:LIST     one K per MoE layer (in MoE-layer order)
+  bhep:B/H/E/P     the four-tuple: B experts in the first MoE layer, H at MoE layer P, E in the
+                   last, linearly interpolated between (rounded half up)
+  skip             NAEE dynamic skipping: per layer beta = median over calibration tokens of
+                   w_2 / w_1 (``LayerStats.beta``); ranks whose weight ratio to the top expert is
+                   below beta drop out, the rest renormalised; the top expert never drops
+
+Layer positions (``P``, list entries) count MoE layers from 0, not decoder layers.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..models.loading import model_fingerprint
+from ..routing.policy import FULL_PHASE, LayerPolicy, PhasePolicy
+from .plan import Plan
+
+FOLD_CALIB_TOKENS = 32768   # tokens of the default fold calibration (same as `moetailor eval --sweep`)
+FOLD_CALIB_DATA = "mix"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a policy builder needs to know about a model."""
+
+    layers: tuple[int, ...]   # MoE decoder-layer indices
+    num_experts: int          # m
+    top_k: int                # k
+
+    @classmethod
+    def of(cls, model_or_fingerprint) -> "Shape":
+        fp = model_or_fingerprint if isinstance(model_or_fingerprint, dict) else model_fingerprint(model_or_fingerprint)
+        return cls(tuple(fp["moe_layers"]), int(fp["num_experts"]), int(fp["top_k"]))
+
+
+def _int(value, what: str) -> int:
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise ValueError(f"{what} must be an integer, got {value!r}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# folding (ExFold) and its no-fold baselines
+# ---------------------------------------------------------------------------------------------
+
+def fold_prefill(shape: Shape, k_pre: int, fold: bool = True) -> PhasePolicy:
+    """Token-level folding: each token keeps its ``k_pre`` strongest routes (K_pre in [1, k])."""
+    if not 1 <= k_pre <= shape.top_k:
+        raise ValueError(f"K_pre={k_pre} must be in [1, {shape.top_k}] (each token keeps K_pre of the model's "
+                         f"top-{shape.top_k} experts)")
+    return PhasePolicy.uniform(list(shape.layers), LayerPolicy(token_keep=k_pre, fold=fold))
+
+
+def fold_decode(shape: Shape, pool: int, fold: bool = True) -> PhasePolicy:
+    """Batch-level folding: each step keeps a pool of ``pool`` experts (D in [1, m])."""
+    if not 1 <= pool <= shape.num_experts:
+        raise ValueError(f"D={pool} must be in [1, {shape.num_experts}] (the step's pool is D of the "
+                         f"{shape.num_experts} routed experts)")
+    return PhasePolicy.uniform(list(shape.layers), LayerPolicy(batch_pool=pool, fold=fold))
+
+
+def pool_with_fold(policy: PhasePolicy, fold: bool = True) -> PhasePolicy:
+    """A static pool (a plan's ``keep`` lists, e.g. from pruning) whose excluded routes fold onto
+    kept experts (``fold``) or vanish (plain drop), instead of the masked router's re-routing."""
+    layers = {i: replace(p, pool_mode="fold" if fold else "drop") for i, p in policy.layers.items()
+              if p.keep is not None}
+    if not layers:
+        raise ValueError("the plan keeps no static expert pool (no `keep` lists) to fold or drop; make one with "
+                         "`moetailor plan`")
+    return PhasePolicy({i: layers.get(i, p) for i, p in policy.layers.items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# skipping: top-k reduction, per-layer k, the (b, h, e, p) four-tuple, NAEE dynamic skipping
+# ---------------------------------------------------------------------------------------------
+
+def check_k(shape: Shape, k: int, where: str = "") -> int:
+    at = f" ({where})" if where else ""
+    if not 1 <= k <= shape.top_k:
+        raise ValueError(f"k'={k}{at} must be in [1, {shape.top_k}]: a token can use at most the model's "
+                         f"top-{shape.top_k} experts and at least one")
+    return k
+
+
+def top_k_policy(shape: Shape, k: int) -> PhasePolicy:
+    """Every token uses ``k`` experts in every MoE layer (k = the model's k is the full router)."""
+    check_k(shape, k)
+    if k == shape.top_k:
+        return FULL_PHASE
+    return PhasePolicy.uniform(list(shape.layers), LayerPolicy(top_k=k))
+
+
+def layer_k_policy(shape: Shape, ks: list[int]) -> PhasePolicy:
+    """One active-expert count per MoE layer, in MoE-layer order."""
+    if len(ks) != len(shape.layers):
+        raise ValueError(f"the per-layer list has {len(ks)} entries but the model has {len(shape.layers)} MoE "
+                         f"layers; give one k per MoE layer (e.g. {'/'.join([str(shape.top_k)] * len(shape.layers))})")
+    for pos, k in enumerate(ks):
+        check_k(shape, k, f"MoE layer {pos}")
+    return PhasePolicy({i: LayerPolicy(top_k=k) for i, k in zip(shape.layers, ks) if k != shape.top_k})
+
+
+def layer_ks(policy: PhasePolicy, shape: Shape) -> list[int]:
+    """The active-expert count per MoE layer a policy's ``top_k`` fields give (inverse of layer_k_policy)."""
+    return [policy.for_layer(i).top_k or shape.top_k for i in shape.layers]
+
+
+def interpolate_k(num_layers: int, b: int, h: int, e: int, p: int) -> list[int]:
+    """The four-tuple allocation: ``b`` at MoE layer 0, ``h`` at layer ``p``, ``e`` at the last
+    layer, linear in between, rounded half up. ``p`` at an end layer needs that end's value equal h."""
+    if num_layers < 1:
+        raise ValueError("the model has no MoE layers to allocate experts to")
+    last = num_layers - 1
+    if not 0 <= p <= last:
+        raise ValueError(f"p={p} is outside the MoE layers 0..{last}; the peak layer must be one of them")
+    if p == 0 and b != h:
+        raise ValueError(f"p=0 puts the peak on the first layer, so b ({b}) and h ({h}) must be equal")
+    if p == last and e != h and last > 0:
+        raise ValueError(f"p={p} puts the peak on the last layer, so e ({e}) and h ({h}) must be equal")
+    out = []
+    for i in range(num_layers):
+        if i <= p:
+            x = b + (h - b) * (i / p) if p > 0 else h
+        else:
+            x = h + (e - h) * ((i - p) / (last - p))
+        out.append(int(math.floor(x + 0.5)))
+    return out
+
+
+def parse_k_list(text: str) -> list[int]:
+    """'4/4/6/8', '4-4-6-8', '4,4,6,8' or '[4, 4, 6, 8]' -> [4, 4, 6, 8]."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{text!r} is not a valid JSON list ({e})") from None
+        if not isinstance(values, list) or not all(isinstance(v, int) for v in values):
+            raise ValueError(f"{text!r} must be a JSON list of integers")
+        return values
+    parts = [p for p in re.split(r"[/,\- ]+", text) if p]
+    if not parts:
+        raise ValueError("the per-layer list is empty; write one k per MoE layer, e.g. 4/4/6/8")
+    return [_int(p, f"per-layer list entry {p!r}") for p in parts]
+
+
+def bhep_policy(shape: Shape, b: int, h: int, e: int, p: int) -> PhasePolicy:
+    return layer_k_policy(shape, interpolate_k(len(shape.layers), b, h, e, p))
+
+
+def skip_policy(shape: Shape, stats, beta: float | None = None) -> PhasePolicy:
+    """NAEE-style dynamic skipping with per-layer beta from ``stats`` (an ExpertStats), or one
+    ``beta`` for every layer."""
+    if beta is not None:
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta={beta} must be in [0, 1] (a ratio w_i / w_1 of gate weights)")
+        return PhasePolicy.uniform(list(shape.layers), LayerPolicy(skip_beta=float(beta)))
+    if stats is None:
+        raise ValueError("dynamic skipping needs beta: pass a statistics file (`moetailor calibrate`) or a number")
+    layers = {}
+    for i in shape.layers:
+        if i not in stats.layers:
+            raise ValueError(f"the statistics have no MoE layer {i}; they were made for another model — rerun "
+                             "`moetailor calibrate` on this model")
+        b = stats.layers[i].beta
+        if b is None:
+            raise ValueError(f"the statistics saw no tokens in layer {i}, so beta is unknown; calibrate on more text")
+        layers[i] = LayerPolicy(skip_beta=round(float(b), 6))
+    return PhasePolicy(layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# fold statistics: where they come from and how a model gets them
+# ---------------------------------------------------------------------------------------------
+
+def load_checked_stats(stats, model):
+    """An ExpertStats from a path (or as given), checked against ``model`` (clear error otherwise)."""
+    from ..calibration import ExpertStats
+
+    if stats is None:
+        return None
+    if not isinstance(stats, ExpertStats):
+        stats = ExpertStats.load(stats)
+    stats.check_model(model)
+    return stats
+
+
+def attach_fold_tables(model, stats_path: str | Path) -> None:
+    """Load ExFold tables from ``stats_path`` into the model's RoutingController (checked against the
+    model), so folding policies compile everywhere the controller is used (engine, held-out KL)."""
+    from ..calibration import load_fold_tables
+    from ..routing import RoutingController
+
+    ctl = RoutingController.of(model)
+    path = str(stats_path)
+    if getattr(ctl, "_moetailor_fold_source", None) == path and ctl.fold_tables:
+        return
+    tables = load_fold_tables(path, model)
+    ctl.fold_tables.clear()
+    ctl.fold_tables.update(tables)
+    ctl._cache.clear()          # compiled policies hold the old tables
+    ctl._moetailor_fold_source = path
+
+
+def default_stats_path(model) -> Path:
+    """Where auto-calibrated fold statistics of ``model`` are cached ($MOETAILOR_CACHE or
+    ~/.cache/moetailor, keyed by the router hash, so another model never picks them up)."""
+    root = Path(os.environ.get("MOETAILOR_CACHE") or Path.home() / ".cache" / "moetailor")
+    return root / "stats" / f"{model_fingerprint(model)['router_hash']}-fold.safetensors"
+
+
+def ensure_fold_stats(model, tokenizer=None, path: str | Path | None = None, tokens: int = FOLD_CALIB_TOKENS,
+                      data: str = FOLD_CALIB_DATA, log=None) -> Path:
+    """A statistics file with fold tables for ``model``: ``path`` when given (must exist), else the
+    cached default, calibrated once (``tokens`` of ``data``) when missing."""
+    from ..calibration import ExpertStats, StatsMismatch, calibrate
+
+    log = log or (lambda m: print(m, file=sys.stderr))
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"fold statistics {path} do not exist; create them with "
+                                    f"`moetailor calibrate MODEL --fold --out {path}`")
+        return path
+    path = default_stats_path(model)
+    if path.is_file():
+        try:
+            stats = ExpertStats.load(path)
+            stats.check_model(model)
+            if stats.has_fold:
+                return path
+        except (StatsMismatch, ValueError):
+            pass
+    if tokenizer is None:
+        source = getattr(model, "moetailor_source", None)
+        if source is None:
+            raise ValueError("no fold statistics were given and the model has no tokenizer to calibrate with; run "
+                             "`moetailor calibrate MODEL --fold --out STATS` and pass STATS (e.g. fold-decode:32@STATS)")
+        from ..models.loading import load_tokenizer
+        tokenizer = load_tokenizer(source)
+    log(f"calibrating fold tables on {tokens:,} tokens of {data!r} (once per model) -> {path}")
+    t0 = time.time()
+    stats = calibrate(model, tokenizer, data, tokens, fold=True, progress=False,
+                      command=f"auto: fold statistics for {getattr(model, 'moetailor_source', 'model')}")
+    stats.save(path)
+    log(f"calibrated fold tables in {time.time() - t0:.0f} s")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# plans and the per-phase spec parser (for `generate` / `serve` / `eval`)
+# ---------------------------------------------------------------------------------------------
+
+def technique_plan(model, prefill: PhasePolicy | None = None, decode: PhasePolicy | None = None,
+                   stats_path: str | Path | None = None, **meta) -> Plan:
+    """A plan for ``model`` with the given phase policies; ``stats_path`` is recorded as the plan's
+    fold statistics (and attached to the model) when a policy needs fold tables or pool importance."""
+    fp = model_fingerprint(model)
+    policies = [p for p in (prefill, decode) if p is not None]
+    needs = any(lp.needs_fold_tables or lp.batch_pool is not None for p in policies for lp in p.layers.values())
+    if needs and stats_path is None:
+        raise ValueError("this plan folds experts (or picks a batch pool by importance) and needs fold statistics; "
+                         "run `moetailor calibrate MODEL --fold --out STATS` and pass STATS")
+    if needs:
+        attach_fold_tables(model, stats_path)
+    meta.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S"))
+    return Plan(model=fp, prefill=prefill or FULL_PHASE, decode=decode or FULL_PHASE, meta=meta,
+                fold_stats=str(stats_path) if needs else None)
+
+
+SPEC_HELP = ("full | fold-prefill:K | drop-prefill:K | fold-decode:D | drop-decode:D | topk:K | layer-k:K1/K2/... | "
+             "bhep:B/H/E/P | skip | skip:BETA | pool-fold:PLAN | pool-drop:PLAN | plan:PLAN (its own policy "
+             "for this phase)")
+
+
+def policy_from_spec(model, spec: str, stats=None, phase: str = "decode") -> PhasePolicy:
+    """A phase policy from a short spec (see ``SPEC_HELP``). ``stats`` (a path or ExpertStats) gives
+    NAEE beta for ``skip``; fold tables are attached separately (``technique_plan``)."""
+    shape = Shape.of(model)
+    name, _, arg = spec.strip().partition(":")
+    arg = arg.strip()
+
+    def need_arg(example: str) -> str:
+        if not arg:
+            raise ValueError(f"policy {name!r} needs an argument, e.g. {example}")
+        return arg
+
+    if name == "full":
+        return FULL_PHASE
+    if name in ("fold-prefill", "drop-prefill"):
+        return fold_prefill(shape, _int(need_arg(f"{name}:4"), f"{name} K_pre"), fold=name.startswith("fold"))
+    if name in ("fold-decode", "drop-decode"):
+        return fold_decode(shape, _int(need_arg(f"{name}:32"), f"{name} D"), fold=name.startswith("fold"))
+    if name == "topk":
+        return top_k_policy(shape, _int(need_arg("topk:4"), "topk k'"))
+    if name == "layer-k":
+        return layer_k_policy(shape, parse_k_list(need_arg("layer-k:4/4/6/8")))
+    if name == "bhep":
+        values = parse_k_list(need_arg("bhep:2/8/4/2"))
+        if len(values) != 4:
+            raise ValueError(f"bhep takes four numbers B/H/E/P (first-layer k, peak k, last-layer k, peak layer), "
+                             f"got {len(values)}: {arg!r}")
+        return bhep_policy(shape, *values)
+    if name == "skip":
+        if arg:
+            try:
+                beta = float(arg)
+            except ValueError:
+                raise ValueError(f"skip:{arg} — the argument is a beta in [0, 1], e.g. skip:0.3") from None
+            return skip_policy(shape, None, beta)
+        return skip_policy(shape, load_checked_stats(stats, model))
+    if name in ("pool-fold", "pool-drop", "plan"):
+        plan = Plan.load(need_arg(f"{name}:plans/reap-0.5.json"))
+        plan.check_model(model)
+        if name == "plan":
+            return plan.phase(phase)
+        from ..eval.configurations import pruning_policy
+        return pool_with_fold(pruning_policy(plan), fold=name == "pool-fold")
+    raise ValueError(f"unknown policy {spec!r}; valid: {SPEC_HELP}")
+
+
+def plan_from_specs(model, prefill: str | None, decode: str | None, stats_path: str | Path | None = None,
+                    tokenizer=None) -> Plan:
+    """The plan `generate` / `serve` run for ``--prefill-policy`` / ``--decode-policy``: fold statistics
+    are taken from ``stats_path`` or calibrated once and cached (``ensure_fold_stats``) when needed."""
+    pre = policy_from_spec(model, prefill, stats_path, "prefill") if prefill else None
+    dec = policy_from_spec(model, decode, stats_path, "decode") if decode else None
+    needs = any(lp.needs_fold_tables or lp.batch_pool is not None for p in (pre, dec) if p is not None
+                for lp in p.layers.values())
+    path = ensure_fold_stats(model, tokenizer, stats_path) if needs else stats_path
+    return technique_plan(model, pre, dec, path if needs else None, prefill_spec=prefill, decode_spec=decode)
+
+
+def active_experts_per_token(policy: PhasePolicy, shape: Shape) -> float | None:
+    """The static per-token budget of a policy, averaged over MoE layers (None when it depends on the
+    data, as for dynamic skipping and batch pools)."""
+    out = []
+    for i in shape.layers:
+        p = policy.for_layer(i)
+        if p.skip_beta is not None or p.batch_pool is not None:
+            return None
+        k = p.top_k or shape.top_k
+        if p.token_keep is not None:
+            k = min(k, p.token_keep)
+        out.append(k)
+    return sum(out) / len(out)
+
+
+def measured_active_experts(model, policy: PhasePolicy | None, windows: list[list[int]]) -> dict:
+    """Run ``windows`` (token ids, one batch) under ``policy`` and count, per token and MoE layer, the
+    routes that reach an expert: the data-dependent budget of skipping, folding and batch pools.
+    Returns {"per_token": mean routes per token (over layers), "distinct": mean distinct experts per
+    layer in the batch}."""
+    import torch
+
+    from ..routing import RoutingController
+
+    ctl = RoutingController.of(model)
+    routes, distinct = [], []
+
+    def observe(layer, hidden, logits, weights, index):
+        valid = (index < layer.num_experts) & (weights != 0)                 # [T, K]
+        routes.append(valid.sum(-1).float().mean().item())
+        distinct.append(float(index[valid].unique().numel()))
+
+    device = next(model.parameters()).device
+    with torch.no_grad(), ctl.policy(policy), ctl.observing(observe):
+        model(input_ids=torch.tensor(windows, device=device), use_cache=False)
+    return {"per_token": sum(routes) / len(routes), "distinct": sum(distinct) / len(distinct)}

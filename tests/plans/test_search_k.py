@@ -1,0 +1,96 @@
+"""search-k: coordinate descent over per-layer k on tiny models (and the CLI end to end)."""
+import json
+
+import pytest
+import torch
+
+from moetailor.models import moe_layers
+from moetailor.models.tiny import tiny_model
+from moetailor.plans import Plan
+from moetailor.plans.search_k import search_k, uniform_allocation
+from moetailor.plans.techniques import Shape, layer_ks
+
+K = 4
+
+
+def windows(n=6, length=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 96, (n, length), generator=g).tolist()
+
+
+def silenced(layers_off):
+    """A 3-layer model whose routed experts in ``layers_off`` output zero: k there cannot matter."""
+    model = tiny_model("qwen2_moe", seed=2, num_experts=8, top_k=K, layers=3)
+    with torch.no_grad():
+        for layer in moe_layers(model):
+            if layer.index in layers_off:
+                layer.experts.down_proj.zero_()
+    return model
+
+
+def test_uniform_allocation_and_budget_errors():
+    shape = Shape((0, 1, 2), 8, K)
+    assert uniform_allocation(shape, 6) == [2, 2, 2]
+    assert uniform_allocation(shape, 7) == [2, 2, 3]
+    assert uniform_allocation(shape, 11) == [3, 4, 4]
+    for bad in (2, 13):
+        with pytest.raises(ValueError, match=r"choose a budget in \[3, 12\]"):
+            uniform_allocation(shape, bad)
+
+
+def test_search_moves_experts_to_the_layer_that_matters():
+    model = silenced({0, 2})
+    result = search_k(model, windows(), budget=6, progress=False, log=lambda m: None)
+    assert result.uniform == [2, 2, 2]
+    assert result.ks == [1, 4, 1]
+    assert sum(result.ks) == 6
+    assert result.kl < 1e-6 < result.uniform_kl
+    assert result.rounds == len(result.history) == 2
+    assert result.evaluations <= 1 + result.rounds * 6 + 6
+
+
+def test_search_never_worsens_and_respects_bounds():
+    model = tiny_model("qwen2_moe", seed=4, num_experts=8, top_k=K, layers=3)
+    result = search_k(model, windows(seed=1), budget=5, phase="decode", max_rounds=3, progress=False,
+                      log=lambda m: None)
+    assert sum(result.ks) == 5 and all(1 <= k <= K for k in result.ks)
+    assert result.kl <= result.uniform_kl
+    assert result.rounds <= 3
+    with pytest.raises(ValueError, match="unknown phase"):
+        search_k(model, windows(), budget=5, phase="middle", progress=False)
+
+
+def char_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "<pad>": 1, "\n": 2}
+    vocab.update({chr(c): c - 29 for c in range(32, 127)})
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    t.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    t.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", pad_token="<pad>")
+
+
+def test_cli_writes_a_plan_with_the_search_record(tmp_path, capsys):
+    from moetailor.cli.main import main
+
+    model_dir = tmp_path / "tiny"
+    model = tiny_model("qwen2_moe", seed=5, num_experts=8, top_k=K, layers=3, vocab=98)
+    model.save_pretrained(model_dir)
+    char_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "plan.json"
+    argv = ["search-k", str(model_dir), "--budget", "6", "--out", str(out), "--tokens", "96", "--window", "16",
+            "--data", "text", "--max-rounds", "2"]
+    assert main(argv) == 0
+    plan = Plan.load(out)
+    shape = Shape.of(model)
+    ks = layer_ks(plan.decode, shape)
+    assert sum(ks) == 6 and layer_ks(plan.prefill, shape) == ks
+    search = plan.meta["search"]
+    assert search["search"]["ks"] == ks and "heldout" in search and search["method"].startswith("coordinate descent")
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ks"] == ks
+    assert main(argv) == 2                                   # exists: refuses to overwrite
+    assert "--force" in capsys.readouterr().err
+    assert main(argv[:2] + ["--budget", "99", "--out", str(tmp_path / "b.json")] + argv[6:]) == 2
+    assert "choose a budget in [3, 24]" in capsys.readouterr().err
