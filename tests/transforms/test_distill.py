@@ -1,14 +1,13 @@
 """Distillation from the teacher's KV cache: the student starts as the masked model, continues from a
 teacher cache like the masked model does, only the intended tensors train, the SE1+SE2 merge is an
 exact stock checkpoint, bad input is refused and an interrupted run resumes to the same result."""
-import json
 
 import pytest
 import torch
 
 from moetailor.cli.main import main
 from moetailor.models.tiny import tiny_model
-from moetailor.plans import Plan, uniform_plan
+from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy, RoutingController
 from moetailor.transforms.distill import (DistillConfig, Student, bucket_kl, distill_loss, export, load_distilled,
                                           row_cache, split_fraction, teacher_targets, train)
@@ -52,7 +51,6 @@ def test_student_starts_as_masked_model_and_continues_from_teacher_cache_like_it
         s_cont = student(x[:, split:], cache=row_cache(cache, 0, split, model.config), use_cache=True).logits
         with ctl.policy(plan.decode):
             m_cont = ref(input_ids=x[:, split:], cache=row_cache(cache, 0, split, model.config), use_cache=True).logits
-        full_masked = None
         with ctl.policy(plan.decode):
             full_masked = ref(input_ids=x, use_cache=False).logits[:, split:]
     assert (s_cont - m_cont).abs().max() <= 1e-6

@@ -62,7 +62,7 @@ def _report_model(rep: Report, name: str, measured: list[Measured], slo: float |
                      f"{at[1]:.0f}" if at else "misses SLO", ratio))
     rep.table(f"{name}: per-user tok/s / machine tok/s by batch, and throughput at {slo:g} tok/s per user",
               ["pool", "mode", "curve (per-user / machine)", f"tok/s at SLO {slo:g}", "vs full"], rows)
-    rep.data["models"][name] = {"slo": slo, "curves": {l: [{"per_user": u, "throughput": t, "batch": b}
+    rep.data.setdefault("models", {})[name] = {"slo": slo, "curves": {l: [{"per_user": u, "throughput": t, "batch": b}
                                                            for u, t, b in pts] for l, pts in curves.items()}}
     fig, ax = figure("per-user tok/s", "machine decode tok/s", f"{name}: SLO curves (batch grows right to left)")
     for i, (l, pts) in enumerate(curves.items()):

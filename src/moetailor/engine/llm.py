@@ -18,6 +18,7 @@ from ..routing.controller import RoutingController
 from ..routing.policy import FULL_PHASE
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .guard import Guard, GuardConfig
 from .model_runner import ModelRunner
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
@@ -79,7 +80,7 @@ class LLM:
                  dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer=None,
                  max_model_len: int | None = None, memory_budget: int | None = None,
                  prefill_dtype: torch.dtype | None = None, experts_impl: str = "grouped",
-                 step_log_size: int = 10_000):
+                 step_log_size: int = 10_000, guard: GuardConfig | bool | None = None):
         from ..models.loading import load_model, load_tokenizer
 
         if isinstance(model, (str, Path)):
@@ -103,14 +104,17 @@ class LLM:
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.plan: Plan | None = None
+        self.guard: Guard | None = None
+        self._seqs: dict[str, Sequence] = {}
         self.set_plan(plan)
         self.eos_token_ids = self._eos_ids()
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.step_log: list[StepRecord] = []
         self.step_log_size = step_log_size
         self.lock = threading.RLock()
-        self._seqs: dict[str, Sequence] = {}
         self.tokens_generated = 0
+        if guard:   # off unless asked for (the server turns it on): measurements see the raw plan
+            self.enable_guard(guard if isinstance(guard, GuardConfig) else GuardConfig())
 
     # ---- configuration -------------------------------------------------------------------------
     def set_plan(self, plan: Plan | str | Path | None) -> None:
@@ -123,6 +127,13 @@ class LLM:
             self.controller.compile(plan.prefill)
             self.controller.compile(plan.decode)
         self.plan = plan
+        if self.guard is not None:
+            self.guard.reset()   # a new plan is judged on fresh evidence
+
+    def enable_guard(self, config: GuardConfig | None = None) -> Guard:
+        """Watch reduced pools and fall back to the full pool when one collapses (engine/guard.py)."""
+        self.guard = Guard(self, config)
+        return self.guard
 
     def phase_policy(self, phase: str, plan: Plan | None = None):
         plan = plan or self.plan
@@ -185,6 +196,8 @@ class LLM:
             if seq.request_id in self._seqs:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
             self._seqs[seq.request_id] = seq
+            if self.guard is not None:
+                self.guard.admit(seq)   # may run it on the full pool and queue a full-pool shadow of it
             self.scheduler.add(seq)
         return seq
 
@@ -221,6 +234,8 @@ class LLM:
                 return False
             seq.finish(reason, error)
             self.scheduler.finish(seq)
+            if self.guard is not None:
+                self.guard.forget(seq)
             return True
 
     def has_unfinished(self) -> bool:
@@ -258,6 +273,8 @@ class LLM:
                 del self.step_log[: len(self.step_log) - self.step_log_size]
             for seq, token in zip(seqs, tokens):
                 self._append(seq, token)
+            if self.guard is not None:
+                self.guard.observe(seqs, logits, is_prefill)
             self.tokens_generated += len(seqs)
             return seqs
 

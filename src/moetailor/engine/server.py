@@ -144,8 +144,9 @@ def _sampling_from(body: dict) -> SamplingParams:
         raise BadRequest(str(e)) from None
 
 
-def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = None):
-    """The FastAPI app. ``plans``: name -> Plan selectable per request through ``expert_plan``."""
+def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = None, guard: bool = True):
+    """The FastAPI app. ``plans``: name -> Plan selectable per request through ``expert_plan``.
+    ``guard``: turn on the collapse guard (engine/guard.py) when the engine has none yet."""
     from ..plans.plan import uniform_plan
 
     plans = dict(plans or {})
@@ -156,6 +157,8 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
     elif plans:
         raise ValueError("per-request expert plans need a colocated engine (the disaggregated decode worker "
                          "holds one pruned pool); drop --expert-plan or --decode-model")
+    if guard and getattr(llm, "model", None) is not None and getattr(llm, "guard", False) is None:
+        llm.enable_guard()
     engine = AsyncEngine(llm)
 
     @asynccontextmanager
@@ -314,7 +317,49 @@ def prometheus_text(llm: LLM) -> str:
         for layer, n in sorted(last.distinct_experts.items()):
             lines.append(f'moetailor_step_distinct_experts{{layer="{layer}",phase="{last.phase}"}} {n}')
     metric("step_expert_bytes", "gauge", "Expert weight bytes read in the last step.", last.expert_bytes if last else 0)
+    guard = getattr(llm, "guard", None)
+    if guard is not None and guard.enabled:
+        lines.extend(guard_metrics(guard.snapshot()))
     return "\n".join(lines) + "\n"
+
+
+def guard_metrics(snap: dict) -> list[str]:
+    """The collapse guard's state per expert policy, in Prometheus text format."""
+    from .guard import STATES
+
+    families = {
+        "guard_policy_state": ("gauge", "Guard state per policy: 0 active, 1 probation, 2 tripped (full pool)."),
+        "guard_trips_total": ("counter", "Times the guard switched a policy to the full pool."),
+        "guard_decode_steps_total": ("counter", "Decode steps of guarded requests by pool: reduced, fallback "
+                                                "(sent back to the full pool) or shadow (full-pool comparison)."),
+        "guard_rescued_requests_total": ("counter", "Running requests moved to the full pool, by reason."),
+        "guard_window_budget_hit_share": ("gauge", "Share of recent requests that hit max_tokens."),
+        "guard_window_p90_tokens": ("gauge", "p90 output length of recent requests."),
+        "guard_window_entropy_nats": ("gauge", "Mean next-token entropy of recent requests."),
+    }
+    samples: dict[str, list[str]] = {name: [] for name in families}
+
+    def window(policy: str, w: dict) -> None:
+        for name, key in (("guard_window_budget_hit_share", "budget_hit_share"), ("guard_window_p90_tokens", "p90"),
+                          ("guard_window_entropy_nats", "entropy")):
+            if w["requests"]:
+                samples[name].append(f'moetailor_{name}{{policy="{policy}"}} {w[key]:.4f}')
+
+    window("full", snap["reference"])
+    for policy, p in snap["policies"].items():
+        label = f'policy="{policy}"'
+        samples["guard_policy_state"].append(f"moetailor_guard_policy_state{{{label}}} {STATES.index(p['state'])}")
+        samples["guard_trips_total"].append(f"moetailor_guard_trips_total{{{label}}} {p['trips']}")
+        for pool, n in p["decode_steps"].items():
+            samples["guard_decode_steps_total"].append(f'moetailor_guard_decode_steps_total{{{label},pool="{pool}"}} {n}')
+        for reason, n in p["rescued"].items():
+            samples["guard_rescued_requests_total"].append(
+                f'moetailor_guard_rescued_requests_total{{{label},reason="{reason}"}} {n}')
+        window(policy, p["window"])
+    lines = []
+    for name, (kind, help_) in families.items():
+        lines += [f"# HELP moetailor_{name} {help_}", f"# TYPE moetailor_{name} {kind}", *samples[name]]
+    return lines
 
 
 def _chat_prompt(tokenizer, messages: list[dict]) -> str:

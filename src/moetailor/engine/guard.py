@@ -1,0 +1,406 @@
+"""The collapse guard: notices when a reduced expert pool stops behaving like the full model and
+sends its requests back to the full pool.
+
+A training-free pruned decoder can fail silently (SlimWise: every generation ran to the length
+budget while accuracy fell from 0.97 to 0.17). The guard watches two things:
+
+* per request, while it decodes on a reduced pool: n-gram repetition over its recent tokens, and
+  whether it has run far past the length the full pool needs (``overrun``). Either moves that
+  request's next decode steps to the full pool (a *rescue*). The KV cache is shared by every pool
+  (pruning never touches attention), so nothing is recomputed.
+* per expert policy (the engine's plan, or a per-request plan), a sliding window of recent
+  requests: output length p50/p90, the share ending with EOS/stop, the share hitting max_tokens,
+  the rescued share and the mean next-token entropy, compared with the same window of the full
+  pool. The full pool's window is fed by requests it serves and by *shadows*: a documented
+  fraction (``shadow_fraction``) of each reduced policy's requests is also decoded on the full
+  pool, so the comparison holds on the same traffic. When a policy drifts beyond the bounds it
+  *trips*: its running requests and every new request go to the full pool, the reason is logged
+  and shown on /metrics. After ``cooldown_steps`` engine steps it gets *probation*: a few new
+  requests run on it again, all shadowed, and fresh evidence re-enables it or trips it again (with
+  a doubled cool-down).
+
+The engine calls ``admit`` for each new request, ``observe`` after each step and ``forget`` on
+abort; everything the guard changes is ``seq.plan`` / ``seq.plan_key``, which the scheduler and
+the step already use to choose a step's policy.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field, fields, replace
+
+import numpy as np
+import torch
+
+log = logging.getLogger("moetailor.guard")
+
+FULL_KEY = "full"           # plan_key of sequences the guard runs on the full pool
+DEFAULT_POLICY = "default"  # the engine's own plan (requests without a per-request plan)
+STATES = ("active", "probation", "tripped")
+
+
+@dataclass
+class GuardConfig:
+    """Every bound of the guard. The defaults are meant to be left on in serving."""
+
+    enabled: bool = True
+    window: int = 64                    # recent requests per policy (and for the full pool)
+    min_requests: int = 8               # policy requests judged before any policy verdict
+    min_reference: int = 4              # full-pool requests before length/budget/entropy comparisons
+    shadow_fraction: float = 1 / 16     # share of a reduced policy's requests also decoded on the full pool
+    budget_hit_excess: float = 0.25     # trip: budget-hit share above the full pool's by more than this
+    p90_factor: float = 2.0             # trip: p90 length above factor x (or below 1/factor x) the full pool's ...
+    length_slack: int = 16              # ... by more than this many tokens
+    overrun_factor: float = 2.0         # rescue: a request longer than factor x full p90 + length_slack
+    ngram: int = 4                      # n-gram size of the repetition measure
+    repetition_window: int = 64         # recent tokens the repetition measure looks at
+    repetition_min_tokens: int = 32     # completion tokens before repetition is measured
+    repetition_max: float = 0.75        # rescue: share of repeated n-grams in the window above this
+    entropy_factor: float | None = 2.5  # trip: mean next-token entropy above factor x the full pool's (None = off)
+    rescued_share_max: float = 0.25     # trip: share of the window's requests that needed a rescue
+    cooldown_steps: int = 2000          # engine steps a tripped policy stays off before probation
+    probe_requests: int = 8             # requests run (all shadowed) in probation before re-enabling
+    check_every: int = 4                # decode tokens between per-request checks
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise ValueError(f"shadow_fraction={self.shadow_fraction} must be in [0, 1] (0 = no shadows)")
+        for name in ("window", "min_requests", "probe_requests", "ngram", "repetition_window", "check_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GuardConfig.{name}={getattr(self, name)} must be at least 1")
+        if self.min_requests > self.window or self.min_reference > self.window:
+            raise ValueError(f"min_requests={self.min_requests} and min_reference={self.min_reference} must not "
+                             f"exceed window={self.window}; raise window or lower them")
+        for name in ("p90_factor", "overrun_factor"):
+            if getattr(self, name) < 1.0:
+                raise ValueError(f"GuardConfig.{name}={getattr(self, name)} must be >= 1 (a ratio to the full pool)")
+        if self.entropy_factor is not None and self.entropy_factor < 1.0:
+            raise ValueError(f"entropy_factor={self.entropy_factor} must be >= 1, or None to turn it off")
+
+    @classmethod
+    def parse(cls, spec: str) -> "GuardConfig":
+        """'shadow_fraction=0.25,p90_factor=3' -> a GuardConfig (for command lines)."""
+        kinds = {f.name: f.type for f in fields(cls)}
+        values = {}
+        for item in (s.strip() for s in spec.split(",") if s.strip()):
+            name, sep, value = item.partition("=")
+            name = name.strip()
+            if not sep or name not in kinds:
+                raise ValueError(f"cannot read guard setting {item!r}; use NAME=VALUE with NAME one of "
+                                 f"{', '.join(kinds)}")
+            value = value.strip()
+            if name == "enabled":
+                values[name] = value.lower() in ("1", "true", "yes", "on")
+            elif value.lower() == "none":
+                values[name] = None
+            elif "int" in str(kinds[name]) and "float" not in str(kinds[name]):
+                values[name] = int(value)
+            else:
+                values[name] = float(value)
+        return replace(cls(), **values)
+
+
+@dataclass
+class Outcome:
+    """One request in a window."""
+    length: int
+    finish_reason: str | None        # "stop" | "length" | None (rescued before it finished)
+    entropy: float                   # mean next-token entropy over its watched decode steps (nats)
+    rescued: str | None = None       # why it was moved to the full pool, if it was
+
+
+@dataclass
+class Watch:
+    """What the guard knows about one live request."""
+    policy: str
+    role: str                        # "reduced" | "fallback" (guarded, on the full pool) | "shadow" | "full"
+    entropy_sum: float = 0.0
+    entropy_n: int = 0
+    confidence_sum: float = 0.0
+    rescued: str | None = None
+    switched_at: int | None = None   # completion tokens when it moved to the full pool
+
+    @property
+    def entropy(self) -> float:
+        return self.entropy_sum / self.entropy_n if self.entropy_n else float("nan")
+
+
+@dataclass
+class PolicyState:
+    state: str = "active"
+    window: deque = field(default_factory=deque)
+    admitted: int = 0                # requests admitted under this policy (shadow counter)
+    trips: int = 0
+    tripped_at: int = 0              # engine step of the last trip
+    reason: str | None = None
+    probes_left: int = 0
+    steps: dict = field(default_factory=lambda: {"reduced": 0, "fallback": 0, "shadow": 0})
+    rescued: dict = field(default_factory=dict)   # reason kind -> count
+
+
+def window_stats(outcomes) -> dict:
+    """p50/p90 length, stop/budget-hit/rescued shares and mean entropy of a window."""
+    outcomes = list(outcomes)
+    finished = [o for o in outcomes if o.rescued is None]
+    lengths = np.asarray([o.length for o in finished], dtype=np.float64)
+    ent = [o.entropy for o in outcomes if not math.isnan(o.entropy)]
+    n = max(1, len(finished))
+    return {"requests": len(outcomes),
+            "p50": float(np.percentile(lengths, 50)) if len(lengths) else float("nan"),
+            "p90": float(np.percentile(lengths, 90)) if len(lengths) else float("nan"),
+            "stop_share": sum(o.finish_reason == "stop" for o in finished) / n,
+            "budget_hit_share": sum(o.finish_reason == "length" for o in finished) / n,
+            "rescued_share": sum(o.rescued is not None for o in outcomes) / max(1, len(outcomes)),
+            "entropy": float(np.mean(ent)) if ent else float("nan")}
+
+
+def repetition(tokens: list[int], n: int) -> float:
+    """Share of the n-grams in ``tokens`` that already occurred earlier in it (0 = none repeat)."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+class Guard:
+    """Per-policy windows, per-request watches and the switch to the full pool (see module doc)."""
+
+    def __init__(self, llm, config: GuardConfig | None = None):
+        from ..plans.plan import uniform_plan
+
+        self.llm = llm
+        self.config = config or GuardConfig()
+        self.full_plan = uniform_plan(llm.model)
+        self.reset()
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self.config.enabled = bool(value)
+
+    def reset(self) -> None:
+        """Forget all evidence (a new engine plan is a new deployment); running shadows are aborted."""
+        for watch_id, seq in list(getattr(self, "shadows", {}).items()):
+            self.llm.abort(seq.request_id)
+        self.policies: dict[str, PolicyState] = {}
+        self.reference: deque[Outcome] = deque(maxlen=self.config.window)
+        self.watches: dict[int, Watch] = {}
+        self.shadows: dict[int, object] = {}      # seq_id -> shadow Sequence
+        self.events: list[dict] = []              # trips, probations, re-enables, rescues
+        self.step_count = 0
+
+    # ---- which pool --------------------------------------------------------------------------------
+    def _policy_of(self, seq) -> tuple[str, bool]:
+        """(policy key, whether that policy reduces the expert pool in either phase)."""
+        plan = seq.plan if seq.plan is not None else self.llm.plan
+        reduced = plan is not None and not (plan.prefill.is_identity and plan.decode.is_identity)
+        key = seq.plan_key if seq.plan is not None and seq.plan_key else DEFAULT_POLICY
+        return key, reduced
+
+    def policy(self, key: str) -> PolicyState:
+        if key not in self.policies:
+            self.policies[key] = PolicyState(window=deque(maxlen=self.config.window))
+        return self.policies[key]
+
+    def _to_full(self, seq) -> None:
+        seq.plan, seq.plan_key = self.full_plan, FULL_KEY
+
+    # ---- engine hooks ------------------------------------------------------------------------------
+    def admit(self, seq) -> None:
+        """A new request: run it on its policy, or on the full pool when that policy is off; maybe shadow it."""
+        if not self.enabled:
+            return
+        key, reduced = self._policy_of(seq)
+        if not reduced:
+            self.watches[seq.seq_id] = Watch(key, "full")
+            return
+        p = self.policy(key)
+        self._maybe_probation(key, p)
+        if p.state == "tripped" or (p.state == "probation" and p.probes_left <= 0):
+            self._to_full(seq)
+            self.watches[seq.seq_id] = Watch(key, "fallback")
+            return
+        self.watches[seq.seq_id] = Watch(key, "reduced")
+        if p.state == "probation":
+            p.probes_left -= 1
+            shadow = True
+        else:
+            f = self.config.shadow_fraction
+            shadow = math.ceil((p.admitted + 1) * f) > math.ceil(p.admitted * f)   # requests 0, 1/f, 2/f, ...
+        p.admitted += 1
+        if shadow:
+            self._add_shadow(seq, key)
+
+    def _add_shadow(self, seq, key: str) -> None:
+        from .sequence import Sequence
+
+        twin = Sequence(seq.token_ids, replace(seq.sampling), request_id=f"{seq.request_id}~shadow",
+                        prompt=seq.prompt, plan=self.full_plan, plan_key=FULL_KEY)
+        twin.block_size = seq.block_size
+        if twin.request_id in self.llm._seqs:
+            return
+        self.llm._seqs[twin.request_id] = twin
+        self.llm.scheduler.add(twin)
+        self.watches[twin.seq_id] = Watch(key, "shadow")
+        self.shadows[twin.seq_id] = twin
+
+    def forget(self, seq) -> None:
+        """An aborted request leaves no evidence."""
+        self.watches.pop(seq.seq_id, None)
+        self.shadows.pop(seq.seq_id, None)
+
+    @torch.no_grad()
+    def observe(self, seqs: list, logits: torch.Tensor, is_prefill: bool) -> None:
+        """After a step: account decode steps per pool, watch the reduced decoders, record finished requests."""
+        if not self.enabled:
+            return
+        self.step_count += 1
+        watched = [(i, self.watches.get(s.seq_id)) for i, s in enumerate(seqs)]
+        if not is_prefill and any(w is not None for _, w in watched):
+            probs = logits.float().softmax(-1)                                     # [B, V]
+            entropy = torch.special.entr(probs).sum(-1).tolist()                  # [B] nats (0 log 0 = 0)
+            confidence = probs.max(-1).values.tolist()                            # [B]
+            for i, w in watched:
+                if w is None:
+                    continue
+                if w.role in ("reduced", "fallback", "shadow") and w.policy in self.policies:
+                    self.policies[w.policy].steps[w.role] += 1
+                if w.role in ("reduced", "shadow", "full") or (w.role == "fallback" and w.switched_at is None):
+                    w.entropy_sum += entropy[i]
+                    w.confidence_sum += confidence[i]
+                    w.entropy_n += 1
+        for seq, (_, w) in zip(seqs, watched):
+            if w is None:
+                continue
+            if seq.is_finished:
+                self._finished(seq, w)
+            elif w.role == "reduced" and not is_prefill and seq.num_completion_tokens % self.config.check_every == 0:
+                reason = self._request_problem(seq)
+                if reason is not None:
+                    self._rescue(seq, w, reason)
+        for key, p in self.policies.items():
+            self._maybe_probation(key, p)
+
+    # ---- per request -------------------------------------------------------------------------------
+    def _request_problem(self, seq) -> str | None:
+        c = self.config
+        n = seq.num_completion_tokens
+        if n >= c.repetition_min_tokens:
+            rep = repetition(seq.completion_token_ids[-c.repetition_window:], c.ngram)
+            if rep > c.repetition_max:
+                return f"repetition {rep:.2f} > {c.repetition_max} ({c.ngram}-grams over the last " \
+                       f"{min(n, c.repetition_window)} tokens)"
+        if len(self.reference) >= c.min_reference:
+            ref = window_stats(self.reference)
+            limit = c.overrun_factor * ref["p90"] + c.length_slack
+            if not math.isnan(limit) and n > limit:
+                return f"overrun: {n} tokens > {c.overrun_factor:g} x full-pool p90 {ref['p90']:.0f} + {c.length_slack}"
+        return None
+
+    def _rescue(self, seq, w: Watch, reason: str) -> None:
+        """Move a running request's next decode steps to the full pool (its KV blocks stay as they are)."""
+        self._to_full(seq)
+        w.role, w.rescued, w.switched_at = "fallback", reason, seq.num_completion_tokens
+        p = self.policy(w.policy)
+        kind = reason.split()[0].rstrip(":")
+        p.rescued[kind] = p.rescued.get(kind, 0) + 1
+        self.events.append({"step": self.step_count, "policy": w.policy, "event": "rescue",
+                            "request_id": seq.request_id, "reason": reason, "at_token": w.switched_at})
+        log.info("guard: request %s of policy %r moved to the full pool after %d tokens: %s",
+                 seq.request_id, w.policy, w.switched_at, reason)
+        self._record(w.policy, Outcome(seq.num_completion_tokens, None, w.entropy, reason))
+
+    def _finished(self, seq, w: Watch) -> None:
+        self.watches.pop(seq.seq_id, None)
+        self.shadows.pop(seq.seq_id, None)
+        if seq.finish_reason not in ("stop", "length"):
+            return
+        outcome = Outcome(seq.num_completion_tokens, seq.finish_reason, w.entropy)
+        if w.role in ("shadow", "full") or (w.role == "fallback" and w.switched_at is None):
+            self.reference.append(outcome)          # a whole request on the full pool
+        elif w.role == "reduced":
+            self._record(w.policy, outcome)
+        # rescued requests were recorded when they were moved
+
+    # ---- per policy --------------------------------------------------------------------------------
+    def _record(self, key: str, outcome: Outcome) -> None:
+        p = self.policy(key)
+        p.window.append(outcome)
+        if p.state == "tripped":
+            return
+        need = self.config.probe_requests if p.state == "probation" else self.config.min_requests
+        if len(p.window) < need:
+            return
+        reason = self.problem(p)
+        if reason is not None:
+            self._trip(key, p, reason)
+        elif p.state == "probation" and p.probes_left <= 0 and not self._probes_running(key):
+            p.state, p.reason = "active", None
+            self.events.append({"step": self.step_count, "policy": key, "event": "re-enabled"})
+            log.warning("guard: policy %r re-enabled after probation (%d fresh requests healthy)", key, len(p.window))
+
+    def _probes_running(self, key: str) -> bool:
+        return any(w.policy == key and w.role == "reduced" for w in self.watches.values())
+
+    def problem(self, p: PolicyState) -> str | None:
+        """Why the policy's window departs from the full pool's beyond the bounds, or None."""
+        c = self.config
+        mine = window_stats(p.window)
+        if mine["rescued_share"] > c.rescued_share_max:
+            return f"{mine['rescued_share']:.0%} of the last {mine['requests']} requests needed a rescue " \
+                   f"(> {c.rescued_share_max:.0%}): {p.rescued}"
+        if len(self.reference) < c.min_reference:
+            return None
+        ref = window_stats(self.reference)
+        if mine["budget_hit_share"] > ref["budget_hit_share"] + c.budget_hit_excess:
+            return f"budget-hit share {mine['budget_hit_share']:.0%} vs {ref['budget_hit_share']:.0%} on the full " \
+                   f"pool (allowed excess {c.budget_hit_excess:.0%})"
+        if not (math.isnan(mine["p90"]) or math.isnan(ref["p90"])):
+            if mine["p90"] > c.p90_factor * ref["p90"] + c.length_slack or \
+                    mine["p90"] < ref["p90"] / c.p90_factor - c.length_slack:
+                return f"p90 length {mine['p90']:.0f} vs {ref['p90']:.0f} on the full pool (factor {c.p90_factor:g}, " \
+                       f"slack {c.length_slack})"
+        if c.entropy_factor is not None and mine["entropy"] > c.entropy_factor * ref["entropy"]:
+            return f"mean next-token entropy {mine['entropy']:.2f} vs {ref['entropy']:.2f} nats on the full pool " \
+                   f"(factor {c.entropy_factor:g})"
+        return None
+
+    def _trip(self, key: str, p: PolicyState, reason: str) -> None:
+        p.state, p.reason, p.tripped_at, p.probes_left = "tripped", reason, self.step_count, 0
+        p.trips += 1
+        moved = 0
+        for seq in list(self.llm.scheduler.running) + list(self.llm.scheduler.waiting):
+            w = self.watches.get(seq.seq_id)
+            if w is not None and w.policy == key and w.role == "reduced":
+                self._to_full(seq)
+                w.role, w.switched_at = "fallback", seq.num_completion_tokens or None   # None: not started yet
+                moved += 1
+        self.events.append({"step": self.step_count, "policy": key, "event": "trip", "reason": reason,
+                            "moved": moved})
+        log.warning("guard: policy %r tripped (%s); %d running requests and new ones go to the full pool "
+                    "for %d steps", key, reason, moved, self.cooldown(p))
+
+    def cooldown(self, p: PolicyState) -> int:
+        return self.config.cooldown_steps * 2 ** max(0, p.trips - 1)
+
+    def _maybe_probation(self, key: str, p: PolicyState) -> None:
+        if p.state == "tripped" and self.step_count - p.tripped_at >= self.cooldown(p):
+            p.state, p.probes_left = "probation", self.config.probe_requests
+            p.window.clear()
+            self.events.append({"step": self.step_count, "policy": key, "event": "probation"})
+            log.warning("guard: policy %r on probation: the next %d requests run on it, shadowed", key, p.probes_left)
+
+    # ---- numbers -----------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """State per policy and both windows (for /metrics, logs and the evaluation)."""
+        out = {"enabled": self.enabled, "reference": window_stats(self.reference), "policies": {}}
+        for key, p in self.policies.items():
+            decode = sum(p.steps.values()) - p.steps["shadow"]
+            out["policies"][key] = {
+                "state": p.state, "trips": p.trips, "reason": p.reason, "window": window_stats(p.window),
+                "decode_steps": dict(p.steps), "rescued": dict(p.rescued),
+                "fallback_step_share": p.steps["fallback"] / decode if decode else 0.0,
+                "shadow_step_share": p.steps["shadow"] / decode if decode else 0.0}
+        return out
