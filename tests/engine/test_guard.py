@@ -139,7 +139,7 @@ def test_switch_keeps_the_kv_cache(model):
     equal a cache hand-over reference that switches pools at the same token."""
     plan = decode_plan(model, DEGENERATE)
     llm = LLM(model, plan, block_size=4, max_num_seqs=16, num_kv_blocks=512,
-              guard=GuardConfig(shadow_fraction=0.0, min_reference=4, length_slack=4))
+              guard=GuardConfig(shadow_fraction=0.0, warmup_shadows=0, min_reference=4, length_slack=4))
     params = SamplingParams(max_tokens=40)
     reference = random_prompts([6, 7, 8, 9, 10, 11], seed=7)
     prompts = random_prompts([5, 9, 12, 6, 8, 10, 7, 11], seed=8)

@@ -64,6 +64,14 @@ def run(args) -> int:
                 [(r["variant"], r["sampling"], f"{100 * r['accuracy']:.1f} ± {100 * r['accuracy_std']:.1f}",
                   f"{r['p50']:.0f}", f"{r['p90']:.0f}", f"{100 * r['budget_hit']:.1f}", f"{100 * r['eos']:.1f}",
                   f"{r['kl']:.3f}", f"{r['perplexity']:.2f}") for r in rows])
+    guarded = [r for r in rows if r.get("guard")]
+    if guarded:
+        print_table("collapse guard (guarded:CONFIG rows)",
+                    ["variant", "sampling", "trips", "rescued requests", "decode steps sent to full pool %",
+                     "shadow steps %"],
+                    [(r["variant"], r["sampling"], r["guard"]["trips"], sum(r["guard"]["rescued"].values()),
+                      f"{100 * r['guard']['fallback_share']:.1f}", f"{100 * r['guard']['shadow_share']:.1f}")
+                     for r in guarded])
     out = Path(args.out)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'} and plots in {time.time() - t0:.0f} s")
     if args.write_docs:

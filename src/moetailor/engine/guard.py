@@ -49,6 +49,7 @@ class GuardConfig:
     min_requests: int = 8               # policy requests judged before any policy verdict
     min_reference: int = 4              # full-pool requests before length/budget/entropy comparisons
     shadow_fraction: float = 1 / 16     # share of a reduced policy's requests also decoded on the full pool
+    warmup_shadows: int = 4             # ... and its first requests all are, so evidence comes early
     budget_hit_excess: float = 0.25     # trip: budget-hit share above the full pool's by more than this
     p90_factor: float = 2.0             # trip: p90 length above factor x (or below 1/factor x) the full pool's ...
     length_slack: int = 16              # ... by more than this many tokens
@@ -57,13 +58,15 @@ class GuardConfig:
     repetition_window: int = 64         # recent tokens the repetition measure looks at
     repetition_min_tokens: int = 32     # completion tokens before repetition is measured
     repetition_max: float = 0.75        # rescue: share of repeated n-grams in the window above this
-    entropy_factor: float | None = 2.5  # trip: mean next-token entropy above factor x the full pool's (None = off)
+    entropy_factor: float | None = 3.0  # trip: mean next-token entropy above factor x the full pool's (None = off)
     rescued_share_max: float = 0.25     # trip: share of the window's requests that needed a rescue
     cooldown_steps: int = 2000          # engine steps a tripped policy stays off before probation
     probe_requests: int = 8             # requests run (all shadowed) in probation before re-enabling
     check_every: int = 4                # decode tokens between per-request checks
 
     def __post_init__(self) -> None:
+        if self.warmup_shadows < 0:
+            raise ValueError(f"warmup_shadows={self.warmup_shadows} must be >= 0")
         if not 0.0 <= self.shadow_fraction <= 1.0:
             raise ValueError(f"shadow_fraction={self.shadow_fraction} must be in [0, 1] (0 = no shadows)")
         for name in ("window", "min_requests", "probe_requests", "ngram", "repetition_window", "check_every"):
@@ -228,7 +231,8 @@ class Guard:
             shadow = True
         else:
             f = self.config.shadow_fraction
-            shadow = math.ceil((p.admitted + 1) * f) > math.ceil(p.admitted * f)   # requests 0, 1/f, 2/f, ...
+            shadow = p.admitted < self.config.warmup_shadows or \
+                math.ceil((p.admitted + 1) * f) > math.ceil(p.admitted * f)   # requests 0, 1/f, 2/f, ...
         p.admitted += 1
         if shadow:
             self._add_shadow(seq, key)

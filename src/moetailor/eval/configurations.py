@@ -100,6 +100,16 @@ def _topk(model, plan, arg):
     return _tagged(uniform_plan(model, decode=LayerPolicy(top_k=k), prefill=LayerPolicy(top_k=k)), f"topk:{k}")
 
 
+@configuration("guarded", uses_plan=True, takes_arg=True,
+               help="guarded:CONFIG — CONFIG (e.g. phase-aware) served with the collapse guard on (engine/guard.py)")
+def _guarded(model, plan, arg):
+    inner = parse_configs(arg)[0]
+    if inner.name == "guarded":
+        raise ValueError("guarded:guarded:... is redundant; name the configuration to guard once")
+    built = inner.build(model, plan)
+    return _tagged(built, f"guarded:{inner.label}", guard=True)
+
+
 @dataclass(frozen=True)
 class ConfigSpec:
     name: str

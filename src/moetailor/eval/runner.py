@@ -221,6 +221,24 @@ def variants(settings: EvalSettings, sources, model) -> list[Variant]:
     return out
 
 
+def _guard_summary(snapshots: list[dict | None]) -> dict | None:
+    """Decode steps by pool, trips and rescues of the guarded configurations, summed over seeds.
+    ``fallback_share``: decode steps of evaluated requests sent back to the full pool;
+    ``shadow_share``: extra full-pool decode steps spent on shadows (relative to the same total)."""
+    policies = [p for s in snapshots if s for p in s["policies"].values()]
+    if not policies:
+        return None
+    steps = {k: sum(p["decode_steps"][k] for p in policies) for k in ("reduced", "fallback", "shadow")}
+    served = steps["reduced"] + steps["fallback"]
+    rescued: dict[str, int] = {}
+    for p in policies:
+        for k, n in p["rescued"].items():
+            rescued[k] = rescued.get(k, 0) + n
+    return {"decode_steps": steps, "fallback_share": steps["fallback"] / served if served else 0.0,
+            "shadow_share": steps["shadow"] / served if served else 0.0, "trips": sum(p["trips"] for p in policies),
+            "rescued": rescued, "reasons": [p["reason"] for p in policies if p["reason"]]}
+
+
 def _cell_file(out: Path, key: str) -> Path:
     return out / "cells" / (key.replace("/", "__").replace(":", "_") + ".json")
 
@@ -287,13 +305,24 @@ class Sweep:
         """Every task's n prompts for one seed in one batched generate call."""
         examples = [ex for task in self.tasks for ex in eval_examples(task, self.settings.n, seed)]
         params = [self._sampling_params(mode, seed, ex.task, i) for i, ex in enumerate(examples)]
+        guarded = bool(variant.plan.meta.get("guard"))   # the guarded:CONFIG configurations
+        self.llm.guard = None
+        if guarded:
+            self.llm.enable_guard()
         self.llm.set_plan(variant.plan)
         t0 = time.time()
         outputs = self.llm.generate([ex.prompt for ex in examples], params)
+        if guarded:
+            while self.llm.has_unfinished():   # the last shadows: their cost belongs to this cell
+                self.llm.step()
         seconds = time.time() - t0
         gens = [score_output(ex, o, p.max_tokens) for ex, o, p in zip(examples, outputs, params)]
-        return {"generations": [g.to_json() for g in gens], "seconds": seconds,
+        cell = {"generations": [g.to_json() for g in gens], "seconds": seconds,
                 "tokens": sum(g.length for g in gens), "prompts": len(examples)}
+        if guarded:
+            cell["guard"] = self.llm.guard.snapshot()
+            self.llm.guard = None
+        return cell
 
     def heldout_cell(self, variant: Variant) -> dict:
         t0 = time.time()
@@ -358,6 +387,7 @@ class Sweep:
                             for s in seeds]
                 shares = [min(g.length / g.max_tokens, 1.0) for gens in per_seed for g in gens]
                 histograms.setdefault(v.key, {})[mode] = np.histogram(shares, HIST_BINS, (0.0, 1.0))[0].tolist()
+                guard = _guard_summary([cells[f"{v.key}/{mode}/seed{s}"].get("guard") for s in seeds])
                 for task in [*task_names, "all"]:
                     chosen = [[g for g in gens if task in ("all", g.task)] for gens in per_seed]
                     acc_mean, acc_std = mean_std([accuracy(g) for g in chosen])
@@ -367,7 +397,7 @@ class Sweep:
                                  "accuracy": acc_mean, "accuracy_std": acc_std,
                                  "accuracy_per_seed": [accuracy(g) for g in chosen], **lengths.to_json(),
                                  "max_tokens": self.budgets.get(task), "kl": held["kl"],
-                                 "perplexity": held["perplexity"]})
+                                 "perplexity": held["perplexity"], "guard": guard if task == "all" else None})
         return {
             "format": "moetailor-eval", "version": 1,
             "command": self.command,

@@ -49,6 +49,7 @@ from ..models.loading import model_fingerprint
 from ..plans.plan import Plan
 from ..routing.controller import RoutingController
 from ..routing.policy import PhasePolicy
+from .artifacts import checkpoint_directory, copy_tokenizer, refuse_existing
 
 SIDECAR = "moetailor_distill.json"
 PLAN_FILE = "plan.json"
@@ -471,11 +472,8 @@ def export(student: Student, out: str | Path, result: DistillResult | None = Non
            source: Path | None = None, extra: dict | None = None) -> Path:
     """Write the merged stock checkpoint, its plan (re-fingerprinted for the distilled weights, with a
     meta note), the log and the loss curve. Temp directory + rename: never half an output."""
-    from .prune import TOKENIZER_FILES
-
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+    refuse_existing(out, overwrite)
     merged = student.merged_model()
     merged.moetailor_source = str(out)
     counts = student.counts()
@@ -485,15 +483,9 @@ def export(student: Student, out: str | Path, result: DistillResult | None = Non
             "trainable": counts, **(extra or {})}
     plan = Plan(model=model_fingerprint(merged), prefill=student.plan.prefill, decode=student.plan.decode,
                 meta={**student.plan.meta, "distillation": note}, fold_stats=student.plan.fold_stats)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with checkpoint_directory(out, overwrite) as tmp:
         merged.save_pretrained(tmp)
-        if source is not None:
-            for name in TOKENIZER_FILES:
-                if (Path(source) / name).is_file():
-                    shutil.copy2(Path(source) / name, tmp / name)
+        copy_tokenizer(source, tmp)
         plan.save(tmp / PLAN_FILE)
         side = {"format": "moetailor-distill", "version": 1, "source_model": note["distilled_from"],
                 "source_path": str(source) if source is not None else None, "plan_meta": student.plan.meta,
@@ -505,15 +497,6 @@ def export(student: Student, out: str | Path, result: DistillResult | None = Non
             if result.log:
                 plot_loss(result.log, tmp / "loss_curve.png")
         (tmp / SIDECAR).write_text(json.dumps(side, indent=1))
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -9,8 +9,6 @@ experts' logits -inf before softmax/top-k, k unchanged). The kept original ids a
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -20,10 +18,9 @@ from ..models.adapters import moe_layers
 from ..models.architectures import arch_spec
 from ..models.loading import model_fingerprint, resolve_model_path
 from ..plans.plan import Plan
+from .artifacts import checkpoint_directory, copy_tokenizer, refuse_existing
 
 SIDECAR = "moetailor_pruning.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "vocab.txt",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 
 
 def kept_per_layer(plan: Plan, model, phase: str = "decode") -> dict[int, tuple[int, ...]]:
@@ -97,8 +94,7 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
     from ..models.loading import load_model
 
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+    refuse_existing(out, overwrite)
     source = None
     if isinstance(model, (str, Path)):
         source = resolve_model_path(model)
@@ -125,29 +121,14 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
         pruned.tie_weights()
     pruned.eval()
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with checkpoint_directory(out, overwrite) as tmp:
         pruned.save_pretrained(tmp)
-        if source is not None:
-            for name in TOKENIZER_FILES:
-                if (source / name).is_file():
-                    shutil.copy2(source / name, tmp / name)
+        copy_tokenizer(source, tmp)
         sidecar = {"format": "moetailor-pruning", "version": 1, "phase": phase,
                    "source_model": model_fingerprint(model), "num_experts_original": original_E,
                    "num_experts_kept": count, "kept": {str(i): list(ids) for i, ids in sorted(kept.items())},
                    "plan_meta": plan.meta, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": command}
         (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=1))
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -46,8 +46,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .artifacts import checkpoint_directory, copy_tokenizer
 from ..models.adapters import MoeLayer, moe_layers
 from ..models.architectures import arch_spec
 from ..models.loading import model_fingerprint, resolve_model_path
@@ -422,21 +421,10 @@ def write_split(result: SplitResult, source_model, out: str | Path, overwrite: b
                 source_dir: Path | None = None, command: str | None = None) -> Path:
     """Save the split model as a stock checkpoint (temp dir + rename) with a sidecar recording the
     partition, shares and parent ids."""
-    from .prune import TOKENIZER_FILES
-
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     layers = moe_layers(source_model)
-    try:
+    with checkpoint_directory(out, overwrite) as tmp:
         result.model.save_pretrained(tmp)
-        if source_dir is not None:
-            for name in TOKENIZER_FILES:
-                if (source_dir / name).is_file():
-                    shutil.copy2(source_dir / name, tmp / name)
+        copy_tokenizer(source_dir, tmp)
         sidecar = {"format": "moetailor-split", "version": 1, "parts": result.parts, "gate": result.gate,
                    "method": result.method, "source_model": model_fingerprint(source_model),
                    "num_experts_original": layers[0].num_experts, "top_k_original": layers[0].top_k,
@@ -447,16 +435,7 @@ def write_split(result: SplitResult, source_model, out: str | Path, overwrite: b
                                        "proxy_spread": s.spread} for i, s in sorted(result.layers.items())},
                    "meta": result.meta, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": command}
         (tmp / SIDECAR).write_text(json.dumps(sidecar))
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(out)
 
 
 def read_split_sidecar(path: str | Path) -> dict | None:

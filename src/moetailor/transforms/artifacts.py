@@ -1,0 +1,52 @@
+"""Writing model artifacts safely: a directory appears whole or not at all.
+
+Every transform (prune, distill, split) writes a stock checkpoint the same way: refuse an existing
+output unless told to overwrite, build everything in a hidden temporary directory beside it, then
+rename it into place, so an interrupted run never leaves half a checkpoint behind.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "vocab.txt",
+                   "merges.txt", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
+
+
+def refuse_existing(out: Path, overwrite: bool) -> None:
+    if Path(out).exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+
+
+@contextmanager
+def checkpoint_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory; when the block succeeds it replaces ``out`` in one rename."""
+    out = Path(out)
+    refuse_existing(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def copy_tokenizer(source: str | Path | None, dest: Path) -> None:
+    """Copy whatever tokenizer files ``source`` has (a checkpoint is only usable with its tokenizer)."""
+    if source is None:
+        return
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, dest / name)
