@@ -120,3 +120,16 @@ def test_cost_fit_recovers_coefficients():
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-3)
     with pytest.raises(ValueError, match="at least 4"):
         StepCost.fit(samples[:2], 6, 256)
+
+
+def test_engine_rejects_out_of_range_expert_top_k():
+    import pytest
+
+    from moetailor.engine import LLM, SamplingParams
+    from moetailor.models.tiny import tiny_model
+
+    llm = LLM(tiny_model("qwen2_moe", top_k=2), num_kv_blocks=16)
+    with pytest.raises(ValueError, match=r"expert_top_k=3 is out of range.*\[1, 2\]"):
+        llm.add_request([5, 6, 7], SamplingParams(max_tokens=2, expert_top_k=3))
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, expert_top_k=1))
+    assert len(out[0].token_ids) == 2

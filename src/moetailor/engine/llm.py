@@ -17,6 +17,7 @@ from ..plans.plan import Plan
 from ..routing.controller import RoutingController
 from ..routing.policy import FULL_PHASE
 from .block_manager import BlockManager
+from .k_tiers import model_max_k, validate_expert_top_k
 from .config import EngineConfig
 from .guard import Guard, GuardConfig
 from .model_runner import ModelRunner
@@ -167,6 +168,10 @@ class LLM:
         with different keys run in different steps)."""
         sampling = sampling or SamplingParams()
         sampling.validate()
+        if sampling.expert_top_k is not None:
+            if getattr(self, "_budget_range", None) is None:
+                self._budget_range = model_max_k(self.model)   # (max k, sub-expert parts): read once
+            validate_expert_top_k(sampling.expert_top_k, *self._budget_range)
         text, ids = self.encode(prompt)
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
