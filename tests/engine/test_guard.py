@@ -178,3 +178,29 @@ def test_cooldown_probation_and_reenable(model):
     assert "probation" in events and events[-1] == "re-enabled", events
     assert llm.guard.policies["default"].state == "active"
     assert window_stats(llm.guard.policies["default"].window)["requests"] >= cfg.probe_requests
+
+
+def test_server_turns_the_guard_on_and_exposes_it(model):
+    from moetailor.engine.server import create_app, prometheus_text
+
+    llm = LLM(model, decode_plan(model, HEALTHY), block_size=4)
+    app = create_app(llm, model_name="tiny")
+    try:
+        assert llm.guard is not None and llm.guard.enabled
+        llm.generate(random_prompts([6], seed=11), SamplingParams(max_tokens=4))
+        text = prometheus_text(llm)
+        assert 'moetailor_guard_policy_state{policy="default"} 0' in text
+        assert 'moetailor_guard_decode_steps_total{policy="default",pool="reduced"}' in text
+    finally:
+        app.state.engine.close()
+
+
+def test_guarded_eval_configuration(model):
+    from moetailor.eval.configurations import parse_configs
+
+    spec = parse_configs("guarded:phase-aware")[0]
+    plan = spec.build(model, decode_plan(model, DEGENERATE))
+    assert plan.meta["guard"] is True and plan.meta["configuration"] == "guarded:phase-aware"
+    assert plan.prefill.is_identity and not plan.decode.is_identity
+    with pytest.raises(ValueError, match="unknown configuration"):
+        parse_configs("guarded:nope")[0].build(model, decode_plan(model, DEGENERATE))
