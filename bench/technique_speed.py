@@ -24,6 +24,38 @@ from pathlib import Path
 import torch
 
 
+def route_overhead(tokens: list[int], repeats: int = 200, E: int = 64, k: int = 8, D: int = 32) -> list[dict]:
+    """Microseconds per call of the one routing function for one layer (OLMoE-like semantics, m=64,
+    top-8): what folding adds to a step beyond the expert reads, independent of memory traffic."""
+    from moetailor.models.architectures import RouterSemantics
+    from moetailor.routing import FoldTables, LayerPolicy
+    from moetailor.routing.router import CompiledPolicy, route
+
+    g = torch.Generator().manual_seed(0)
+    sem = RouterSemantics(num_experts=E, top_k=k, scoring="softmax", normalise=False)
+    loss = torch.rand(E, E, generator=g)
+    tables = FoldTables(scale=torch.rand(E, E, generator=g) * 2, loss=loss.fill_diagonal_(0), mean_norm=torch.rand(E, generator=g))
+    keep = tuple(range(0, E, E // D))
+    policies = {"full router (stock top-k)": LayerPolicy(top_k=k), "mask (static pool)": LayerPolicy(keep=keep),
+                "static drop": LayerPolicy(keep=keep, pool_mode="drop"),
+                "static fold": LayerPolicy(keep=keep, pool_mode="fold"),
+                "batch drop": LayerPolicy(batch_pool=D, fold=False), "batch fold": LayerPolicy(batch_pool=D),
+                "token drop K_pre=4": LayerPolicy(token_keep=4, fold=False),
+                "token fold K_pre=4": LayerPolicy(token_keep=4)}
+    rows = []
+    for T in tokens:
+        logits = torch.randn(T, E, generator=g)
+        for label, policy in policies.items():
+            cp = CompiledPolicy.build(policy, sem, "cpu", tables)
+            for _ in range(10):
+                route(logits, sem, cp)
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                route(logits, sem, cp)
+            rows.append({"tokens": T, "policy": label, "us_per_layer": (time.perf_counter() - t0) / repeats * 1e6})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("build/bench/techniques"))
@@ -35,7 +67,13 @@ def main() -> None:
     ap.add_argument("--k-pre", default="6,4,2")
     ap.add_argument("--prompt-lens", default="128,512")
     ap.add_argument("--calib-tokens", type=int, default=1024)
+    ap.add_argument("--route-only", action="store_true", help="only the routing-function microbenchmark")
     args = ap.parse_args()
+    overhead = route_overhead([8, 64, 512])
+    for row in overhead:
+        print(f"route() {row['tokens']:>4} tokens  {row['policy']:<26} {row['us_per_layer']:8.1f} us/layer", flush=True)
+    if args.route_only:
+        return
 
     from moetailor.bench.measure import engine_decode, make_llm, prompts
     from moetailor.bench.pools import kept_ids
@@ -114,7 +152,7 @@ def main() -> None:
             print(f"prompt {length} {label}: TTFT {statistics.median(v) * 1e3:.1f} ms "
                   f"({full / statistics.median(v):.2f}x vs full)", flush=True)
     llm.set_plan(None)
-    result = {"decode": rows, "ttft": ttft, "settings": vars(args) | {"out": str(args.out)},
+    result = {"route_overhead_us": overhead, "decode": rows, "ttft": ttft, "settings": vars(args) | {"out": str(args.out)},
               "threads": torch.get_num_threads()}
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     for row in rows:

@@ -58,7 +58,8 @@ class GuardConfig:
     repetition_window: int = 64         # recent tokens the repetition measure looks at
     repetition_min_tokens: int = 32     # completion tokens before repetition is measured
     repetition_max: float = 0.75        # rescue: share of repeated n-grams in the window above this
-    entropy_factor: float | None = 3.0  # trip: mean next-token entropy above factor x the full pool's (None = off)
+    entropy_factor: float | None = 3.0  # trip: mean next-token entropy above factor x the full pool's ...
+    entropy_margin: float = 0.25        # ... + this many nats (a near-zero full-pool entropy makes ratios jumpy)
     rescued_share_max: float = 0.25     # trip: share of the window's requests that needed a rescue
     cooldown_steps: int = 2000          # engine steps a tripped policy stays off before probation
     probe_requests: int = 8             # requests run (all shadowed) in probation before re-enabling
@@ -185,7 +186,7 @@ class Guard:
 
     def reset(self) -> None:
         """Forget all evidence (a new engine plan is a new deployment); running shadows are aborted."""
-        for watch_id, seq in list(getattr(self, "shadows", {}).items()):
+        for seq in list(getattr(self, "shadows", {}).values()):
             self.llm.abort(seq.request_id)
         self.policies: dict[str, PolicyState] = {}
         self.reference: deque[Outcome] = deque(maxlen=self.config.window)
@@ -251,9 +252,13 @@ class Guard:
         self.shadows[twin.seq_id] = twin
 
     def forget(self, seq) -> None:
-        """An aborted request leaves no evidence."""
-        self.watches.pop(seq.seq_id, None)
+        """An aborted request leaves no evidence (an aborted probe is replaced by the next request)."""
+        w = self.watches.pop(seq.seq_id, None)
         self.shadows.pop(seq.seq_id, None)
+        if w is not None and w.role == "reduced" and w.policy in self.policies:
+            p = self.policies[w.policy]
+            if p.state == "probation":
+                p.probes_left += 1
 
     @torch.no_grad()
     def observe(self, seqs: list, logits: torch.Tensor, is_prefill: bool) -> None:
@@ -366,9 +371,9 @@ class Guard:
                     mine["p90"] < ref["p90"] / c.p90_factor - c.length_slack:
                 return f"p90 length {mine['p90']:.0f} vs {ref['p90']:.0f} on the full pool (factor {c.p90_factor:g}, " \
                        f"slack {c.length_slack})"
-        if c.entropy_factor is not None and mine["entropy"] > c.entropy_factor * ref["entropy"]:
+        if c.entropy_factor is not None and mine["entropy"] > c.entropy_factor * ref["entropy"] + c.entropy_margin:
             return f"mean next-token entropy {mine['entropy']:.2f} vs {ref['entropy']:.2f} nats on the full pool " \
-                   f"(factor {c.entropy_factor:g})"
+                   f"(factor {c.entropy_factor:g} + {c.entropy_margin:g})"
         return None
 
     def _trip(self, key: str, p: PolicyState, reason: str) -> None:
