@@ -34,6 +34,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert execution: one grouped GEMM per projection, or a loop over the routed experts")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    from .techniques import add_policy_arguments
+    add_policy_arguments(p)   # --prefill-policy / --decode-policy / --fold-stats (folding, skipping)
 
 
 def build_engine(args):
@@ -60,7 +62,10 @@ def build_engine(args):
         plan = plan.with_phases(prefill=None, decode=plan.decode)
     elif args.plan:
         plan = Plan.load(args.plan)
-    return LLM(args.model, plan, **kwargs)
+    llm = LLM(args.model, plan, **kwargs)
+    from .techniques import apply_policy_arguments
+    apply_policy_arguments(llm, args)
+    return llm
 
 
 def register(sub) -> None:
