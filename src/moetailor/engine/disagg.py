@@ -1,14 +1,16 @@
 """Disaggregated prefill/decode: two worker processes, one pool of experts each.
 
 The prefill worker holds the full checkpoint, runs prefill steps only, samples each request's
-first token and hands the request's KV blocks to the decode worker through a torch.multiprocessing
-queue (tensors travel in shared memory); the decode worker holds the pruned checkpoint (from
-``moetailor prune``; or the full model with the plan's decode policy when none is given), writes
-those blocks into its own pool unchanged and decodes. Freed expert weight memory becomes KV
+first token and hands the request's KV blocks over; the decode worker holds the pruned checkpoint
+(from ``moetailor prune``; or the full model with the plan's decode policy when none is given),
+writes those blocks into its own pool unchanged and decodes. Freed expert weight memory becomes KV
 capacity: under the same ``memory_budget`` the decode worker holds more blocks (``capacity()``).
 
-If the decode worker dies, its in-flight requests end with finish_reason "error" and a message,
-a new decode worker is started, and requests keep being served.
+Every channel belongs to one worker: the front end sends to a worker through its own inbox queue
+and reads from it through its own pipe, and hand-overs travel prefill -> front end -> decode
+(tensors in shared memory, so only handles are copied). A worker that dies, even mid-message, can
+therefore only break its own channels: its in-flight requests end with finish_reason "error" and a
+message, a new worker with fresh channels is started, and requests keep being served.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import queue as queue_mod
 import threading
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_for_connections
 from pathlib import Path
 
 import torch
@@ -62,8 +65,8 @@ def _build_llm(model, plan, kwargs):
     return LLM(model, plan, **kwargs)
 
 
-def _report(out_q, kind: str, llm) -> None:
-    out_q.put(("ready", kind, {"num_blocks": llm.block_manager.num_blocks, "weight_bytes": llm.runner.weight_bytes,
+def _report(conn, kind: str, llm) -> None:
+    conn.send(("ready", kind, {"num_blocks": llm.block_manager.num_blocks, "weight_bytes": llm.runner.weight_bytes,
                                "block_bytes": llm.runner.block_bytes, "max_model_len": llm.max_model_len}))
 
 
@@ -72,18 +75,22 @@ def _delta(seq, stage: str) -> tuple:
     return ("delta", seq.request_id, list(seq.completion_token_ids), seq.text, seq.finish_reason, seq.error, stage)
 
 
-def prefill_worker(model, kwargs: dict, in_q, kv_q, out_q) -> None:
-    """Full pool. Prefill, sample the first token, ship the KV blocks, free them."""
-    llm = _build_llm(model, None, kwargs)
-    _report(out_q, "prefill", llm)
+def _next_messages(inbox, block: bool) -> list:
+    """Everything waiting in the inbox; waits for the first message only when the worker is idle."""
+    messages = [inbox.get()] if block else []
     while True:
-        messages = [in_q.get()] if not llm.has_unfinished() else []
-        while True:
-            try:
-                messages.append(in_q.get_nowait())
-            except queue_mod.Empty:
-                break
-        for msg in messages:
+        try:
+            messages.append(inbox.get_nowait())
+        except queue_mod.Empty:
+            return messages
+
+
+def prefill_worker(model, kwargs: dict, inbox, conn) -> None:
+    """Full pool. Prefill, sample the first token, send the KV blocks to the front end, free them."""
+    llm = _build_llm(model, None, kwargs)
+    _report(conn, "prefill", llm)
+    while True:
+        for msg in _next_messages(inbox, block=not llm.has_unfinished()):
             if msg[0] == "stop":
                 return
             if msg[0] == "add":
@@ -91,48 +98,52 @@ def prefill_worker(model, kwargs: dict, in_q, kv_q, out_q) -> None:
                 try:
                     llm.add_request(ids, sampling, request_id=rid)
                 except ValueError as e:   # e.g. more KV blocks than this worker's pool holds
-                    out_q.put(("delta", rid, [], "", "error", str(e), "prefill"))
+                    conn.send(("delta", rid, [], "", "error", str(e), "prefill"))
             elif msg[0] == "abort":
                 llm.abort(msg[1])
-        for seq in llm.step():            # the queue holds only new requests: always a prefill step
+        for seq in llm.step():            # the inbox holds only new requests: always a prefill step
             if seq.is_finished:           # finished on its first token
-                out_q.put(_delta(seq, "prefill"))
+                conn.send(_delta(seq, "prefill"))
                 continue
             kv = llm.runner.read_blocks(seq.block_table)      # per layer (k, v) [n*bs, nKV, D]
             state = seq.generator.get_state() if seq.generator is not None else None
-            kv_q.put(("seq", seq.request_id, seq.token_ids, seq.num_prompt_tokens, seq.sampling, state, kv,
-                      seq.prompt))
-            out_q.put(_delta(seq, "decode"))
+            adopt = ("adopt", seq.request_id, seq.token_ids, seq.num_prompt_tokens, seq.sampling, state, kv, seq.prompt)
+            conn.send(("handoff", _delta(seq, "decode"), adopt))
             llm.abort(seq.request_id)     # frees the prefill worker's blocks
 
 
-def decode_worker(model, plan, kwargs: dict, kv_q, ctl_q, out_q) -> None:
+def decode_worker(model, plan, kwargs: dict, inbox, conn) -> None:
     """Pruned (or masked) pool. Adopt prefilled sequences and decode them."""
     llm = _build_llm(model, plan, kwargs)
-    _report(out_q, "decode", llm)
+    _report(conn, "decode", llm)
     while True:
-        try:
-            while True:
-                msg = ctl_q.get_nowait()
-                if msg[0] == "stop":
-                    return
-                if msg[0] == "abort":
-                    llm.abort(msg[1])
-                elif msg[0] == "crash":   # fault injection for tests
-                    import os
-                    os._exit(3)
-        except queue_mod.Empty:
-            pass
-        try:
-            msg = kv_q.get(timeout=0.05) if not llm.has_unfinished() else kv_q.get_nowait()
-            while msg is not None:
+        for msg in _next_messages(inbox, block=not llm.has_unfinished()):
+            if msg[0] == "stop":
+                return
+            if msg[0] == "abort":
+                llm.abort(msg[1])
+            elif msg[0] == "adopt":
                 _, rid, ids, n_prompt, sampling, state, kv, prompt = msg
                 llm.adopt(ids, n_prompt, sampling, kv, request_id=rid, generator_state=state, prompt=prompt)
-                msg = kv_q.get_nowait()
-        except queue_mod.Empty:
-            pass
         for seq in llm.step():
-            out_q.put(_delta(seq, "decode"))
+            conn.send(_delta(seq, "decode"))
+
+
+@dataclass
+class Worker:
+    """One worker process and the two channels only it uses."""
+    kind: str                  # "prefill" | "decode": also the stage of the requests it holds
+    process: object
+    inbox: object              # front end -> worker (queue)
+    conn: object               # worker -> front end (pipe, read end)
+    closed: bool = False       # the pipe reached end of file: the worker is gone
+
+    def retire(self) -> None:
+        """Drop the channels without waiting on a dead reader."""
+        self.inbox.cancel_join_thread()
+        self.inbox.close()
+        self.conn.close()
+        self.closed = True
 
 
 class DisaggregatedLLM:
@@ -153,37 +164,41 @@ class DisaggregatedLLM:
         self.tokenizer = tokenizer
         self.model = None                  # the weights live in the workers
         self.engine_kwargs = dict(engine_kwargs, tokenizer=tokenizer)
-        self.decode_spec = (decode_model if decode_model is not None else model,
-                            None if decode_model is not None else plan)
+        self.worker_specs = {"prefill": (prefill_worker, (model,)),
+                             "decode": (decode_worker, (decode_model, None) if decode_model is not None
+                                        else (model, plan))}
         self.ctx = mp.get_context("spawn")
-        self.in_q, self.kv_q, self.ctl_q, self.out_q = (self.ctx.Queue() for _ in range(4))
         self.lock = threading.RLock()
         self.seqs: dict[str, RemoteSequence] = {}
         self.ready: dict[str, dict] = {}
         self.step_log: list = []
         self.tokens_generated = 0
-        self.decode_restarts = 0
-        self.prefill = self.ctx.Process(target=prefill_worker, args=(model, dict(self.engine_kwargs), self.in_q,
-                                                                      self.kv_q, self.out_q), daemon=True)
-        self.prefill.start()
-        self.decode = self._start_decode()
+        self.restarts = {"prefill": 0, "decode": 0}
+        self.workers = {kind: self._start(kind) for kind in ("prefill", "decode")}
         self._wait_ready({"prefill", "decode"}, startup_timeout)
         self.max_model_len = engine_kwargs.get("max_model_len") or self.ready["prefill"].get("max_model_len") or 4096
         self._next_id = 0
 
-    def _start_decode(self):
-        model, plan = self.decode_spec
-        proc = self.ctx.Process(target=decode_worker, args=(model, plan, dict(self.engine_kwargs), self.kv_q,
-                                                            self.ctl_q, self.out_q), daemon=True)
+    @property
+    def decode_restarts(self) -> int:
+        return self.restarts["decode"]
+
+    def _start(self, kind: str) -> Worker:
+        target, args = self.worker_specs[kind]
+        inbox = self.ctx.Queue()
+        reader, writer = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=target, args=(*args, dict(self.engine_kwargs), inbox, writer), daemon=True)
         proc.start()
-        return proc
+        writer.close()                     # only the worker writes: its death is end of file here
+        return Worker(kind, proc, inbox, reader)
 
     def _wait_ready(self, kinds: set[str], timeout: float) -> None:
         deadline = time.time() + timeout
         while not kinds <= set(self.ready):
-            for name, proc in (("prefill", self.prefill), ("decode", self.decode)):
-                if name in kinds and not proc.is_alive():
-                    raise RuntimeError(f"the {name} worker exited with code {proc.exitcode} while loading; "
+            for kind in kinds:
+                proc = self.workers[kind].process
+                if kind not in self.ready and not proc.is_alive():
+                    raise RuntimeError(f"the {kind} worker exited with code {proc.exitcode} while loading; "
                                        "run the same model with `moetailor generate` to see the error")
             if time.time() > deadline:
                 raise RuntimeError(f"workers not ready after {timeout:.0f} s")
@@ -226,7 +241,7 @@ class DisaggregatedLLM:
                 self._next_id += 1
             seq = RemoteSequence(request_id, text, ids, sampling)
             self.seqs[request_id] = seq
-            self.in_q.put(("add", request_id, ids, sampling))
+            self.workers["prefill"].inbox.put(("add", request_id, ids, sampling))
         return seq
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> bool:
@@ -235,8 +250,8 @@ class DisaggregatedLLM:
             if seq is None or seq.is_finished:
                 return False
             seq.finish(reason, error)
-            self.in_q.put(("abort", request_id))
-            self.ctl_q.put(("abort", request_id))
+            for worker in self.workers.values():
+                worker.inbox.put(("abort", request_id))
             return True
 
     def has_unfinished(self) -> bool:
@@ -244,24 +259,37 @@ class DisaggregatedLLM:
 
     def step(self) -> list[RemoteSequence]:
         """Collect what the workers produced since the last call (waits briefly for something)."""
-        lost = self._check_decode_worker()
-        return lost + self._drain(timeout=0.05)
+        updated = self._drain(timeout=0.05)
+        return updated + self._replace_dead_workers()
 
     def _drain(self, timeout: float) -> list[RemoteSequence]:
         updated = []
-        try:
-            msg = self.out_q.get(timeout=timeout)
-            while True:
-                if msg[0] == "ready":
-                    self.ready[msg[1]] = msg[2]
-                else:
-                    seq = self._apply(msg)
-                    if seq is not None:
-                        updated.append(seq)
-                msg = self.out_q.get_nowait()
-        except queue_mod.Empty:
-            pass
+        conns = {w.conn: w for w in self.workers.values() if not w.closed}
+        ready = wait_for_connections(list(conns), timeout)
+        while ready:
+            for conn in ready:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):        # the worker is gone (maybe mid-message)
+                    conns.pop(conn).closed = True
+                    continue
+                updated += self._handle(msg)
+            ready = wait_for_connections(list(conns), 0) if conns else []
         return updated
+
+    def _handle(self, msg) -> list[RemoteSequence]:
+        if msg[0] == "ready":
+            self.ready[msg[1]] = msg[2]
+            return []
+        if msg[0] == "handoff":                     # prefill -> decode, through this process
+            _, delta, adopt = msg
+            with self.lock:
+                if delta[1] not in self.seqs:       # aborted meanwhile
+                    return []
+                self.workers["decode"].inbox.put(adopt)
+            msg = delta
+        seq = self._apply(msg)
+        return [seq] if seq is not None else []
 
     def _apply(self, msg) -> RemoteSequence | None:
         _, rid, ids, text, reason, error, stage = msg
@@ -281,21 +309,25 @@ class DisaggregatedLLM:
                 self.seqs.pop(rid, None)
             return seq
 
-    def _check_decode_worker(self) -> list[RemoteSequence]:
-        """When the decode worker died: end its requests with an error and start a new one."""
-        if self.decode.is_alive():
-            return []
-        code = self.decode.exitcode
-        self._drain(timeout=0.01)        # hand-over notices already sent
-        with self.lock:
-            lost = [s for s in self.seqs.values() if s.stage == "decode"]
-            for seq in lost:
-                seq.finish("error", f"the decode worker exited (code {code}) while decoding this request; "
-                                    "it was ended, resubmit it")
-                self.seqs.pop(seq.request_id, None)
-            self.decode_restarts += 1
-            self.ready.pop("decode", None)
-            self.decode = self._start_decode()
+    def _replace_dead_workers(self) -> list[RemoteSequence]:
+        """A dead worker's requests end with an error; a new worker with fresh channels takes its place."""
+        lost = []
+        for kind, worker in list(self.workers.items()):
+            if worker.process.is_alive():
+                continue
+            if not worker.closed:
+                self._drain(timeout=0.01)          # what it sent before dying
+            code = worker.process.exitcode
+            with self.lock:
+                for seq in [s for s in self.seqs.values() if s.stage == kind]:
+                    seq.finish("error", f"the {kind} worker exited (code {code}) while serving this request; "
+                                        "it was ended, resubmit it")
+                    self.seqs.pop(seq.request_id, None)
+                    lost.append(seq)
+                worker.retire()
+                self.restarts[kind] += 1
+                self.ready.pop(kind, None)
+                self.workers[kind] = self._start(kind)
         return lost
 
     def generate(self, prompts, sampling=None, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -315,17 +347,19 @@ class DisaggregatedLLM:
                 "decode_tokens_per_s": 0.0, "distinct_experts_last_step": 0.0}
 
     def crash_decode_worker(self) -> None:
-        """Fault injection (tests): the decode worker exits at once."""
-        self.ctl_q.put(("crash",))
+        """Fault injection (tests): kill the decode worker as the OS would."""
+        self.workers["decode"].process.kill()
 
     def close(self) -> None:
-        for q, proc in ((self.in_q, self.prefill), (self.ctl_q, self.decode)):
-            if proc.is_alive():
-                q.put(("stop",))
-        for proc in (self.prefill, self.decode):
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
+        for worker in self.workers.values():
+            if worker.process.is_alive():
+                worker.inbox.put(("stop",))
+        for worker in self.workers.values():
+            worker.process.join(timeout=5)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(timeout=5)
+            worker.retire()
 
     def __enter__(self):
         return self
