@@ -9,20 +9,8 @@ import torch.nn.functional as F
 from moetailor.calibration import (BETA_BINS, Collector, ExpertStats, StatsMismatch, calibrate, calibrate_batches,
                                    iter_documents, iter_token_windows, load_fold_tables, parse_data_spec)
 from moetailor.models import moe_layers
-from moetailor.models.tiny import TINY_ARCHITECTURES, tiny_model
+from moetailor.models.tiny import TINY_ARCHITECTURES, char_tokenizer, tiny_model
 from moetailor.routing.router import select
-
-
-def char_tokenizer(vocab: int = 96):
-    """A character-level tokenizer whose ids fit a tiny model's vocabulary (0 = eos, 1 = pad)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(32, 32 + vocab - 3)]
-    ids = {"<eos>": 0, "<pad>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(ids, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
 
 
 def batches(n=3, seed=0, shape=(4, 16)):

@@ -133,3 +133,65 @@ def test_engine_rejects_out_of_range_expert_top_k():
         llm.add_request([5, 6, 7], SamplingParams(max_tokens=2, expert_top_k=3))
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, expert_top_k=1))
     assert len(out[0].token_ids) == 2
+
+
+# ---- the engine's k-aware schedules -------------------------------------------------------------
+
+def _budget_workload():
+    from moetailor.engine import SamplingParams
+    from engine_helpers import random_prompts
+
+    prompts = random_prompts([5, 9, 4, 7, 6, 8, 3, 10, 5, 6], seed=11)
+    ks = [1, 4, 1, 4, 1, 4, 1, 4, 1, 4]
+    return prompts, [SamplingParams(max_tokens=6, ignore_eos=True, expert_top_k=k) for k in ks]
+
+
+@pytest.fixture(scope="module")
+def budget_model():
+    from moetailor.models.tiny import tiny_model
+    return tiny_model("qwen2_moe", seed=3, num_experts=16, top_k=4)
+
+
+SPLIT_LANES = StepCost(2, 16, per_expert=1e-3)               # touching experts dominates: keep budgets apart
+ONE_LANE = StepCost(2, 16, per_expert=1e-6, fixed=1.0)       # a step's fixed cost dominates: one lane
+
+
+@pytest.mark.parametrize("schedule,cost", [("lanes", SPLIT_LANES), ("tiers", SPLIT_LANES), ("max", None)])
+def test_engine_schedules_keep_every_budget_and_serve_everyone(budget_model, schedule, cost):
+    from moetailor.engine import LLM
+
+    prompts, params = _budget_workload()
+    ref = LLM(budget_model, max_num_seqs=4, num_kv_blocks=64).generate(prompts, params)
+    llm = LLM(budget_model, max_num_seqs=4, num_kv_blocks=64, k_schedule=schedule, k_cost=cost)
+    outs = llm.generate(prompts, params)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in outs)
+    decode_ks = {r.mean_k for r in llm.step_log if r.phase == "decode"}
+    if schedule == "max":        # every token at its step's largest budget: outputs may differ, budgets only grow
+        assert decode_ks <= {1.0, 4.0}
+        assert max(r.mean_k for r in llm.step_log if r.phase == "decode") == 4.0
+    else:                        # budgets kept apart: no decode step mixes k=1 and k=4 requests
+        assert decode_ks == {1.0, 4.0}
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+
+def test_engine_lanes_collapse_to_one_when_steps_cost_the_same(budget_model):
+    from moetailor.engine import LLM
+
+    prompts, params = _budget_workload()
+    llm = LLM(budget_model, max_num_seqs=10, num_kv_blocks=64, k_schedule="lanes", k_cost=ONE_LANE)
+    llm.generate(prompts, params)
+    assert any(1.0 < r.mean_k < 4.0 for r in llm.step_log if r.phase == "decode")   # budgets share steps
+
+
+def test_engine_fits_its_step_cost_and_rejects_unknown_schedules(budget_model):
+    from moetailor.engine import LLM
+
+    prompts, params = _budget_workload()
+    llm = LLM(budget_model, max_num_seqs=4, num_kv_blocks=64, k_schedule="lanes")
+    with pytest.raises(ValueError, match="needs 8 measured decode steps"):
+        llm.fit_k_cost()
+    llm.generate(prompts, params)
+    cost = llm.fit_k_cost()
+    assert llm.scheduler.lanes.cost is cost and cost.num_experts == 16
+    with pytest.raises(ValueError, match="k_schedule='fastest'.*mixed"):
+        LLM(budget_model, k_schedule="fastest")

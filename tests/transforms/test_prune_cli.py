@@ -10,21 +10,9 @@ import torch
 from moetailor.calibration import ExpertStats
 from moetailor.cli.main import main
 from moetailor.models import load_model
-from moetailor.models.tiny import tiny_model
+from moetailor.models.tiny import char_tokenizer, tiny_model
 from moetailor.plans import Plan
 from moetailor.routing import RoutingController
-
-
-def char_tokenizer(vocab: int = 96):
-    """A character-level tokenizer whose ids fit a tiny model's vocabulary (0 = eos, 1 = pad)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(32, 32 + vocab - 3)]
-    ids = {"<eos>": 0, "<pad>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(ids, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])

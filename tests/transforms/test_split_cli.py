@@ -5,19 +5,8 @@ import torch
 
 from moetailor.cli.main import main
 from moetailor.models import moe_layers
-from moetailor.models.tiny import tiny_model
+from moetailor.models.tiny import char_tokenizer, tiny_model
 from moetailor.transforms.split import read_split_sidecar
-
-
-def char_tokenizer(vocab: int = 96):
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(32, 32 + vocab - 3)]
-    ids = {"<eos>": 0, "<pad>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(ids, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ def _command() -> str:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: decode vs bandwidth floor, SLO throughput, prefill, GPU projection")
+    p = sub.add_parser("bench", help="benchmarks: decode vs bandwidth floor, SLO throughput, prefill, k scheduling, GPU projection")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
 
     def common(q, out: str, quick: bool = True):
@@ -85,6 +85,18 @@ def register(sub) -> None:
     common(f, "build/bench/prefill")
     f.set_defaults(func=run_prefill)
 
+    t = bsub.add_parser("ktiers", help="per-request expert budgets: max-k vs mixed vs lanes vs tiers scheduling")
+    t.add_argument("--model", default="reference", help="'reference', 'synthetic' or a local checkpoint path")
+    t.add_argument("--mix", default="2:0.5,8:0.5", help="budgets and their shares, K:SHARE,... (default 2:0.5,8:0.5)")
+    t.add_argument("--requests", type=int, default=64)
+    t.add_argument("--prompt-len", type=int, default=32)
+    t.add_argument("--max-tokens", type=int, default=32)
+    t.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step")
+    t.add_argument("--repeats", type=int, default=2, help="runs per schedule (best is reported)")
+    t.add_argument("--synthetic-layers", type=int, default=2)
+    common(t, "build/bench/ktiers")
+    t.set_defaults(func=run_ktiers)
+
 
 def run_project(args) -> int:
     from ..bench.project import run_project as project
@@ -120,4 +132,14 @@ def run_prefill(args) -> int:
 
     prefill(args.model, _floats(args.keep), args.prompt_len, _ints(args.batches), args.quick, args.synthetic_layers,
             args.out, _command()).write()
+    return 0
+
+
+def run_ktiers(args) -> int:
+    from ..bench.ktiers import run_ktiers as ktiers
+
+    if min(args.requests, args.prompt_len, args.max_tokens, args.max_num_seqs, args.repeats) < 1:
+        raise ValueError("--requests, --prompt-len, --max-tokens, --max-num-seqs and --repeats must be >= 1")
+    ktiers(args.model, args.mix, args.requests, args.prompt_len, args.max_tokens, args.max_num_seqs, args.repeats,
+           args.quick, args.synthetic_layers, args.out, _command()).write()
     return 0

@@ -32,6 +32,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="autocast dtype for prefill steps (bf16 pays for long prompts on AMX CPUs)")
     p.add_argument("--experts-impl", choices=("grouped", "loop"), default="grouped",
                    help="expert execution: one grouped GEMM per projection, or a loop over the routed experts")
+    p.add_argument("--k-schedule", choices=("mixed", "max", "lanes", "tiers"), default="mixed",
+                   help="how requests with different expert_top_k budgets share steps: mixed (one step, each "
+                        "token at its own k), max (each step at its largest k), lanes (online low/high-k "
+                        "decode lanes), tiers (offline k tiers; generate only)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     from .techniques import add_policy_arguments
@@ -51,6 +55,7 @@ def build_engine(args):
     kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, dtype=dtype, device=args.device,
                   max_model_len=args.max_model_len, experts_impl=args.experts_impl,
+                  k_schedule=getattr(args, "k_schedule", "mixed"),
                   memory_budget=int(args.memory_budget_mb * 2**20) if args.memory_budget_mb else None,
                   prefill_dtype=getattr(torch, DTYPES[args.prefill_dtype]) if args.prefill_dtype else None)
     if args.decode_model:

@@ -37,6 +37,9 @@ def parse_named_plans(items: list[str], model) -> dict:
 def run(args) -> int:
     from ..engine.server import serve
 
+    if args.k_schedule == "tiers":
+        raise ValueError("--k-schedule tiers plans a known set of requests offline (`moetailor generate`); a server "
+                         "sees requests arrive one by one: use --k-schedule lanes")
     llm = build_engine(args)
     plans = parse_named_plans(args.expert_plan, llm.model)
     serve(llm, host=args.host, port=args.port, model_name=args.served_model_name or str(args.model), plans=plans)

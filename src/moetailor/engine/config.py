@@ -18,8 +18,14 @@ class EngineConfig:
     prefill_dtype: torch.dtype | None = None  # autocast dtype for prefill steps (bf16 matmuls pay for long prompts)
     device: str = "cpu"
     experts_impl: str = "grouped"         # "grouped": one grouped GEMM per projection; "loop": routing's per-expert loop
+    # Per-request expert budgets (SamplingParams.expert_top_k) in one engine (engine/k_tiers.py):
+    # "mixed": one decode step for everyone, each token at its own k (the batch reads the union);
+    # "max": every step at its largest member's k (the usual baseline); "lanes": online low-k and
+    # high-k decode lanes with an adaptive boundary; "tiers": generate() plans k tiers offline.
+    k_schedule: str = "mixed"
 
     EXPERTS_IMPLS = ("grouped", "loop")
+    K_SCHEDULES = ("mixed", "max", "lanes", "tiers")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -27,5 +33,7 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.experts_impl not in self.EXPERTS_IMPLS:
             raise ValueError(f"experts_impl={self.experts_impl!r}; choose one of {self.EXPERTS_IMPLS}")
+        if self.k_schedule not in self.K_SCHEDULES:
+            raise ValueError(f"k_schedule={self.k_schedule!r}; choose one of {self.K_SCHEDULES}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be at least 1 (or None to size it automatically)")

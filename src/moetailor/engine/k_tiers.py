@@ -127,6 +127,21 @@ class StepCost:
         return cls(num_layers, num_experts, expert_bytes / bandwidth + per_call, **kw)
 
     @classmethod
+    def for_model(cls, model, bandwidth: float = 20e9, per_call: float = 3e-5, per_token: float = 2e-4,
+                  fixed: float = 2e-3) -> "StepCost":
+        """A first estimate from the model's shapes with rough CPU defaults (read bandwidth, per-expert
+        call overhead, dense work per sequence, per-step overhead); ``LLM.fit_k_cost`` replaces it
+        with a fit of the engine's own measured steps."""
+        from ..models.adapters import moe_layers
+
+        layers = moe_layers(model)
+        experts = layers[0].experts
+        expert_bytes = sum(w.numel() * w.element_size() for w in (experts.gate_up_proj, experts.down_proj))
+        num_experts = layers[0].num_experts
+        return cls.from_bandwidth(len(layers), num_experts, expert_bytes // num_experts, bandwidth, per_call,
+                                  per_token=per_token, fixed=fixed)
+
+    @classmethod
     def fit(cls, samples: list[tuple[int, int, float, float]], num_layers: int, num_experts: int) -> "StepCost":
         """Least-squares fit from measured steps ``(batch, k, mean distinct experts per layer, seconds)``
         (the engine's ``step_log`` has all four); coefficients clipped at 0."""

@@ -17,7 +17,7 @@ from ..plans.plan import Plan
 from ..routing.controller import RoutingController
 from ..routing.policy import FULL_PHASE
 from .block_manager import BlockManager
-from .k_tiers import model_max_k, validate_expert_top_k
+from .k_tiers import KRequest, OnlineLanes, StepCost, model_max_k, plan_offline, validate_expert_top_k
 from .config import EngineConfig
 from .guard import Guard, GuardConfig
 from .model_runner import ModelRunner
@@ -51,6 +51,7 @@ class StepRecord:
     seconds: float
     distinct_experts: dict[int, int]    # MoE layer -> distinct experts read this step
     expert_bytes: int                   # expert weight bytes read this step
+    mean_k: float = 0.0                 # mean experts per token this step (per-request budgets)
 
 
 @dataclass
@@ -81,7 +82,8 @@ class LLM:
                  dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer=None,
                  max_model_len: int | None = None, memory_budget: int | None = None,
                  prefill_dtype: torch.dtype | None = None, experts_impl: str = "grouped",
-                 step_log_size: int = 10_000, guard: GuardConfig | bool | None = None):
+                 step_log_size: int = 10_000, guard: GuardConfig | bool | None = None,
+                 k_schedule: str = "mixed", k_cost: StepCost | None = None):
         from ..models.loading import load_model, load_tokenizer
 
         if isinstance(model, (str, Path)):
@@ -99,11 +101,14 @@ class LLM:
         self.config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
                                    memory_budget=memory_budget, dtype=dtype, prefill_dtype=prefill_dtype,
-                                   device=str(device), experts_impl=experts_impl)
+                                   device=str(device), experts_impl=experts_impl, k_schedule=k_schedule)
         self.controller = RoutingController.of(self.model)
         self.runner = ModelRunner(self.model, self.config)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.full_k = self.controller.layers[0].top_k
+        self.k_cost = k_cost or StepCost.for_model(self.model)     # the k-aware schedules' throughput estimate
+        lanes = OnlineLanes(self.k_cost, max_batch=max_num_seqs) if k_schedule == "lanes" else None
+        self.scheduler = Scheduler(self.config, self.block_manager, lanes, self.full_k)
         self.plan: Plan | None = None
         self.guard: Guard | None = None
         self._seqs: dict[str, Sequence] = {}
@@ -162,10 +167,11 @@ class LLM:
         return None, [int(t) for t in prompt]
 
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
-                    request_id: str | None = None, plan: Plan | None = None, plan_key: str | None = None) -> Sequence:
+                    request_id: str | None = None, plan: Plan | None = None, plan_key: str | None = None,
+                    tier: int | None = None) -> Sequence:
         """Queue a request; raises ValueError (naming the limit) when it can never run.
         ``plan`` overrides the engine's plan for this request (``plan_key`` names it; requests
-        with different keys run in different steps)."""
+        with different keys run in different steps); so does an offline k ``tier``."""
         sampling = sampling or SamplingParams()
         sampling.validate()
         if sampling.expert_top_k is not None:
@@ -197,7 +203,7 @@ class LLM:
                 self.controller.compile(plan.prefill), self.controller.compile(plan.decode)
                 plan_key = plan_key or f"plan-{id(plan)}"
             seq = Sequence(ids, sampling, request_id=request_id, prompt=text, plan=plan, plan_key=plan_key)
-            seq.block_size = bs
+            seq.block_size, seq.tier = bs, tier
             if seq.request_id in self._seqs:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
             self._seqs[seq.request_id] = seq
@@ -248,11 +254,14 @@ class LLM:
 
     # ---- one step ------------------------------------------------------------------------------
     def _token_top_k(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
+        """Per-token expert budget [T], or None when every request uses the model's k."""
         ks = [s.sampling.expert_top_k for s in seqs]
         if all(k is None for k in ks):
             return None
-        full = self.controller.layers[0].top_k
+        full = self.full_k
         per_seq = [min(k or full, full) for k in ks]
+        if self.config.k_schedule == "max":     # the baseline: everyone at the step's largest budget
+            per_seq = [max(per_seq)] * len(per_seq)
         counts = [len(s) if is_prefill else 1 for s in seqs]
         return torch.tensor(per_seq, device=self.runner.device).repeat_interleave(
             torch.tensor(counts, device=self.runner.device))                # [T]
@@ -268,12 +277,14 @@ class LLM:
             meter = self.controller.meter
             meter.reset()
             start = time.perf_counter()
-            with self.controller.policy(self.phase_policy(phase, seqs[0].plan), token_top_k=self._token_top_k(seqs, is_prefill)):
+            top_k = self._token_top_k(seqs, is_prefill)
+            with self.controller.policy(self.phase_policy(phase, seqs[0].plan), token_top_k=top_k):
                 logits = self.runner.run(seqs, is_prefill, self.block_manager)            # [B, V]
             tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
             seconds = time.perf_counter() - start
+            mean_k = float(top_k.float().mean()) if top_k is not None else float(self.full_k)
             self.step_log.append(StepRecord(phase, len(seqs), num_tokens, seconds, dict(meter.distinct),
-                                            meter.bytes_read))
+                                            meter.bytes_read, mean_k))
             if len(self.step_log) > self.step_log_size:
                 del self.step_log[: len(self.step_log) - self.step_log_size]
             for seq, token in zip(seqs, tokens):
@@ -310,7 +321,10 @@ class LLM:
         params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
-        seqs = [self.add_request(p, s) for p, s in zip(prompts, params)]
+        if self.config.k_schedule == "tiers":
+            seqs = self._add_in_tiers(prompts, params)
+        else:
+            seqs = [self.add_request(p, s) for p, s in zip(prompts, params)]
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -326,6 +340,31 @@ class LLM:
         if bar is not None:
             bar.close()
         return [RequestOutput.of(s) for s in seqs]
+
+    def _add_in_tiers(self, prompts: list, params: list[SamplingParams]) -> list[Sequence]:
+        """Offline k tiers: ``plan_offline`` groups the requests by budget into batches (a residual
+        tier merges upward when the cost model says so); each batch becomes a step group, queued in
+        the plan's order. Tokens still run at their own k (never below the request's budget)."""
+        reqs = [KRequest(str(i), s.expert_top_k or self.full_k, float(i)) for i, s in enumerate(params)]
+        batches = plan_offline(reqs, self.config.max_num_seqs, self.k_cost)
+        seqs: list[Sequence | None] = [None] * len(prompts)
+        for tier, batch in enumerate(batches):
+            for i in map(int, batch.request_ids):
+                seqs[i] = self.add_request(prompts[i], params[i], tier=tier)
+        return seqs
+
+    def fit_k_cost(self, min_steps: int = 8) -> StepCost:
+        """Fit the k schedules' step cost to this engine's measured decode steps (``StepCost.fit``)
+        and use it from now on; run some decode steps at several budgets and batch sizes first."""
+        samples = [(r.num_seqs, r.mean_k, sum(r.distinct_experts.values()) / max(1, len(r.distinct_experts)),
+                    r.seconds) for r in self.step_log if r.phase == "decode"]
+        if len(samples) < min_steps:
+            raise ValueError(f"fitting the step cost needs {min_steps} measured decode steps, the log has "
+                             f"{len(samples)}; generate some tokens first")
+        self.k_cost = StepCost.fit(samples, len(self.controller.layers), self.controller.layers[0].num_experts)
+        if self.scheduler.lanes is not None:
+            self.scheduler.lanes.cost = self.k_cost
+        return self.k_cost
 
     def stream(self, prompt: str | list[int], sampling: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[StreamDelta]:

@@ -6,7 +6,8 @@ from contextlib import nullcontext
 
 import torch
 
-from . import attention, experts
+from . import attention
+from ..routing import experts
 from .attention import Context, paged_mode, step_context
 from .config import EngineConfig
 from .sequence import Sequence
@@ -27,7 +28,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         attention.register()
         experts.register()
-        self.experts_impl = experts.IMPLEMENTATION if config.experts_impl == "grouped" else None
+        self.experts_impl = experts.GROUPED_IMPLEMENTATION if config.experts_impl == "grouped" else None
         limit = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
         if config.max_model_len is None:
             config.max_model_len = min(limit, 4096)

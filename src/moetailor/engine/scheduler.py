@@ -2,9 +2,11 @@
 
 Prefill first: admit waiting sequences while slots, free blocks and the token budget allow.
 Otherwise decode every running sequence, preempting (free blocks, recompute later) from the back
-of the queue when the pool cannot hold the next token. Requests that chose a different expert plan
-(``seq.plan_key``) never share a step: a step takes the group at the head of its queue, and a
-decode step sends its group to the back so groups take turns.
+of the queue when the pool cannot hold the next token. Requests in different step groups (another
+expert plan, ``seq.plan_key``, or another offline k tier, ``seq.tier``) never share a step: a step
+takes the group at the head of its queue, and a decode step sends its group to the back so groups
+take turns. With decode lanes (``k_schedule="lanes"``) a decode step runs the lane of per-request
+expert budgets that ``OnlineLanes`` picks; the other sequences keep their blocks and wait.
 """
 from __future__ import annotations
 
@@ -12,11 +14,15 @@ from collections import deque
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .k_tiers import KRequest, OnlineLanes
 from .sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, lanes: OnlineLanes | None = None,
+                 full_k: int | None = None):
+        self.lanes = lanes                  # decode lanes by expert budget (None: one lane)
+        self.full_k = full_k                # the budget of a request that set none
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
@@ -36,7 +42,7 @@ class Scheduler:
         num_tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if scheduled and seq.plan_key != scheduled[0].plan_key:
+            if scheduled and seq.step_group != scheduled[0].step_group:
                 break
             if num_tokens + len(seq) > self.max_num_batched_tokens and scheduled:
                 break
@@ -52,10 +58,10 @@ class Scheduler:
             return scheduled, True
 
         others: list[Sequence] = []
-        key = self.running[0].plan_key if self.running else None
+        chosen = self._decode_group()
         while self.running:
             seq = self.running.popleft()
-            if seq.plan_key != key:
+            if seq.request_id not in chosen:
                 others.append(seq)
                 continue
             while not self.block_manager.can_append(seq):
@@ -69,6 +75,18 @@ class Scheduler:
                 scheduled.append(seq)
         self.running.extendleft(reversed(others + scheduled))
         return scheduled, False
+
+    def _decode_group(self) -> set[str]:
+        """Request ids the next decode step runs: the head's step group, narrowed to one lane."""
+        if not self.running:
+            return set()
+        key = self.running[0].step_group
+        group = [s for s in self.running if s.step_group == key]
+        if self.lanes is None:
+            return {s.request_id for s in group}
+        batch = self.lanes.next_batch([KRequest(s.request_id, s.sampling.expert_top_k or self.full_k, s.arrival)
+                                       for s in group])
+        return set(batch.request_ids)
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it first; its prompt + completion are prefilled again."""
@@ -85,3 +103,5 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.deallocate(seq)
+        if self.lanes is not None:
+            self.lanes.forget(seq.request_id)

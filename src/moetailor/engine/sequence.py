@@ -32,6 +32,7 @@ class Sequence:
         self.sampling = sampling
         self.plan = plan                    # a per-request Plan, or None for the engine's plan
         self.plan_key = plan_key            # sequences with different keys never share a step
+        self.tier: int | None = None        # offline k tier (k_schedule="tiers"): also never shares a step
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
@@ -47,6 +48,11 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def step_group(self) -> tuple:
+        """Sequences share a step only within one group: same expert plan, same offline k tier."""
+        return self.plan_key, self.tier
 
     @property
     def completion_token_ids(self) -> list[int]:

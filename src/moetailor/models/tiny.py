@@ -58,3 +58,16 @@ def tiny_model(model_type: str, seed: int = 0, **kwargs):
                 buf.normal_(0.0, 0.05)
     model.eval()
     return model
+
+
+def char_tokenizer(vocab: int = 96):
+    """A character-level tokenizer whose ids fit a tiny model's vocabulary (0 = eos, 1 = pad, 2 = unk),
+    so a tiny checkpoint directory is complete (text prompts, calibration text) without a hub."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 32 + vocab - 3)]
+    ids = {"<eos>": 0, "<pad>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(ids, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")

@@ -1,4 +1,9 @@
-"""Long-context key-value lookup: a long prompt and a two-digit answer (prefill-heavy)."""
+"""Long-context key-value lookup: a long prompt and a two-digit answer (prefill-heavy).
+
+The completion first repeats the matching table line, then the answer: retrieval becomes a copy
+that an induction head can learn (the answer alone, 3 loss tokens per ~150-token example, left
+the reference model at 8%).
+"""
 from __future__ import annotations
 
 import random
@@ -18,4 +23,4 @@ def generate(rng: random.Random, difficulty: int) -> Example:
     target = rng.choice(keys)
     table = "\n".join(f"key {k} = {values[k]}" for k in keys)
     prompt = f"lookup\n{table}\nfind {target}\n"
-    return make_example("lookup", difficulty, prompt, [], str(values[target]))
+    return make_example("lookup", difficulty, prompt, [f"key {target} = {values[target]}"], str(values[target]))
