@@ -36,6 +36,12 @@ def register(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch size")
     p.add_argument("--out", required=True, help="output directory (an interrupted run resumes from its cells)")
     p.add_argument("--write-docs", default=None, help="also write a results page there (e.g. docs/results.md)")
+    p.add_argument("--budgets", default=None, metavar="all|K,K,...",
+                   help="MODEL is a split checkpoint: evaluate these sub-expert budgets (topk:K) against --original "
+                        "at equal active parameters, and count usable operating points")
+    p.add_argument("--original", default="reference", help="with --budgets: the model the split came from")
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="with --budgets: a budget is usable within this accuracy drop of the full budget (0.05)")
     p.set_defaults(func=run)
 
 
@@ -51,6 +57,10 @@ def run(args) -> int:
         sampling=[s.strip() for s in args.sampling.split(",") if s.strip()], configs=parse_configs(args.configs),
         plan=args.plan, sweep=args.sweep, max_tokens=args.max_tokens, kl_docs=args.kl_docs,
         kl_window=args.kl_window, calib_tokens=args.calib_tokens, calib_data=args.calib_data, max_num_seqs=args.max_num_seqs)
+    if args.budgets:   # the budget comparison brings its own topk configurations
+        settings.configs = parse_configs("baseline")
+        settings.validate()
+        return run_budgets(args, settings, t0)
     settings.validate()  # bad input fails before the model loads
     if args.sweep:
         from ..eval.runner import parse_sweep
@@ -87,3 +97,18 @@ def _argv(args) -> list[str]:
             continue
         out += [f"--{key.replace('_', '-')}", str(value)]
     return out
+
+
+def run_budgets(args, settings, t0: float) -> int:
+    from ..eval.budgets import budget_rows, compare_budgets
+
+    if args.plan or args.sweep:
+        raise ValueError("--budgets evaluates topk budgets on two models; drop --plan/--sweep")
+    result = compare_budgets(settings, args.model, args.original, args.budgets, Path(args.out), args.tolerance,
+                             log=lambda m: print(m, file=sys.stderr))
+    print_table(f"accuracy per budget: {args.model} vs {args.original} (* usable: split "
+                f"{result['usable_points']['split']}, original {result['usable_points']['original']})",
+                ["active fraction", "split k", "split acc %", "split p50/p90", "original k", "original acc %",
+                 "original p50/p90"], budget_rows(result))
+    print(f"wrote {Path(args.out) / 'budgets.md'} (+ .json, .png) in {time.time() - t0:.0f} s")
+    return 0

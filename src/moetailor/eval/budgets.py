@@ -1,0 +1,114 @@
+"""Quality per expert budget: a split model's sub-expert budgets against whole-expert top-k on the
+original model at equal active parameters (MoE-Prism's operating points).
+
+A model split into N parts routes b of N*k sub-experts per token, i.e. a fraction b / (N*k) of the
+routed expert parameters; the original reaches the same fraction only at whole numbers of experts,
+b = N*j. Both models are evaluated with the ``topk:K`` configuration (both phases) through the
+ordinary eval sweep (accuracy and output lengths per task, resumable cells), and joined per active
+fraction. A budget is *usable* when its accuracy is within ``tolerance`` of that model's full
+budget; the paper's claim is about 4x more usable points for the split model.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from ..cli.common import markdown_table
+
+
+def parse_budgets(spec: str, max_budget: int) -> list[int]:
+    """'all' -> 1..max_budget; '4,8,16' -> those, checked against the model's range."""
+    if spec == "all":
+        return list(range(1, max_budget + 1))
+    try:
+        budgets = sorted({int(b) for b in spec.split(",")})
+    except ValueError:
+        raise ValueError(f"--budgets {spec!r} must be 'all' or comma-separated integers, e.g. 4,8,16,32") from None
+    bad = [b for b in budgets if not 1 <= b <= max_budget]
+    if bad:
+        raise ValueError(f"--budgets {bad} out of range: the split model routes 1..{max_budget} sub-experts per token")
+    return budgets
+
+
+def compare_budgets(settings, split_dir: str, original: str, budgets_spec: str, out: Path,
+                    tolerance: float = 0.05, log=print) -> dict:
+    """Run both sweeps (``settings`` supplies tasks, n, seeds; its model and configs are replaced)
+    and write budgets.json, budgets.md and budgets.png to ``out``."""
+    from ..eval.configurations import parse_configs
+    from ..eval.runner import Sweep
+    from ..models import load_model, moe_layers
+    from ..transforms.split import read_split_sidecar
+
+    side = read_split_sidecar(split_dir)
+    if side is None:
+        raise ValueError(f"{split_dir} is not a split checkpoint (no moetailor split sidecar); --budgets compares a "
+                         "model from `moetailor split` with its --original")
+    parts = int(side["parts"])
+    split_k = moe_layers(load_model(split_dir))[0].top_k
+    original_k = moe_layers(load_model(original))[0].top_k
+    if split_k != parts * original_k:
+        raise ValueError(f"{split_dir} routes {split_k} sub-experts = {parts} parts x {split_k // parts} experts, but "
+                         f"--original {original} routes {original_k}: it is not the model this split came from")
+    budgets = parse_budgets(budgets_spec, split_k)
+    whole = sorted({b // parts for b in budgets if b % parts == 0} | {original_k})
+    runs = {}
+    for name, model, ks in (("split", split_dir, sorted(set(budgets) | {split_k})), ("original", original, whole)):
+        log(f"{name}: topk {ks}")
+        cfg = replace(settings, model=model, configs=parse_configs(",".join(f"topk:{k}" for k in ks)),
+                      plan=None, sweep=None)
+        results = Sweep(cfg, out / name, log=log).run()
+        runs[name] = {int(r["variant"].split(":")[1]): r for r in results["rows"]
+                      if r["task"] == "all" and r["sampling"] == cfg.sampling[0]}
+    points = []
+    for name, scale in (("split", split_k), ("original", original_k)):
+        full = runs[name][scale]["accuracy"]
+        for k, r in sorted(runs[name].items()):
+            points.append({"model": name, "k": k, "active_fraction": k / scale, "accuracy": r["accuracy"],
+                           "accuracy_std": r["accuracy_std"], "p50": r["p50"], "p90": r["p90"],
+                           "budget_hit": r["budget_hit"], "usable": r["accuracy"] >= full - tolerance})
+    usable = {name: sum(p["usable"] for p in points if p["model"] == name) for name in runs}
+    result = {"split": split_dir, "original": original, "parts": parts, "tolerance": tolerance,
+              "points": points, "usable_points": usable}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "budgets.json").write_text(json.dumps(result, indent=1))
+    (out / "budgets.md").write_text(budget_table(result) + "\n\n![accuracy per budget](budgets.png)\n")
+    _plot(result, out / "budgets.png")
+    return result
+
+
+def budget_rows(result: dict) -> list[tuple]:
+    by = {(p["model"], round(p["active_fraction"], 6)): p for p in result["points"]}
+    rows = []
+    for frac in sorted({round(p["active_fraction"], 6) for p in result["points"]}):
+        s, o = by.get(("split", frac)), by.get(("original", frac))
+        cell = lambda p: (f"{100 * p['accuracy']:.1f}" + (" *" if p["usable"] else ""), f"{p['p50']:.0f}/{p['p90']:.0f}") \
+            if p else ("-", "-")
+        rows.append((f"{frac:.3f}", s["k"] if s else "-", *cell(s), o["k"] if o else "-", *cell(o)))
+    return rows
+
+
+def budget_table(result: dict) -> str:
+    head = (f"Active routed-expert fraction per token; split = {result['parts']} sub-experts per expert. "
+            f"* = usable (within {100 * result['tolerance']:.0f} points of that model's full budget): "
+            f"split {result['usable_points']['split']}, original {result['usable_points']['original']}.\n\n")
+    return head + markdown_table(["active fraction", "split k", "split acc %", "split p50/p90",
+                                  "original k", "original acc %", "original p50/p90"], budget_rows(result))
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for name, marker in (("split", "o"), ("original", "s")):
+        pts = [p for p in result["points"] if p["model"] == name]
+        ax.plot([p["active_fraction"] for p in pts], [100 * p["accuracy"] for p in pts], marker=marker, label=name)
+    ax.set_xlabel("active routed-expert fraction per token")
+    ax.set_ylabel("greedy accuracy %")
+    ax.set_title(f"accuracy per budget ({result['parts']}-way split vs whole experts)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
