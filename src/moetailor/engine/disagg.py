@@ -2,7 +2,8 @@
 
 The prefill worker holds the full checkpoint, runs prefill steps only, samples each request's
 first token and hands the request's KV blocks over; the decode worker holds the pruned checkpoint
-(from ``moetailor prune``; or the full model with the plan's decode policy when none is given),
+(from ``moetailor prune``), a distilled decoder with its plan (``moetailor distill``), or the full
+model with the plan's decode policy,
 writes those blocks into its own pool unchanged and decodes. Freed expert weight memory becomes KV
 capacity: under the same ``memory_budget`` the decode worker holds more blocks (``capacity()``).
 
@@ -146,16 +147,31 @@ class Worker:
         self.closed = True
 
 
+def _distilled_plan(decode_model):
+    """A ``moetailor distill`` output decodes with its own plan (its expert pool); others need none."""
+    from ..transforms.distill import SIDECAR, load_distilled
+
+    if isinstance(decode_model, (str, Path)) and (Path(decode_model) / SIDECAR).is_file():
+        return load_distilled(decode_model).plan
+    return None
+
+
 class DisaggregatedLLM:
-    """Same front end as ``LLM`` (generate, add_request, step, abort), work done by two processes."""
+    """Same front end as ``LLM`` (generate, add_request, step, abort), work done by two processes.
+
+    The decode worker runs ``decode_model`` (default: ``model``) under ``plan`` (default: none, or
+    the plan a distilled decoder was trained with)."""
 
     def __init__(self, model, decode_model: str | Path | None = None, plan=None, *, tokenizer=None,
                  startup_timeout: float = 300.0, **engine_kwargs):
         from ..models.loading import load_tokenizer
 
+        if decode_model is not None and plan is None:
+            plan = _distilled_plan(decode_model)
         if decode_model is None and plan is None:
             raise ValueError("disaggregated serving needs a pruned decode checkpoint (decode_model=DIR from "
-                             "`moetailor prune`) or a plan whose decode policy the decode worker applies")
+                             "`moetailor prune`), a distilled decoder (`moetailor distill`) or a plan whose "
+                             "decode policy the decode worker applies")
         if tokenizer is None and isinstance(model, (str, Path)):
             try:
                 tokenizer = load_tokenizer(model)
@@ -165,8 +181,8 @@ class DisaggregatedLLM:
         self.model = None                  # the weights live in the workers
         self.engine_kwargs = dict(engine_kwargs, tokenizer=tokenizer)
         self.worker_specs = {"prefill": (prefill_worker, (model,)),
-                             "decode": (decode_worker, (decode_model, None) if decode_model is not None
-                                        else (model, plan))}
+                             "decode": (decode_worker, (decode_model if decode_model is not None else model,
+                                                        plan))}
         self.ctx = mp.get_context("spawn")
         self.lock = threading.RLock()
         self.seqs: dict[str, RemoteSequence] = {}

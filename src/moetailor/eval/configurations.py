@@ -110,6 +110,22 @@ def _guarded(model, plan, arg):
     return _tagged(built, f"guarded:{inner.label}", guard=True)
 
 
+@configuration("distilled", uses_plan=False, takes_arg=True,
+               help="distilled:DIR — full prefill on MODEL, decode on a `moetailor distill` output under its plan "
+                    "(phase-aware + distilled; served disaggregated)")
+def _distilled(model, plan, arg):
+    from ..models.loading import fingerprint_mismatch, model_fingerprint
+    from ..transforms.distill import load_distilled
+
+    distilled = load_distilled(arg)
+    source = distilled.plan.meta.get("distillation", {}).get("distilled_from", {})
+    problem = fingerprint_mismatch(source, model_fingerprint(model))
+    if problem:
+        raise ValueError(f"{arg} was distilled from another model ({problem}); evaluate it with its original model")
+    built = distilled.plan.with_phases(prefill=None, decode=distilled.plan.decode)
+    return _tagged(built, f"distilled:{arg}", decode_model=str(distilled.model_path))
+
+
 @dataclass(frozen=True)
 class ConfigSpec:
     name: str

@@ -133,14 +133,17 @@ def heldout_windows(tokenizer, documents: dict[str, list[str]], docs_per_domain:
 
 @torch.no_grad()
 def _split_forward(model, ctl: RoutingController, ids: torch.Tensor, split: int,
-                   prefill: PhasePolicy | None, decode: PhasePolicy | None) -> torch.Tensor:
+                   prefill: PhasePolicy | None, decode: PhasePolicy | None, decode_model=None) -> torch.Tensor:
     """Log-probs [B, T - split, V] predicting tokens split+1.. : the prefix [0, split) runs under
-    ``prefill`` and writes the KV cache, the rest runs under ``decode`` from that cache."""
+    ``prefill`` and writes the KV cache, the rest runs under ``decode`` from that cache (on
+    ``decode_model`` when given: a distilled decoder continuing the original model's cache)."""
     with ctl.policy(prefill):
         first = model(input_ids=ids[:, :split], use_cache=True)
     cache = getattr(first, "cache", None)
     if cache is None:
         cache = first.past_key_values
+    if decode_model is not None:
+        model, ctl = decode_model, RoutingController.of(decode_model)
     with ctl.policy(decode):
         rest = model(input_ids=ids[:, split:], cache=cache, use_cache=True)
     logits = rest.logits[:, :-1].float()                                     # [B, T-split-1, V]
@@ -181,10 +184,10 @@ class HeldoutScorer:
                                for ids in self._batches()]
         return self._reference
 
-    def score(self, prefill: PhasePolicy | None, decode: PhasePolicy | None) -> HeldoutScore:
+    def score(self, prefill: PhasePolicy | None, decode: PhasePolicy | None, decode_model=None) -> HeldoutScore:
         kl_sum, nll_sum, n = 0.0, 0.0, 0
         for ids, logp_ref in zip(self._batches(), self.reference()):
-            logp = _split_forward(self.model, self.ctl, ids, self.split, prefill, decode)  # [B, S, V]
+            logp = _split_forward(self.model, self.ctl, ids, self.split, prefill, decode, decode_model)  # [B, S, V]
             target = ids[:, self.split:]                                                  # [B, S]
             kl_sum += float(kl_divergence(logp_ref, logp).sum())
             nll_sum += float(-logp.gather(-1, target[..., None]).sum())

@@ -305,28 +305,50 @@ class Sweep:
         """Every task's n prompts for one seed in one batched generate call."""
         examples = [ex for task in self.tasks for ex in eval_examples(task, self.settings.n, seed)]
         params = [self._sampling_params(mode, seed, ex.task, i) for i, ex in enumerate(examples)]
+        prompts = [ex.prompt for ex in examples]
+        t0 = time.time()
+        if variant.plan.meta.get("decode_model"):
+            outputs, extra = self._generate_disaggregated(variant, prompts, params), {}
+        else:
+            outputs, extra = self._generate(variant, prompts, params)
+        seconds = time.time() - t0
+        gens = [score_output(ex, o, p.max_tokens) for ex, o, p in zip(examples, outputs, params)]
+        return {"generations": [g.to_json() for g in gens], "seconds": seconds,
+                "tokens": sum(g.length for g in gens), "prompts": len(examples), **extra}
+
+    def _generate(self, variant: Variant, prompts: list[str], params) -> tuple[list, dict]:
         guarded = bool(variant.plan.meta.get("guard"))   # the guarded:CONFIG configurations
         self.llm.guard = None
         if guarded:
             self.llm.enable_guard()
         self.llm.set_plan(variant.plan)
-        t0 = time.time()
-        outputs = self.llm.generate([ex.prompt for ex in examples], params)
-        if guarded:
-            while self.llm.has_unfinished():   # the last shadows: their cost belongs to this cell
-                self.llm.step()
-        seconds = time.time() - t0
-        gens = [score_output(ex, o, p.max_tokens) for ex, o, p in zip(examples, outputs, params)]
-        cell = {"generations": [g.to_json() for g in gens], "seconds": seconds,
-                "tokens": sum(g.length for g in gens), "prompts": len(examples)}
-        if guarded:
-            cell["guard"] = self.llm.guard.snapshot()
-            self.llm.guard = None
-        return cell
+        outputs = self.llm.generate(prompts, params)
+        if not guarded:
+            return outputs, {}
+        while self.llm.has_unfinished():   # the last shadows: their cost belongs to this cell
+            self.llm.step()
+        snapshot = self.llm.guard.snapshot()
+        self.llm.guard = None
+        return outputs, {"guard": snapshot}
+
+    def _generate_disaggregated(self, variant: Variant, prompts: list[str], params) -> list:
+        """Prefill on the evaluated model, decode on the variant's own decoder (a distilled one) in
+        the disaggregated engine: the decoder continues the KV cache the original model wrote."""
+        from ..engine.disagg import DisaggregatedLLM
+
+        with DisaggregatedLLM(self.settings.model, decode_model=variant.plan.meta["decode_model"],
+                              plan=variant.plan, tokenizer=self.tokenizer,
+                              max_num_seqs=self.settings.max_num_seqs) as llm:
+            return llm.generate(prompts, params)
 
     def heldout_cell(self, variant: Variant) -> dict:
         t0 = time.time()
-        s = self.scorer.score(variant.plan.prefill, variant.plan.decode)
+        path = variant.plan.meta.get("decode_model")
+        decode_model = None
+        if path:
+            from ..models import load_model
+            decode_model = load_model(path)
+        s = self.scorer.score(variant.plan.prefill, variant.plan.decode, decode_model)
         return {**s.to_json(), "seconds": time.time() - t0}
 
     def run(self) -> dict:
