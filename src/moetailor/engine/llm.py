@@ -126,7 +126,8 @@ class LLM:
     def set_plan(self, plan: Plan | str | Path | None) -> None:
         """Use ``plan`` from the next step on (None = the full router in both phases)."""
         plan = resolve_plan(plan, self.model)
-        if plan is not None and plan.fold_stats and not self.controller.fold_tables:
+        needs_tables = plan is not None and (plan.prefill.needs_fold_statistics or plan.decode.needs_fold_statistics)
+        if needs_tables and plan.fold_stats and not self.controller.fold_tables:
             from ..calibration import load_fold_tables
             self.controller.fold_tables.update(load_fold_tables(plan.fold_stats, self.model))
         if plan is not None:   # compile now so a bad plan fails here, not inside a step

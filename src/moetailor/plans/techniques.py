@@ -281,7 +281,7 @@ def technique_plan(model, prefill: PhasePolicy | None = None, decode: PhasePolic
     fold statistics (and attached to the model) when a policy needs fold tables or pool importance."""
     fp = model_fingerprint(model)
     policies = [p for p in (prefill, decode) if p is not None]
-    needs = any(lp.needs_fold_tables or lp.batch_pool is not None for p in policies for lp in p.layers.values())
+    needs = any(p.needs_fold_statistics for p in policies)
     if needs and stats_path is None:
         raise ValueError("this plan folds experts (or picks a batch pool by importance) and needs fold statistics; "
                          "run `moetailor calibrate MODEL --fold --out STATS` and pass STATS")
@@ -349,8 +349,7 @@ def plan_from_specs(model, prefill: str | None, decode: str | None, stats_path: 
     are taken from ``stats_path`` or calibrated once and cached (``ensure_fold_stats``) when needed."""
     pre = policy_from_spec(model, prefill, stats_path, "prefill") if prefill else None
     dec = policy_from_spec(model, decode, stats_path, "decode") if decode else None
-    needs = any(lp.needs_fold_tables or lp.batch_pool is not None for p in (pre, dec) if p is not None
-                for lp in p.layers.values())
+    needs = any(p.needs_fold_statistics for p in (pre, dec) if p is not None)
     path = ensure_fold_stats(model, tokenizer, stats_path) if needs else stats_path
     return technique_plan(model, pre, dec, path if needs else None, prefill_spec=prefill, decode_spec=decode)
 

@@ -98,6 +98,11 @@ class PhasePolicy:
     def is_identity(self) -> bool:
         return all(p.is_identity for p in self.layers.values())
 
+    @property
+    def needs_fold_statistics(self) -> bool:
+        """Some layer folds, or picks a batch pool by calibrated importance (both read fold tables)."""
+        return any(p.needs_fold_tables or p.batch_pool is not None for p in self.layers.values())
+
     def to_json(self) -> dict:
         return {str(i): p.to_json() for i, p in sorted(self.layers.items()) if not p.is_identity}
 

@@ -2,7 +2,8 @@
 
 The completion first repeats the matching table line, then the answer: retrieval becomes a copy
 that an induction head can learn (the answer alone, 3 loss tokens per ~150-token example, left
-the reference model at 8%).
+the reference model at 8%). Keys are single letters, one token each: with three-letter keys
+(several BPE pieces) the model could not even copy the query key (18% after a third stage).
 """
 from __future__ import annotations
 
@@ -13,12 +14,7 @@ from .base import Example, make_example
 
 
 def generate(rng: random.Random, difficulty: int) -> Example:
-    n_pairs = 8 * difficulty
-    keys: list[str] = []
-    while len(keys) < n_pairs:
-        key = "".join(rng.choice(string.ascii_lowercase) for _ in range(3))
-        if key not in keys:
-            keys.append(key)
+    keys = rng.sample(string.ascii_lowercase, 8 * difficulty)   # single-token keys (see the docstring)
     values = {k: rng.randrange(10, 100) for k in keys}
     target = rng.choice(keys)
     table = "\n".join(f"key {k} = {values[k]}" for k in keys)
