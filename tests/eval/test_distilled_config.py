@@ -52,6 +52,19 @@ def test_disaggregated_distilled_decoder_generates_like_the_masked_model(setup):
     assert got == masked and got != full
 
 
+def test_a_trained_decoder_with_its_own_router_is_evaluated(setup, tmp_path):
+    root = setup
+    student = tmp_path / "trained"
+    assert main(["distill", str(root / "model"), str(root / "plan.json"), "--steps", "1", "--batch-size", "2",
+                 "--seq-len", "16", "--lr", "0.05", "--out", str(student)]) == 0
+    out = tmp_path / "eval"
+    assert main(["eval", str(root / "model"), "--plan", str(root / "plan.json"), "--configs", f"distilled:{student}",
+                 "--tasks", "reverse", "--n", "2", "--seeds", "1", "--max-tokens", "4", "--kl-docs", "1",
+                 "--kl-window", "32", "--out", str(out)]) == 0
+    rows = [r for r in json.loads((out / "results.json").read_text())["rows"] if r["task"] == "all"]
+    assert len(rows) == 1 and rows[0]["kl"] > 0
+
+
 def test_distilled_from_another_model_is_refused(setup, tmp_path, capsys):
     root = setup
     other = tmp_path / "other"

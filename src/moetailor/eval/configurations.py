@@ -122,7 +122,11 @@ def _distilled(model, plan, arg):
     problem = fingerprint_mismatch(source, model_fingerprint(model))
     if problem:
         raise ValueError(f"{arg} was distilled from another model ({problem}); evaluate it with its original model")
-    built = distilled.plan.with_phases(prefill=None, decode=distilled.plan.decode)
+    # The plan is stated for the evaluated model (the prefill side, same expert layout); the decode
+    # worker runs the distilled checkpoint under the plan saved with it (its own fingerprint).
+    from dataclasses import replace
+    built = replace(distilled.plan.with_phases(prefill=None, decode=distilled.plan.decode),
+                    model=model_fingerprint(model))
     return _tagged(built, f"distilled:{arg}", decode_model=str(distilled.model_path))
 
 

@@ -337,7 +337,7 @@ class Sweep:
         from ..engine.disagg import DisaggregatedLLM
 
         with DisaggregatedLLM(self.settings.model, decode_model=variant.plan.meta["decode_model"],
-                              plan=variant.plan, tokenizer=self.tokenizer,
+                              tokenizer=self.tokenizer,                 # the decoder brings its own plan
                               max_num_seqs=self.settings.max_num_seqs) as llm:
             return llm.generate(prompts, params)
 
