@@ -9,7 +9,9 @@ completion by the same model under each ``k_schedule`` (engine/k_tiers.py):
 - ``tiers``: offline k tiers (residual tiers flushed or merged upward by the cost model).
 
 The k-aware schedules decide with a ``StepCost`` fitted to this machine's measured decode steps
-(from the ``max`` and ``mixed`` runs, which come first). Throughput is completion tokens over wall
+on a grid of batch sizes x budgets (``measure_step_cost``): varying the batch at a fixed k and k at
+a fixed batch separates the per-step, per-sequence, per-expert and per-route terms, which the
+workload's own steps (batch and k move together) cannot. Throughput is completion tokens over wall
 time; time-to-first-token counts from submission (all requests are queued at once).
 """
 from __future__ import annotations
@@ -71,6 +73,18 @@ def serve(llm, prompts, ks, max_tokens: int) -> dict:
             "mean_step_k": statistics.fmean(r.mean_k for r in decode) if decode else 0.0}
 
 
+def measure_step_cost(base, ks: list[int], max_num_seqs: int, prompts: list[list[int]], blocks: int):
+    """Fit ``StepCost`` to decode steps of bursts of B requests sharing budget k, for B in
+    {1, max/4, max/2, max} and every k in ``ks`` (5 decode steps per burst)."""
+    from ..engine import LLM
+
+    llm = LLM(base, max_num_seqs=max_num_seqs, num_kv_blocks=blocks)
+    for b in sorted({1, max(1, max_num_seqs // 4), max(1, max_num_seqs // 2), max_num_seqs}):
+        for k in ks:
+            llm.generate(prompts[:b], _params([k] * b, 6))
+    return llm.fit_k_cost()
+
+
 def run_ktiers(model: str, mix_text: str, requests: int, prompt_len: int, max_tokens: int, max_num_seqs: int,
                repeats: int, quick: bool, synthetic_layers: int, out: Path, command: str = "") -> Report:
     from tqdm import tqdm
@@ -93,19 +107,13 @@ def run_ktiers(model: str, mix_text: str, requests: int, prompt_len: int, max_to
 
     warm = engine("mixed")
     warm.generate(prompts[:max_num_seqs], _params(ks[:max_num_seqs], 4))          # first-call costs
+    cost = measure_step_cost(base, sorted({k for k, _ in mix} | {full_k}), max_num_seqs, prompts, blocks)
     results: dict[str, list[dict]] = {s: [] for s in SCHEDULES}
-    logs = []
     bar = tqdm(total=repeats * len(SCHEDULES), desc="bench ktiers", unit="run")
-    cost = None
     for _ in range(repeats):
         for schedule in SCHEDULES:
-            if schedule in ("lanes", "tiers") and cost is None:   # fitted once, on the baselines' steps
-                warm.step_log[:] = logs
-                cost = warm.fit_k_cost()
             llm = engine(schedule, cost)
             results[schedule].append(serve(llm, prompts, ks, max_tokens))
-            if schedule in ("max", "mixed"):
-                logs += [r for r in llm.step_log if r.phase == "decode"]
             bar.update()
             del llm
             gc.collect()
@@ -122,7 +130,7 @@ def run_ktiers(model: str, mix_text: str, requests: int, prompt_len: int, max_to
               f"(best of {repeats})",
               ["schedule", "tok/s", "vs max-k", "TTFT mean s", "TTFT p90 s", "decode steps", "experts/layer/step",
                "mean step k"], rows)
-    rep.note(f"Step cost fitted to the measured max/mixed decode steps: fixed {cost.fixed * 1e3:.2f} ms, "
+    rep.note(f"Step cost fitted to measured decode steps (batch x budget grid): fixed {cost.fixed * 1e3:.2f} ms, "
              f"per sequence {cost.per_token * 1e3:.3f} ms, per expert touched {cost.per_expert * 1e6:.1f} us, "
              f"per route {cost.per_route * 1e6:.2f} us (per MoE layer).")
     rep.data = {"model": model, "mix": mix, "requests": requests, "max_tokens": max_tokens,
