@@ -85,3 +85,7 @@ def test_throughput_at_slo_interpolates():
     assert u == 75.0 and t == pytest.approx(250.0)
     assert throughput_at_slo(pts, 10.0) == (20.0, 640.0)
     assert throughput_at_slo(pts, 200.0) is None
+    # a noisy curve: per-user speed rises again at a larger batch that still meets the SLO
+    noisy = [(133.7, 134.0), (95.4, 191.0), (87.1, 349.0), (88.3, 707.0), (75.0, 1200.0)]
+    u, t = throughput_at_slo(noisy, 85.7)
+    assert u == 85.7 and t == pytest.approx(707.0 + (1200.0 - 707.0) * (88.3 - 85.7) / (88.3 - 75.0))

@@ -15,18 +15,21 @@ from .report import Report, close, figure
 
 
 def throughput_at_slo(points: list[tuple[float, float]], slo: float) -> tuple[float, float] | None:
-    """Best machine tokens/s among (per-user tok/s, machine tok/s) points meeting the SLO, linearly
-    interpolated to the SLO between the last point that meets it and the first that misses it."""
-    points = sorted(points, key=lambda p: -p[0])           # fastest per-user first (smallest batch)
+    """Best machine tokens/s among (per-user tok/s, machine tok/s) points meeting the SLO, each
+    segment from a point that meets it to the next (larger-batch) point that misses it interpolated
+    to the SLO. Points are ordered by machine tok/s (= batch order), not by per-user speed: measured
+    per-user speeds are noisy and need not fall monotonically with the batch."""
+    points = sorted(points, key=lambda p: p[1])
     best = None
-    for (u1, t1), (u2, t2) in zip(points, points[1:] + [(None, None)]):
+    for (u1, t1), nxt in zip(points, points[1:] + [None]):
         if u1 < slo:
-            break
-        best = (u1, t1)
-        if u2 is not None and u2 < slo <= u1 and u1 != u2:
-            t = t1 + (t2 - t1) * (u1 - slo) / (u1 - u2)
-            best = (slo, max(t1, t))
-            break
+            continue
+        candidate = (u1, t1)
+        if nxt is not None and nxt[0] < slo:
+            u2, t2 = nxt
+            candidate = (slo, max(t1, t1 + (t2 - t1) * (u1 - slo) / (u1 - u2)))
+        if best is None or candidate[1] > best[1]:
+            best = candidate
     return best
 
 
