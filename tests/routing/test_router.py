@@ -92,6 +92,19 @@ def test_static_pool_fold_versus_mask():
     assert drop[0] == {0: base[0][0], 1: base[0][1]}
 
 
+def test_folded_routes_onto_an_expert_already_used_merge_into_one_route():
+    for policy in (LayerPolicy(keep=(0, 1, 4, 5), pool_mode="fold"), LayerPolicy(batch_pool=4)):
+        w, i = run(policy, tables())
+        for row in i.tolist():
+            live = [x for x in row if x < E]
+            assert len(live) == len(set(live)), (policy, row)   # each expert runs once per token
+    # token 0: expert 2 folds onto expert 1, which it already routes to: one slot, summed weight
+    base = as_dict(*run(LayerPolicy()))
+    w, i = run(LayerPolicy(keep=(0, 1, 4, 5), pool_mode="fold"), tables())
+    slot = i[0].tolist().index(1)
+    assert math.isclose(float(w[0, slot]), base[0][1] + 0.5 * base[0][2], rel_tol=1e-5)
+
+
 def test_skip_beta_never_drops_the_top_expert_and_renormalises():
     for beta in (0.0, 0.3, 0.9, 1.0):
         w, i = run(LayerPolicy(skip_beta=beta))

@@ -109,6 +109,8 @@ def route(logits: torch.Tensor, sem: RouterSemantics, cp: CompiledPolicy, bias: 
             index = torch.where(outside, cp.pool_target[safe], index)
             outside = outside & (folded_w == 0)                             # unobserved pairs are dropped
         weights, index = _drop(weights, index, outside, sentinel, renormalise=False)
+        if p.pool_mode == "fold":
+            weights, index = _merge_duplicates(weights, index, E)
     if p.skip_beta is not None:
         ratio = weights / weights[:, :1].clamp_min(1e-20)
         weights, index = _drop(weights, index, ratio < p.skip_beta, sentinel, renormalise=True)
@@ -168,4 +170,15 @@ def _batch_pool(weights, index, pool_size: int, fold: FoldTables | None, do_fold
     src = index.clamp_max(E - 1)
     new_w = torch.where(outside, weights * scale[src], weights)
     new_i = torch.where(outside, target[src], index)
-    return _drop(new_w, new_i, outside & (new_w == 0), sentinel, renormalise=False)
+    return _merge_duplicates(*_drop(new_w, new_i, outside & (new_w == 0), sentinel, renormalise=False), E)
+
+
+def _merge_duplicates(weights, index, E: int):
+    """A token whose folded route lands on an expert it already uses gets one route with the summed
+    weight (the expert is linear in its gate weight), so the expert runs once for it, not twice."""
+    k = index.shape[1]
+    same = (index[:, :, None] == index[:, None, :]) & (index < E)[:, :, None]     # [T, k, k]
+    earlier = torch.ones(k, k, dtype=torch.bool, device=index.device).tril(-1)    # slot j < slot i
+    repeat = (same & earlier).any(-1)                                             # [T, k]
+    summed = (same.to(weights.dtype) * weights[:, None, :]).sum(-1)               # [T, k]
+    return torch.where(repeat, 0.0, summed).to(weights.dtype), torch.where(repeat, E, index)
