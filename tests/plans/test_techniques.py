@@ -132,10 +132,23 @@ def test_decode_pool_folds_outside_routes_and_drop_baseline_uses_the_same_pool(m
     assert set(i_f[i_f < E].tolist()) <= pool            # folding targets lie in the same pool
     kept = i_d < E
     assert torch.equal(i_d[kept], i0[kept]) and torch.equal(wd[kept], w0[kept])   # drop: no renormalisation
-    moved = (i_f != i0) & (i_f < E)
-    assert moved.any()                                   # some routes were folded onto pool experts
+    assert ((i_f != i0) & (i_f < E)).any()              # some routes were folded onto pool experts
+    # per token: pool routes keep their weight, each outside route adds S[src, t] * w onto its
+    # lowest-loss pool expert t; routes landing on one expert are one route (summed weight)
     tables = RoutingController.of(model).fold_tables[first]
-    assert torch.allclose(wf[moved], w0[moved] * tables.scale[i0[moved], i_f[moved]], atol=1e-6)
+    pool_ids = torch.tensor(sorted(pool))
+    for t in range(i0.shape[0]):
+        expected: dict[int, float] = {}
+        for w, e in zip(w0[t].tolist(), i0[t].tolist()):
+            if e >= E:
+                continue
+            target = e if e in pool else int(pool_ids[tables.loss[e, pool_ids].argmin()])
+            expected[target] = expected.get(target, 0.0) + (w if e in pool else w * float(tables.scale[e, target]))
+        live = [(e, w) for w, e in zip(wf[t].tolist(), i_f[t].tolist()) if e < E]
+        assert len({e for e, _ in live}) == len(live)                       # each expert once per token
+        got = dict(live)
+        assert got.keys() == expected.keys()
+        assert all(abs(got[e] - expected[e]) < 1e-6 for e in got), (got, expected)
 
 
 def test_static_pool_fold_and_drop_from_a_pruning_policy(model, stats_path):
