@@ -1,7 +1,6 @@
 """Shared helpers for the engine tests (imported by name: tests/engine is on sys.path)."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from moetailor.engine.k_tiers import (Batch, KRequest, OnlineLanes, StepCost, expected_union, estimated_seconds,
+from moetailor.engine.k_tiers import (KRequest, OnlineLanes, StepCost, expected_union, estimated_seconds,
                                       plan_fcfs_max_k, plan_offline, validate_expert_top_k, wait_bound)
 
 # a memory-bound-ish model: touching an expert dominates, compute per route is small

@@ -3,7 +3,7 @@ import pytest
 from moetailor.eval.configurations import (CONFIGURATIONS, PHASE_CONFIGURATIONS, ConfigSpec, configuration,
                                            parse_configs, pruning_policy)
 from moetailor.models.tiny import tiny_model
-from moetailor.plans import Plan, PlanMismatch, uniform_plan
+from moetailor.plans import PlanMismatch, uniform_plan
 from moetailor.routing import FULL_PHASE, LayerPolicy
 
 

@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM
 
 from moetailor.models import describe, moe_layers
 from moetailor.models.architectures import UnsupportedArchitecture, arch_spec
-from moetailor.models.tiny import TINY_ARCHITECTURES, tiny_config, tiny_model
+from moetailor.models.tiny import TINY_ARCHITECTURES, tiny_model
 from moetailor.routing import LayerPolicy, PhasePolicy, RoutingController
 
 IDS = torch.randint(2, 96, (2, 9), generator=torch.Generator().manual_seed(0))

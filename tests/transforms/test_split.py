@@ -7,7 +7,7 @@ import torch
 from moetailor.models import moe_layers
 from moetailor.models.tiny import TINY_ARCHITECTURES, tiny_model
 from moetailor.routing import RoutingController
-from moetailor.transforms.split import (LayerSplit, anneal_partition, check_partition, greedy_partition,
+from moetailor.transforms.split import (anneal_partition, check_partition, greedy_partition,
                                         objective, plan_split, profile_neurons, random_partition, read_split_sidecar,
                                         split_model, write_split, SplitResult, check_parts)
 

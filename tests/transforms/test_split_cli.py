@@ -1,7 +1,6 @@
 """`moetailor split` on a tiny checkpoint: writes a loadable split with a sidecar, the gate
 fine-tuning lowers its KL, and bad input exits 2 with a clear message."""
 import pytest
-import torch
 
 from moetailor.cli.main import main
 from moetailor.models import moe_layers

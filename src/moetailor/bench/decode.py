@@ -9,7 +9,6 @@ transformers ``generate``.
 from __future__ import annotations
 
 import gc
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -224,7 +223,7 @@ def _goals(name: str, measured: list[Measured], hf: dict[int, float], read_bw: f
     if name != "synthetic" and batches:
         b = 32 if 32 in batches else max(batches)
         ratio = hf[b] / by[b]["full"].result.step_s
-        rows.append((f"engine >= 3x transformers at batch 32", name, f"B={b}: {ratio:.2f}x", "yes" if ratio >= 3 else "no"))
+        rows.append(("engine >= 3x transformers at batch 32", name, f"B={b}: {ratio:.2f}x", "yes" if ratio >= 3 else "no"))
     return rows
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .report import Report, close, figure
-from .roofline import (GPUS, IDEAL, REALISTIC, SHAPES, SLIMWISE, Efficiency, per_seq_cost_matching, project, slo_curve,
+from .roofline import (GPUS, IDEAL, REALISTIC, SHAPES, SLIMWISE, per_seq_cost_matching, project, slo_curve,
                        step_cost)
 
 
