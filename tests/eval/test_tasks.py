@@ -77,3 +77,17 @@ def test_unknown_task_lists_the_valid_ones():
         get_task("gsm8k")
     assert len(resolve_tasks("all")) == 6
     assert [t.name for t in resolve_tasks("sorting,reverse")] == ["sorting", "reverse"]
+
+
+def test_lookup_value_digits_follow_the_key_token():
+    """The format promise the reference model relies on: in the table and in the completion the
+    key is one token and the value's digits come right after it (a plain induction copy)."""
+    from moetailor.models.loading import load_tokenizer
+
+    tok = load_tokenizer("reference")
+    for ex in eval_examples(TASKS["lookup"], 10, seed=2):
+        line = ex.completion.splitlines()[0]
+        key, value = line[0], line[1:]
+        assert value == ex.answer and f"\n{line}\n" in ex.prompt and f"find {key}\n" in ex.prompt
+        pieces = [tok.decode([i]) for i in tok(line, add_special_tokens=False)["input_ids"]]
+        assert pieces == [key, *value]
