@@ -1,9 +1,9 @@
-"""Measure the reference model for its card: task accuracy, expert usage per domain, pruning drop.
+"""Measure the reference model for its card: expert usage per domain against the same-domain noise floor.
 
-    python -m moetailor.training.model_card --model reference --n 60
+    python -m moetailor.training.model_card --model reference
 
 Writes docs/img/expert-usage.png and prints the numbers (as JSON) that docs/reference-model.md
-reports. Accuracy runs through the engine and the evaluation runner, like every other number.
+reports. Accuracy and the pruning drop come from `moetailor eval` (commands in the card).
 """
 from __future__ import annotations
 
