@@ -77,20 +77,3 @@ def test_unknown_task_lists_the_valid_ones():
         get_task("gsm8k")
     assert len(resolve_tasks("all")) == 6
     assert [t.name for t in resolve_tasks("sorting,reverse")] == ["sorting", "reverse"]
-
-
-def test_lookup_value_digit_follows_the_key_token():
-    """The format promise the reference model relies on: in the table and in the completion each
-    key and each value is one token and the value comes right after its key (a one-hop copy)."""
-    from moetailor.models.loading import load_tokenizer
-
-    tok = load_tokenizer("reference")
-    for ex in eval_examples(TASKS["lookup"], 10, seed=2):
-        lines = ex.completion.splitlines()[:-1]
-        queries = ex.prompt.splitlines()[-1].removeprefix("find ").split()
-        assert [line[0] for line in lines] == queries and len(queries) == ex.difficulty + 1
-        assert " ".join(line[1:] for line in lines) == ex.answer
-        for line in lines:
-            assert f"\n{line}\n" in ex.prompt
-            pieces = [tok.decode([i]) for i in tok(line, add_special_tokens=False)["input_ids"]]
-            assert pieces == [line[0], line[1]]

@@ -42,22 +42,3 @@ def test_unmasked_text_rows_and_task_weights(corpus):
     assert tok.decode(ids[0].tolist()).startswith("lookup\n")
 
 
-
-def test_repeated_text_rows_write_one_half_window_twice(corpus):
-    tok = load_tokenizer("reference")
-    mixture = Mixture(tok, corpus, seq_len=128, task_share=0.0, seed=0, repeat_share=1.0)
-    ids, labels = mixture.batch(3)                                    # [3, 128]
-    assert (ids[:, :64] == ids[:, 64:]).all() and (labels == ids).all()
-    plain = Mixture(tok, corpus, seq_len=128, task_share=0.0, seed=0, repeat_share=0.0)
-    ids, _ = plain.batch(3)
-    assert not (ids[:, :64] == ids[:, 64:]).all()
-
-
-def test_error_weights_favour_the_tasks_still_wrong():
-    from moetailor.eval.tasks import TASKS
-    from moetailor.training.reference import error_weights
-
-    accuracy = {name: 1.0 for name in TASKS} | {"lookup": 0.2, "mean": 0.9}
-    weights = error_weights(accuracy)
-    assert set(weights) == set(TASKS)                                 # "mean" is not a task
-    assert weights["lookup"] == pytest.approx(0.9) and weights["addition"] == pytest.approx(0.1)

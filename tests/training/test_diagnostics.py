@@ -1,0 +1,28 @@
+"""The copy probes on the bundled model: they separate a trained copy skill from an untrained one."""
+import math
+
+import pytest
+
+from moetailor.models import load_model, load_tokenizer
+from moetailor.training.diagnostics import copy_loss, repeat_gap
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_model("reference").eval(), load_tokenizer("reference")
+
+
+def test_copy_probe_sees_the_trained_letter_copy_and_not_an_untrained_digit_copy(reference):
+    model, tok = reference
+    letters = copy_loss(model, tok, "abcdefghijklmnopqrstuvwxyz", n=6)
+    digits = copy_loss(model, tok, "0123456789", n=6)
+    assert letters < 0.5                      # the copy task is trained: near-free
+    assert digits > 1.0                       # never trained on digits: no general copy mechanism
+    assert digits < 2 * math.log(10) + 5      # a loss, not garbage
+
+
+def test_repeat_gap_measures_both_copies(reference):
+    model, tok = reference
+    gap = repeat_gap(model, tok, window=32)
+    assert set(gap) == {"first_copy_nats", "second_copy_nats"}
+    assert all(0 < v < math.log(len(tok)) + 3 for v in gap.values())
