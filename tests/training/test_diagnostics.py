@@ -18,7 +18,7 @@ def test_copy_probe_sees_the_trained_letter_copy_and_not_an_untrained_digit_copy
     digits = copy_loss(model, tok, "0123456789", n=6)
     assert letters < 0.5                      # the copy task is trained: near-free
     assert digits > 1.0                       # never trained on digits: no general copy mechanism
-    assert digits < 2 * math.log(10) + 5      # a loss, not garbage
+    assert digits < math.log(len(tok))        # better than uniform over the vocabulary: it knows digits come
 
 
 def test_repeat_gap_measures_both_copies(reference):

@@ -1,7 +1,7 @@
 """Can a model copy? Two teacher-forced probes that explain a stuck lookup task.
 
     python -m moetailor.training.diagnostics --model reference
-    python -m moetailor.training.diagnostics --model build/reference-run/checkpoint --tokenizer build/reference-run/tokenizer
+    python -m moetailor.training.diagnostics --model build/reference-run/model
 
 Lookup (content-addressed retrieval) needs induction heads: "find the earlier copy of this token,
 read what followed it". ``repeat_gap`` measures them directly: a held-out text window written
