@@ -26,3 +26,16 @@ def test_repeat_gap_measures_both_copies(reference):
     gap = repeat_gap(model, tok, window=32)
     assert set(gap) == {"first_copy_nats", "second_copy_nats"}
     assert all(0 < v < math.log(len(tok)) + 3 for v in gap.values())
+
+
+def test_progress_check_reports_accuracy_and_probes_and_leaves_the_model_training(reference):
+    from moetailor.eval.tasks import TASKS
+    from moetailor.training.reference import progress_check
+
+    model, tok = reference
+    result = progress_check(model, tok, n_per_task=1)
+    assert set(result) == {*TASKS, "mean", "first_copy_nats", "second_copy_nats", "copy_letters_nats",
+                           "copy_digits_nats"}
+    assert all(0.0 <= result[name] <= 1.0 for name in TASKS)
+    assert model.training                      # the training loop goes on after the check
+    model.eval()

@@ -40,5 +40,3 @@ def test_unmasked_text_rows_and_task_weights(corpus):
                                                                 "sorting", "reverse")})
     ids, _ = lookup_only.batch(1)
     assert tok.decode(ids[0].tolist()).startswith("lookup\n")
-
-

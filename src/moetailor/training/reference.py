@@ -178,9 +178,10 @@ def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 12, s
         mixture = Mixture(tokenizer, corpus_dir, seq_len, stage.task_share, seed + number - 1, stage.mask_prompts,
                           dict(stage.task_weights))
         _run_stage(model, mixture, stage, number, batch_size, seq_len, log, out, evals)
-        evals.append({"stage": number, "step": len(log), **stage_accuracy(model, tokenizer, n_per_task=24)})
+        evals.append({"stage": number, "step": len(log), **progress_check(model, tokenizer, n_per_task=24)})
         (out / "stage_evals.json").write_text(json.dumps(evals, indent=1))
-        print(f"after stage {number}: " + ", ".join(f"{k} {v:.0%}" for k, v in evals[-1].items() if k not in ("stage", "step")))
+        print(f"after stage {number}: " + ", ".join(f"{k} {evals[-1][k]:.0%}" for k in (*TASKS, "mean")) + "; probes: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in evals[-1].items() if k.endswith("_nats")))
     export_dir = out / "model"
     model.config.dtype = "bfloat16"
     model.to(torch.bfloat16).save_pretrained(export_dir)
@@ -220,8 +221,18 @@ def _run_stage(model, mixture: Mixture, stage: Stage, number: int, batch_size: i
             (out / "train_log.json").write_text(json.dumps(log))
             model.save_pretrained(out / "checkpoint")
         if (step + 1) % eval_every == 0 and step + 1 < stage.steps:   # progress check, not timed as training
-            evals.append({"stage": number, "step": len(log), **stage_accuracy(model, mixture.tok, n_per_task=8)})
+            evals.append({"stage": number, "step": len(log), **progress_check(model, mixture.tok, n_per_task=8)})
             (out / "stage_evals.json").write_text(json.dumps(evals, indent=1))
+
+
+def progress_check(model, tokenizer, n_per_task: int) -> dict[str, float]:
+    """Task accuracy and the copy probes (``training/diagnostics.py``): a recipe that will never
+    learn lookup shows it here, as no look-back on repeated text, long before accuracy says so."""
+    from .diagnostics import diagnose
+
+    result = {**stage_accuracy(model, tokenizer, n_per_task), **diagnose(model, tokenizer)}
+    model.train()
+    return result
 
 
 def stage_accuracy(model, tokenizer, n_per_task: int = 12, seed: int = 7) -> dict[str, float]:
