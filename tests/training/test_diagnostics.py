@@ -39,3 +39,17 @@ def test_progress_check_reports_accuracy_and_probes_and_leaves_the_model_trainin
     assert all(0.0 <= result[name] <= 1.0 for name in TASKS)
     assert model.training                      # the training loop goes on after the check
     model.eval()
+
+
+def test_induction_drill_rows_are_symbols_and_the_loss_starts_at_guessing(reference):
+    from moetailor.training.diagnostics import drill_model, induction_drill, symbol_tokens
+
+    _, tok = reference
+    symbols = symbol_tokens(tok)
+    assert {tok.decode([i]).strip() for i in symbols} == set("abcdefghijklmnopqrstuvwxyz0123456789")
+    model = drill_model("dense", len(tok), layers=1)
+    curve = induction_drill(model, tok, steps=3, batch=2, seq=32, lengths=(4, 8), log_every=3)
+    assert [p["step"] for p in curve] == [3]
+    assert abs(curve[0]["loss"] - math.log(len(tok))) < 1.0      # untrained: uniform over the vocabulary
+    with pytest.raises(ValueError, match="reference.*dense"):
+        drill_model("mixtral", len(tok))
