@@ -48,8 +48,9 @@ def test_induction_drill_rows_are_symbols_and_the_loss_starts_at_guessing(refere
     symbols = symbol_tokens(tok)
     assert {tok.decode([i]).strip() for i in symbols} == set("abcdefghijklmnopqrstuvwxyz0123456789")
     model = drill_model("dense", len(tok), layers=1)
-    curve = induction_drill(model, tok, steps=3, batch=2, seq=32, lengths=(4, 8), log_every=3)
-    assert [p["step"] for p in curve] == [3]
+    reported = []
+    curve = induction_drill(model, tok, steps=4, batch=2, seq=32, lengths=(4, 8), log_every=2, report=reported.append)
+    assert [p["step"] for p in curve] == [2, 4] and reported == curve        # reported as measured
     assert abs(curve[0]["loss"] - math.log(len(tok))) < 1.0      # untrained: uniform over the vocabulary
     with pytest.raises(ValueError, match="reference.*dense"):
         drill_model("mixtral", len(tok))

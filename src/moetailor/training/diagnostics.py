@@ -23,6 +23,7 @@ import argparse
 import json
 import random
 import string
+from typing import Callable
 
 import torch
 
@@ -87,12 +88,14 @@ def drill_model(kind: str, vocab_size: int, layers: int = 2):
 
 
 def induction_drill(model, tokenizer, steps: int, batch: int = 8, seq: int = 256, lengths: tuple[int, int] = (16, 64),
-                    lr: float = 1e-3, bf16: bool = True, log_every: int = 50, seed: int = 0) -> list[dict]:
+                    lr: float = 1e-3, bf16: bool = True, log_every: int = 50, seed: int = 0,
+                    report: Callable[[dict], None] | None = None) -> list[dict]:
     """Train ``model`` on rows of a random symbol string repeated to fill ``seq`` tokens.
 
     Loss starts at ln(#symbols) (4.13 for the bundled vocabulary's 62); guessing among the symbols
     already in the row gives ~ln(string length); induction gives ~ln(#symbols) x length / seq.
-    Returns the mean training loss per ``log_every`` steps."""
+    Returns the mean training loss per ``log_every`` steps, each also handed to ``report`` as it
+    is measured (a drill runs for minutes)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     symbols = symbol_tokens(tokenizer)
@@ -118,6 +121,8 @@ def induction_drill(model, tokenizer, steps: int, batch: int = 8, seq: int = 256
         if (step + 1) % log_every == 0 or step + 1 == steps:
             curve.append({"step": step + 1, "loss": sum(window) / len(window)})
             window = []
+            if report:
+                report(curve[-1])
     return curve
 
 
@@ -149,9 +154,8 @@ def main() -> None:
     if args.drill:
         lo, hi = (int(v) for v in args.lengths.split(","))
         model = drill_model(args.drill, len(tokenizer), args.layers)
-        for point in induction_drill(model, tokenizer, args.steps, args.batch, args.seq, (lo, hi), args.lr,
-                                     bf16=not args.fp32):
-            print(json.dumps(point), flush=True)
+        induction_drill(model, tokenizer, args.steps, args.batch, args.seq, (lo, hi), args.lr, bf16=not args.fp32,
+                        report=lambda point: print(json.dumps(point), flush=True))
         return
     print(json.dumps(diagnose(load_model(args.model), tokenizer), indent=1))
 
