@@ -108,8 +108,8 @@ def induction_drill(model, tokenizer, steps: int, batch: int = 8, seq: int = 256
             group["lr"] = lr * min(1.0, (step + 1) / 50)
         rows = []
         for _ in range(batch):
-            string_ = [rng.choice(symbols) for _ in range(rng.randrange(*lengths))]
-            rows.append((string_ * (seq // len(string_) + 1))[:seq])
+            pattern = [rng.choice(symbols) for _ in range(rng.randrange(*lengths))]
+            rows.append((pattern * (seq // len(pattern) + 1))[:seq])
         ids = torch.tensor(rows)                                                  # [B, seq]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = model(input_ids=ids, labels=ids, **({"output_router_logits": True} if moe else {})).loss
