@@ -74,9 +74,12 @@ class Mixture:
     """
 
     def __init__(self, tokenizer, corpus_dir: Path, seq_len: int, task_share: float, seed: int,
-                 mask_prompts: bool = False, task_weights: dict[str, float] | None = None):
+                 mask_prompts: bool = False, task_weights: dict[str, float] | None = None, drill_share: float = 0.0):
+        from .diagnostics import symbol_tokens
+
         self.tok, self.seq_len, self.task_share, self.mask_prompts = tokenizer, seq_len, task_share, mask_prompts
-        self.task_weights = task_weights
+        self.task_weights, self.drill_share = task_weights, drill_share
+        self.symbols = symbol_tokens(tokenizer)
         self.rng = random.Random(seed)
         self.task_rng = training_rng(seed)
         self.eos = tokenizer.eos_token_id
@@ -108,9 +111,23 @@ class Mixture:
         ids = stream[start:start + self.seq_len].tolist()
         return ids, ids
 
+    def _drill_sequence(self, lengths: tuple[int, int] = (4, 24)) -> tuple[list[int], list[int]]:
+        """A random letter/digit string repeated to fill the row, loss on every token: the cheapest
+        data that rewards an induction head, which lookup needs (``training/diagnostics.py``)."""
+        pattern = [self.rng.choice(self.symbols) for _ in range(self.rng.randrange(*lengths))]
+        ids = (pattern * (self.seq_len // len(pattern) + 1))[: self.seq_len]
+        return ids, ids
+
+    def _row(self) -> tuple[list[int], list[int]]:
+        draw = self.rng.random()
+        if draw < self.drill_share:
+            return self._drill_sequence()
+        if draw < self.drill_share + self.task_share:
+            return self._task_sequence()
+        return self._text_sequence()
+
     def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = [self._task_sequence() if self.rng.random() < self.task_share else self._text_sequence()
-                for _ in range(batch_size)]
+        rows = [self._row() for _ in range(batch_size)]
         ids = torch.tensor([r[0] for r in rows], dtype=torch.long)     # [B, T]
         labels = torch.tensor([r[1] for r in rows], dtype=torch.long)  # [B, T]; -100 = no loss
         return ids, labels
@@ -126,26 +143,22 @@ class Stage:
     task_share: float
     mask_prompts: bool
     task_weights: tuple[tuple[str, float], ...] = ()     # relative draw weight per task (default 1)
+    drill_share: float = 0.0                              # rows of repeated random strings; text gets the rest
 
 
-# The recipe that produced the bundled weights. Stage 1 learns text and the task formats with loss
-# on every token; stage 2 (measured necessary: 30% task accuracy after stage 1) spends its tokens on
-# task completions, prompts masked out of the loss; stage 3 (65.7% after stage 2, expressions and
-# lookup near 10%) weights the two weak tasks; stage 4 (71% after stage 3: expressions 42%, lookup
-# 18%) again, after lookup keys became one token. 144 minutes of step time, over the 90-minute
-# target; two shorter recipes that mask prompts from the first step never learned to copy from
-# the prompt (docs/reference-model.md, "Shorter recipes that failed").
-STAGES = (Stage(steps=1000, lr=1e-3, warmup=100, task_share=0.7, mask_prompts=False),
-          Stage(steps=650, lr=1e-3, warmup=30, task_share=0.9, mask_prompts=True),
-          Stage(steps=400, lr=5e-4, warmup=20, task_share=0.85, mask_prompts=True,
-                task_weights=(("expressions", 3.0), ("lookup", 3.0), ("sorting", 1.5), ("brackets", 0.5),
-                              ("reverse", 0.5))),
-          Stage(steps=350, lr=5e-4, warmup=20, task_share=0.9, mask_prompts=True,
-                task_weights=(("expressions", 4.0), ("lookup", 4.0), ("sorting", 1.5), ("brackets", 0.5),
-                              ("addition", 0.5))))
+# The recipe. Stage 1 puts loss on every token (the one earlier recipe that learned to copy from
+# its prompts had such a stage; two that masked prompts from step 0 never did) and gives a third
+# of its rows to the induction drill, repeated random strings, because lookup needs an induction
+# head and none formed from text and tasks alone (docs/reference-model.md, "Why lookup fails").
+# Stages 2-3 spend their tokens on task completions, prompts masked, with a little drill kept.
+STAGES = (Stage(steps=650, lr=1.5e-3, warmup=50, task_share=0.45, mask_prompts=False, drill_share=0.35),
+          Stage(steps=650, lr=1e-3, warmup=30, task_share=0.8, mask_prompts=True, drill_share=0.1),
+          Stage(steps=300, lr=5e-4, warmup=20, task_share=0.85, mask_prompts=True, drill_share=0.05,
+                task_weights=(("expressions", 3.0), ("lookup", 2.0), ("sorting", 2.0), ("brackets", 0.5),
+                              ("reverse", 0.5))))
 
 
-def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 12, seq_len: int = 512, seed: int = 0,
+def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 24, seq_len: int = 256, seed: int = 0,
           threads: int = 2, start_stage: int = 1) -> Path:
     """Run ``stages`` from ``start_stage`` (1-based); a later start resumes from out/checkpoint,
     which every stage writes at its end."""
@@ -176,7 +189,7 @@ def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 12, s
             continue
         torch.manual_seed(seed + number)
         mixture = Mixture(tokenizer, corpus_dir, seq_len, stage.task_share, seed + number - 1, stage.mask_prompts,
-                          dict(stage.task_weights))
+                          dict(stage.task_weights), stage.drill_share)
         _run_stage(model, mixture, stage, number, batch_size, seq_len, log, out, evals)
         evals.append({"stage": number, "step": len(log), **progress_check(model, tokenizer, n_per_task=24)})
         (out / "stage_evals.json").write_text(json.dumps(evals, indent=1))
@@ -205,15 +218,12 @@ def _run_stage(model, mixture: Mixture, stage: Stage, number: int, batch_size: i
         for group in opt.param_groups:
             group["lr"] = stage.lr * scale
         ids, labels = mixture.batch(batch_size)                              # [B, T] each
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            # transformers shifts labels internally: labels = inputs is the causal LM convention
-            result = model(input_ids=ids, labels=labels, output_router_logits=True)
+        lm_loss, aux_loss = causal_lm_loss(model, ids, labels)
         opt.zero_grad(set_to_none=True)
-        result.loss.backward()
+        (lm_loss + model.config.router_aux_loss_coef * aux_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        aux = float(result.aux_loss or 0)
-        lm_loss = float(result.loss) - aux * model.config.router_aux_loss_coef
+        aux, lm_loss = float(aux_loss), float(lm_loss)
         log.append({"stage": number, "step": len(log), "loss": lm_loss, "aux": aux, "lr": stage.lr * scale,
                     "step_s": time.time() - t0, "batch_tokens": batch_size * seq_len})
         bar.set_postfix(loss=f"{lm_loss:.3f}", tok_s=f"{batch_size * seq_len / log[-1]['step_s']:.0f}", refresh=False)
@@ -223,6 +233,21 @@ def _run_stage(model, mixture: Mixture, stage: Stage, number: int, batch_size: i
         if (step + 1) % eval_every == 0 and step + 1 < stage.steps:   # progress check, not timed as training
             evals.append({"stage": number, "step": len(log), **progress_check(model, mixture.tok, n_per_task=8)})
             (out / "stage_evals.json").write_text(json.dumps(evals, indent=1))
+
+
+def causal_lm_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token loss and the router's load-balancing loss, projecting onto the vocabulary only
+    the positions whose next token carries a label: with prompts masked, most positions carry none
+    and the 8k-way head and its log-softmax were a fifth of the step."""
+    import torch.nn.functional as F
+
+    targets = labels[:, 1:]                                                    # [B, T-1]; position t predicts t+1
+    keep = torch.zeros_like(labels, dtype=torch.bool)                          # [B, T]
+    keep[:, :-1] = targets != -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        result = model(input_ids=ids, output_router_logits=True, logits_to_keep=keep)  # logits [N, V]
+    loss = F.cross_entropy(result.logits.float(), targets[keep[:, :-1]])
+    return loss, result.aux_loss
 
 
 def progress_check(model, tokenizer, n_per_task: int) -> dict[str, float]:
@@ -281,8 +306,8 @@ def plot_loss(log: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("build/reference-run"))
-    parser.add_argument("--batch-size", type=int, default=12)
-    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=24)
+    parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-stage", type=int, default=1, help="resume at this stage from out/checkpoint")
     args = parser.parse_args()
