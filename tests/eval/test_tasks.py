@@ -77,3 +77,19 @@ def test_unknown_task_lists_the_valid_ones():
         get_task("gsm8k")
     assert len(resolve_tasks("all")) == 6
     assert [t.name for t in resolve_tasks("sorting,reverse")] == ["sorting", "reverse"]
+
+
+def test_lookup_value_is_the_token_after_its_key():
+    """One-hop retrieval: each table line is key token then value token, and the query key is a
+    different token (leading space), so the look-back has exactly one earlier match."""
+    from moetailor.models.loading import load_tokenizer
+
+    tok = load_tokenizer("reference")
+    ex = TASKS["lookup"].generate(random.Random(5), 2)
+    ids = tok(ex.prompt, add_special_tokens=False)["input_ids"]
+    pieces = tok.convert_ids_to_tokens(ids)
+    target = ex.prompt.splitlines()[-1].split()[-1]
+    assert pieces[-2:] == ["Ġ" + target, "Ċ"]
+    hits = [i for i, piece in enumerate(pieces) if piece == target]
+    assert len(hits) == 1 and pieces[hits[0] + 1] == ex.answer
+    assert ex.completion == f"{target}{ex.answer}\n#### {ex.answer}"

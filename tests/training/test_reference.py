@@ -40,3 +40,39 @@ def test_unmasked_text_rows_and_task_weights(corpus):
                                                                 "sorting", "reverse")})
     ids, _ = lookup_only.batch(1)
     assert tok.decode(ids[0].tolist()).startswith("lookup\n")
+
+
+def test_drill_rows_repeat_one_symbol_string_with_loss_everywhere(corpus):
+    tok = load_tokenizer("reference")
+    drill_only = Mixture(tok, corpus, seq_len=128, task_share=0.0, seed=0, drill_share=1.0)
+    ids, labels = drill_only.batch(3)                                 # [3, 128]
+    assert (labels == ids).all()
+    symbols = set(drill_only.symbols)
+    for row in ids.tolist():
+        assert set(row) <= symbols
+        period = next(p for p in range(1, 129) if row[p:] == row[:-p])  # the repeated string's length
+        assert 4 <= period < 24
+
+
+def test_loss_on_labelled_positions_matches_the_full_head():
+    """Projecting only labelled positions onto the vocabulary gives transformers' own loss."""
+    import torch
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from moetailor.training.reference import causal_lm_loss
+
+    torch.manual_seed(0)
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, pad_token_id=1, bos_token_id=None, eos_token_id=0))
+    ids = torch.randint(2, 64, (3, 20))
+    labels = ids.clone()
+    labels[:, :12] = -100                                              # a masked prompt
+    labels[1, 15:] = -100
+    loss, aux = causal_lm_loss(model, ids, labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = model(input_ids=ids, labels=labels, output_router_logits=True)
+    expected = reference.loss - model.config.router_aux_loss_coef * reference.aux_loss
+    assert torch.allclose(loss, expected, atol=1e-4)
+    assert torch.allclose(aux, reference.aux_loss)

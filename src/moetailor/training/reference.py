@@ -155,7 +155,9 @@ STAGES = (Stage(steps=650, lr=1.5e-3, warmup=50, task_share=0.45, mask_prompts=F
           Stage(steps=650, lr=1e-3, warmup=30, task_share=0.8, mask_prompts=True, drill_share=0.1),
           Stage(steps=300, lr=5e-4, warmup=20, task_share=0.85, mask_prompts=True, drill_share=0.05,
                 task_weights=(("expressions", 3.0), ("lookup", 2.0), ("sorting", 2.0), ("brackets", 0.5),
-                              ("reverse", 0.5))))
+                              ("reverse", 0.5))),
+          Stage(steps=180, lr=5e-4, warmup=10, task_share=0.9, mask_prompts=True, drill_share=0.05,
+                task_weights=(("expressions", 5.0), ("sorting", 1.5), ("brackets", 0.5), ("reverse", 0.5))))
 
 
 def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 24, seq_len: int = 256, seed: int = 0,
