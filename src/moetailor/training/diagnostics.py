@@ -71,6 +71,13 @@ def symbol_tokens(tokenizer) -> list[int]:
     return [i for i, piece in enumerate(pieces) if piece.removeprefix("Ġ") in symbols]
 
 
+def drill_row(rng: random.Random, symbols: list[int], lengths: tuple[int, int], seq: int) -> list[int]:
+    """One drill row: a random string of ``symbols`` (length drawn from [lo, hi)) repeated to fill
+    ``seq`` tokens; every copy after the first is predictable only by looking back."""
+    pattern = [rng.choice(symbols) for _ in range(rng.randrange(*lengths))]
+    return (pattern * (seq // len(pattern) + 1))[:seq]
+
+
 def drill_model(kind: str, vocab_size: int, layers: int = 2):
     """A fresh model for the drill: the reference shape, or a cheap dense Qwen2 of the same width."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeForCausalLM
@@ -106,11 +113,7 @@ def induction_drill(model, tokenizer, steps: int, batch: int = 8, seq: int = 256
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / 50)
-        rows = []
-        for _ in range(batch):
-            pattern = [rng.choice(symbols) for _ in range(rng.randrange(*lengths))]
-            rows.append((pattern * (seq // len(pattern) + 1))[:seq])
-        ids = torch.tensor(rows)                                                  # [B, seq]
+        ids = torch.tensor([drill_row(rng, symbols, lengths, seq) for _ in range(batch)])   # [B, seq]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = model(input_ids=ids, labels=ids, **({"output_router_logits": True} if moe else {})).loss
         opt.zero_grad(set_to_none=True)

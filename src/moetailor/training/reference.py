@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from ..data.corpus import DOMAIN_NAMES, build_corpus
 from ..eval.tasks import TASKS, training_rng
+from .diagnostics import drill_row, symbol_tokens
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -75,7 +76,6 @@ class Mixture:
 
     def __init__(self, tokenizer, corpus_dir: Path, seq_len: int, task_share: float, seed: int,
                  mask_prompts: bool = False, task_weights: dict[str, float] | None = None, drill_share: float = 0.0):
-        from .diagnostics import symbol_tokens
 
         self.tok, self.seq_len, self.task_share, self.mask_prompts = tokenizer, seq_len, task_share, mask_prompts
         self.task_weights, self.drill_share = task_weights, drill_share
@@ -114,8 +114,7 @@ class Mixture:
     def _drill_sequence(self, lengths: tuple[int, int] = (4, 24)) -> tuple[list[int], list[int]]:
         """A random letter/digit string repeated to fill the row, loss on every token: the cheapest
         data that rewards an induction head, which lookup needs (``training/diagnostics.py``)."""
-        pattern = [self.rng.choice(self.symbols) for _ in range(self.rng.randrange(*lengths))]
-        ids = (pattern * (self.seq_len // len(pattern) + 1))[: self.seq_len]
+        ids = drill_row(self.rng, self.symbols, lengths, self.seq_len)
         return ids, ids
 
     def _row(self) -> tuple[list[int], list[int]]:
