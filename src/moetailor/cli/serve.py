@@ -13,6 +13,8 @@ def register(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
     p.add_argument("--expert-plan", action="append", default=[], metavar="NAME=PATH",
                    help="a plan clients may select per request with the \"expert_plan\" field (repeatable)")
+    from ..integrations.vllm.options import add_backend_arguments
+    add_backend_arguments(p)   # --backend engine|vllm (vLLM: the plugin, colocated or a disaggregated pair)
     p.set_defaults(func=run)
 
 
@@ -36,6 +38,10 @@ def parse_named_plans(items: list[str], model) -> dict:
 
 def run(args) -> int:
     from ..engine.server import serve
+
+    if args.backend == "vllm":
+        from ..integrations.vllm.serve import run as run_vllm
+        return run_vllm(args)
 
     if args.k_schedule == "tiers":
         raise ValueError("--k-schedule tiers plans a known set of requests offline (`moetailor generate`); a server "

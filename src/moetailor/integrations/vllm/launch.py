@@ -39,10 +39,8 @@ def cli_flags(kwargs: dict) -> list[str]:
     """The same settings as ``vllm serve`` flags."""
     import json
 
-    flags = [kwargs["model"]]
+    flags = []
     for key, value in kwargs.items():
-        if key == "model":
-            continue
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + key.replace("_", "-"))
