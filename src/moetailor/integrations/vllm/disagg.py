@@ -43,7 +43,7 @@ def pair_kwargs(model: str | Path, decode_model: str | Path, storage: str | Path
     prefill = engine_kwargs(model, kv_transfer_config=kv_transfer_config("kv_producer", storage), **common)
     # the decode instance's cache holds decode-phase KV: never serve it to a later prompt
     decode = engine_kwargs(decode_model, kv_transfer_config=kv_transfer_config("kv_consumer", storage),
-                           enable_prefix_caching=False, **common)
+                           **{**common, "enable_prefix_caching": False})
     return prefill, decode
 
 
