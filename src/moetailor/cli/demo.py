@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .common import print_table
+from ..tables import print_table
 
 BUNDLED_PLAN = Path(__file__).resolve().parent.parent / "assets" / "plans" / "reference-reap-50.json"
 

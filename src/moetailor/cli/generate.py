@@ -92,7 +92,7 @@ def run(args) -> int:
     import time
 
     from ..engine import SamplingParams
-    from .common import print_table
+    from ..tables import print_table
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,

@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .common import print_table
+from ..tables import print_table
 
 
 def register(sub) -> None:
