@@ -1,4 +1,4 @@
-"""Evaluation configurations for folding (issue 7) and skipping (issue 8); see plans/techniques.py.
+"""Evaluation configurations for folding and skipping; see plans/techniques.py.
 
     fold-prefill:K    prefill tokens keep K of k routes, the rest folded; full decode
     drop-prefill:K    the same without folding (the rest dropped, not renormalised)

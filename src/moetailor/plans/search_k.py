@@ -1,4 +1,4 @@
-"""`moetailor search-k`: a per-layer active-expert allocation under a total budget (issue 8).
+"""`moetailor search-k`: a per-layer active-expert allocation under a total budget.
 
 Quality is the next-token KL divergence from the full model on calibration text (teacher-forced,
 scored as the engine serves: first half of each window under the prefill policy, second half

@@ -1,8 +1,8 @@
-"""Plan builders for expert folding (ExFold, issue 7) and expert skipping / per-layer allocation
-(Faster MoE inference, issue 8). Every technique is a setting of the shared ``LayerPolicy``; this
+"""Plan builders for expert folding (ExFold) and expert skipping / per-layer allocation
+(Faster MoE inference). Every technique is a setting of the shared ``LayerPolicy``; this
 module only writes policies and plans, ``routing.router.route`` applies them.
 
-Folding (``../shared/papers/README.md`` §2):
+Folding (ExFold: token-level top-K for prefill, batch-level pool for decode):
   fold-prefill:K   each token keeps K of its top-k routes, the rest fold onto the kept expert with
                    the lowest loss L[src, dst] (weight S[src, dst] * g_src added)   token_keep=K
   fold-decode:D    each step keeps a pool of D experts by batch importance (sum of gate x mean
