@@ -12,7 +12,7 @@ Folding (ExFold: token-level top-K for prefill, batch-level pool for decode):
   drop-*/plan+drop the same budgets without folding: excluded routes vanish, no renormalisation
                    (the pool of drop-decode is chosen with the same importance as fold-decode)
 
-Skipping (§4):
+Skipping (Faster MoE inference):
   topk:K           every token uses K < k experts (renormalised as the model's router does)
   layer-k:LIST     one K per MoE layer (in MoE-layer order)
   bhep:B/H/E/P     the four-tuple: B experts in the first MoE layer, H at MoE layer P, E in the
