@@ -64,7 +64,7 @@ def build_engine(args):
     plan = None
     if args.decode_plan:
         plan = Plan.load(args.decode_plan)
-        plan = plan.with_phases(prefill=None, decode=plan.decode)
+        plan = plan.phase_aware()
     elif args.plan:
         plan = Plan.load(args.plan)
     llm = LLM(args.model, plan, **kwargs)

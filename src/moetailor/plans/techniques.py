@@ -338,8 +338,7 @@ def policy_from_spec(model, spec: str, stats=None, phase: str = "decode") -> Pha
         plan.check_model(model)
         if name == "plan":
             return plan.phase(phase)
-        from ..eval.configurations import pruning_policy
-        return pool_with_fold(pruning_policy(plan), fold=name == "pool-fold")
+        return pool_with_fold(plan.pruning_policy(), fold=name == "pool-fold")
     raise ValueError(f"unknown policy {spec!r}; valid: {SPEC_HELP}")
 
 
