@@ -118,7 +118,3 @@ def engine_prefill(llm, batch: int, prompt_len: int, repeats: int = 3, seed: int
             if rec.phase == "prefill":
                 best = max(best, rec.num_tokens / rec.seconds)
     return best
-
-
-def formula_distinct(experts: int, top_k: int, batch: int) -> float:
-    return expected_distinct(experts, top_k, batch)

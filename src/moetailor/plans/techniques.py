@@ -353,21 +353,6 @@ def plan_from_specs(model, prefill: str | None, decode: str | None, stats_path: 
     return technique_plan(model, pre, dec, path if needs else None, prefill_spec=prefill, decode_spec=decode)
 
 
-def active_experts_per_token(policy: PhasePolicy, shape: Shape) -> float | None:
-    """The static per-token budget of a policy, averaged over MoE layers (None when it depends on the
-    data, as for dynamic skipping and batch pools)."""
-    out = []
-    for i in shape.layers:
-        p = policy.for_layer(i)
-        if p.skip_beta is not None or p.batch_pool is not None:
-            return None
-        k = p.top_k or shape.top_k
-        if p.token_keep is not None:
-            k = min(k, p.token_keep)
-        out.append(k)
-    return sum(out) / len(out)
-
-
 def measured_active_experts(model, policy: PhasePolicy | None, windows: list[list[int]]) -> dict:
     """Run ``windows`` (token ids, one batch) under ``policy`` and count, per token and MoE layer, the
     routes that reach an expert: the data-dependent budget of skipping, folding and batch pools.
