@@ -25,7 +25,6 @@ Layer positions (``P``, list entries) count MoE layers from 0, not decoder layer
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -36,6 +35,7 @@ from pathlib import Path
 
 from ..models.loading import model_fingerprint
 from ..routing.policy import FULL_PHASE, LayerPolicy, PhasePolicy
+from .criteria import parse_json_int_list
 from .plan import Plan
 
 FOLD_CALIB_TOKENS = 32768   # tokens of the default fold calibration (same as `moetailor eval --sweep`)
@@ -155,13 +155,7 @@ def parse_k_list(text: str) -> list[int]:
     """'4/4/6/8', '4-4-6-8', '4,4,6,8' or '[4, 4, 6, 8]' -> [4, 4, 6, 8]."""
     text = text.strip()
     if text.startswith("["):
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{text!r} is not a valid JSON list ({e})") from None
-        if not isinstance(values, list) or not all(isinstance(v, int) for v in values):
-            raise ValueError(f"{text!r} must be a JSON list of integers")
-        return values
+        return parse_json_int_list(text, "the per-layer list")
     parts = [p for p in re.split(r"[/,\- ]+", text) if p]
     if not parts:
         raise ValueError("the per-layer list is empty; write one k per MoE layer, e.g. 4/4/6/8")
