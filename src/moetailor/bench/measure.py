@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from ..models.adapters import moe_layers
-from .traffic import expected_distinct
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..plans import Plan, uniform_plan
-from ..routing.policy import LayerPolicy, PhasePolicy
+from ..routing.policy import LayerPolicy
 
 # builder(model, base_plan or None, argument or None) -> the plan the engine runs
 Builder = Callable[[object, Plan | None, str | None], Plan]
