@@ -211,13 +211,8 @@ def attach_fold_tables(model, stats_path: str | Path) -> None:
 
     ctl = RoutingController.of(model)
     path = str(stats_path)
-    if getattr(ctl, "_moetailor_fold_source", None) == path and ctl.fold_tables:
-        return
-    tables = load_fold_tables(path, model)
-    ctl.fold_tables.clear()
-    ctl.fold_tables.update(tables)
-    ctl._cache.clear()          # compiled policies hold the old tables
-    ctl._moetailor_fold_source = path
+    if ctl.fold_source != path or not ctl.fold_tables:
+        ctl.set_fold_tables(load_fold_tables(path, model), source=path)
 
 
 def default_stats_path(model) -> Path:
