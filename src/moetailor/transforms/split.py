@@ -340,7 +340,6 @@ def _width_key(config, width: int) -> str:
 @torch.no_grad()
 def split_model(model, splits: dict[int, LayerSplit], parts: int, gate: str = "proxy"):
     """A new stock model of the same architecture with N*m experts of width I/N and top-(N*k)."""
-
     _check_splittable(model, parts)
     spec = arch_spec(model.config)
     layers = moe_layers(model)
