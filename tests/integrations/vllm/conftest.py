@@ -17,7 +17,7 @@ MAX_TOKENS = 40
 
 
 def task_prompts(per_task: int = 2) -> list[str]:
-    from moetailor.eval.tasks import TASKS, eval_examples
+    from moetailor.data.tasks import TASKS, eval_examples
 
     return [ex.prompt for task in TASKS.values() for ex in eval_examples(task, per_task, seed=0)]
 

@@ -108,7 +108,7 @@ def run(args) -> int:
 
 
 def print_report(report: dict, slo: float) -> None:
-    from ...cli.common import print_table
+    from ...tables import print_table
 
     batches = sorted({int(b) for r in report["results"].values() for b in r})
     rows = []
