@@ -39,7 +39,7 @@ def test_disaggregated_pair_equals_phase_aware_engine(pair, prompts):
     tok = LLM("reference").tokenizer
     ids = [tok.encode(p) for p in prompts]
     plan = Plan.load(BUNDLED_PLAN)
-    expected = engine_token_ids(plan.with_phases(decode=plan.decode), ids)
+    expected = engine_token_ids(plan.phase_aware(), ids)
     got = generate_pair(prefill_llm, decode_llm, ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert got == expected
     # the decode instance alone (its own prefill on the pruned model) gives other outputs: the

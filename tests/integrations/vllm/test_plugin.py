@@ -27,7 +27,7 @@ def plan():
     from moetailor.plans import Plan
 
     p = Plan.load(BUNDLED_PLAN)
-    return p.with_phases(prefill=None, decode=p.decode)
+    return p.phase_aware()
 
 
 def test_phase_aware_equals_moetailor_engine_under_chunked_prefill(phase_aware_vllm, plan, prompts):

@@ -72,7 +72,7 @@ def test_colocated_server_decode_plan_and_expert_top_k(prompts, tmp_path):
     from moetailor.plans import Plan
 
     plan = Plan.load(BUNDLED_PLAN)
-    plan = plan.with_phases(decode=plan.decode)
+    plan = plan.phase_aware()
     prompts = prompts[:N_PROMPTS]
     with moetailor_serve("reference", "--backend", "vllm", "--decode-plan", str(BUNDLED_PLAN),
                          "--served-model-name", "reference", log_path=tmp_path / "serve.log") as url:
@@ -99,6 +99,6 @@ def test_disaggregated_pair_behind_the_proxy(prompts, tmp_path):
         got = [complete(url, p) for p in prompts]
         streamed = complete(url, prompts[0], stream=True)
     assert all(r.status_code == 200 for r in got), [r.text for r in got]
-    expected = engine_token_ids(plan.with_phases(decode=plan.decode), prompts, max_tokens=24)
+    expected = engine_token_ids(plan.phase_aware(), prompts, max_tokens=24)
     assert [r.json()["choices"][0]["token_ids"] for r in got] == expected
     assert streamed.status_code == 400

@@ -78,7 +78,7 @@ def load_checked_plan(path: str | Path, mode: str, checkpoint: str | Path) -> Pl
 
     plan = Plan.load(path)
     if mode == "decode":
-        plan = plan.with_phases(prefill=None, decode=plan.decode)
+        plan = plan.phase_aware()
     fp = checkpoint_fingerprint(checkpoint)
     problem = fingerprint_mismatch(plan.model, fp)
     if problem:
