@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import BUNDLED_PLAN, SKIP_REASON
+from vllm_helpers import BUNDLED_PLAN, SKIP_REASON
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 

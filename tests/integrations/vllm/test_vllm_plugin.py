@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import BUNDLED_PLAN, SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
+from vllm_helpers import BUNDLED_PLAN, SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SKIP_REASON, vllm_engine
+from vllm_helpers import SKIP_REASON, vllm_engine
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 

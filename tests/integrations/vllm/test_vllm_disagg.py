@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 
-from conftest import BUNDLED_PLAN, MAX_TOKENS, SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
+from vllm_helpers import BUNDLED_PLAN, MAX_TOKENS, SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import BUNDLED_PLAN, SKIP_REASON, engine_token_ids
+from vllm_helpers import BUNDLED_PLAN, SKIP_REASON, engine_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 httpx = pytest.importorskip("httpx", reason="httpx is needed to talk to the server")
