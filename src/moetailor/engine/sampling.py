@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .logprobs import MAX_LOGPROBS
+
 
 @dataclass
 class SamplingParams:
@@ -16,6 +18,8 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] = ()
     ignore_eos: bool = False
     expert_top_k: int | None = None   # per-request expert budget: active experts per token
+    logprobs: int | None = None       # per generated token: its logprob and the top N (0 = its own only)
+    prompt_logprobs: int | None = None  # the same per prompt token (computed in the prefill step)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -35,6 +39,11 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
         if self.expert_top_k is not None and self.expert_top_k < 1:
             raise ValueError(f"expert_top_k={self.expert_top_k} must be >= 1 (or None for the model's k)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name}={value!r} must be an integer from 0 to {MAX_LOGPROBS} (or None)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop={list(self.stop)!r} must be non-empty strings")
 

@@ -12,14 +12,16 @@ import json
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from .llm import LLM, StreamDelta
+from ..models.chat import chat_prompt
+from .llm import LLM, StreamDelta, new_logprobs
+from .logprobs import MAX_LOGPROBS, chat_logprobs, completion_logprobs
 from .sampling import SamplingParams
 
 
@@ -91,7 +93,8 @@ class AsyncEngine:
             text = text[:-1]
         tokens = seq.completion_token_ids
         delta = StreamDelta(seq.request_id, text[entry.sent_text:], tokens[entry.sent_tokens:], seq.is_finished,
-                            seq.finish_reason, seq.error)
+                            seq.finish_reason, seq.error, new_logprobs(seq, entry.sent_tokens, len(tokens)),
+                            seq.prompt_logprobs if entry.sent_tokens == 0 else None)
         entry.sent_text, entry.sent_tokens = len(text), len(tokens)
         if seq.is_finished:
             self.requests.pop(seq.request_id, None)
@@ -144,6 +147,74 @@ def _sampling_from(body: dict) -> SamplingParams:
         raise BadRequest(str(e)) from None
 
 
+@dataclass(frozen=True)
+class LogprobRequest:
+    """What a request asked for beside the tokens: logprobs with the top N alternatives per token,
+    and (completions) the prompt echoed back before the completion, with its logprobs."""
+    top: int | None = None      # None = no logprobs
+    echo: bool = False
+    generate: bool = True       # False for echo with max_tokens 0: the prompt is scored, nothing generated
+
+
+def _logprob_request(body: dict, chat: bool) -> LogprobRequest:
+    """The ``logprobs`` / ``top_logprobs`` / ``echo`` fields, type-checked; BadRequest names the field."""
+    def top_n(name: str, value) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+            raise BadRequest(f"{name} must be an integer from 0 to {MAX_LOGPROBS} (alternatives per token), "
+                             f"got {value!r}")
+        return value
+    if chat:
+        wanted, top = body.get("logprobs"), top_n("top_logprobs", body.get("top_logprobs"))
+        if wanted is not None and not isinstance(wanted, bool):
+            raise BadRequest(f"logprobs must be true or false in chat completions (top_logprobs sets how many "
+                             f"alternatives), got {wanted!r}")
+        if top is not None and not wanted:
+            raise BadRequest("top_logprobs needs logprobs: true")
+        return LogprobRequest(top=(top or 0) if wanted else None)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise BadRequest(f"echo must be true or false, got {echo!r}")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    no_tokens = type(limit) is int and limit == 0
+    return LogprobRequest(top=top_n("logprobs", body.get("logprobs")), echo=bool(echo),
+                          generate=not (echo and no_tokens))
+
+
+@dataclass
+class _Collected:
+    """What one request returned over its deltas: text, tokens and (when asked) logprobs."""
+    text: str
+    token_ids: list[int]
+    logprobs: list
+    prompt_logprobs: list | None
+    finish_reason: str | None
+    error: str | None
+
+    @classmethod
+    def of(cls, deltas: list[StreamDelta]) -> "_Collected":
+        prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+        last = deltas[-1]
+        return cls("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],
+                   [e for d in deltas for e in (d.logprobs or [])], prompt,
+                   last.finish_reason if last.finished else None, last.error)
+
+
+def _completion_prompts(body: dict) -> list:
+    """The completions ``prompt``: a string, a list of token ids, or a list of those (one choice each)."""
+    def one(p) -> bool:
+        return isinstance(p, str) or (isinstance(p, list) and bool(p) and
+                                      all(isinstance(t, int) and not isinstance(t, bool) for t in p))
+    prompt = body.get("prompt")
+    if one(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(one(p) for p in prompt):
+        return list(prompt)
+    raise BadRequest("prompt must be a string, a list of token ids, or a list of strings or token-id lists "
+                     "(one choice each)")
+
+
 def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = None, guard: bool = True):
     """The FastAPI app. ``plans``: name -> Plan selectable per request through ``expert_plan``.
     ``guard``: turn on the collapse guard (engine/guard.py) when the engine has none yet."""
@@ -193,47 +264,82 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
         return body
 
     async def run(request: Request, chat: bool):
+        submitted: list[str] = []
         try:
             body = await read_body(request)
-            sampling = _sampling_from(body)
+            extra = _logprob_request(body, chat)
+            # echo with max_tokens 0 scores the prompt: one token is generated (and dropped) to run the prefill
+            sampling = _sampling_from(body if extra.generate else {**body, "max_tokens": 1, "max_completion_tokens": None})
+            if (extra.top is not None or extra.echo) and llm.tokenizer is None:
+                raise BadRequest("logprobs and echo need the model's tokenizer to return token text; serve a "
+                                 "checkpoint directory that has tokenizer files")
+            if extra.top is not None:
+                sampling = replace(sampling, logprobs=extra.top, prompt_logprobs=extra.top if extra.echo else None)
             plan, plan_key = resolve_plan(body)
             if chat:
                 messages = body.get("messages")
                 if not isinstance(messages, list) or not messages or not all(
                         isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
                     raise BadRequest("messages must be a non-empty list of {role, content} objects with string content")
-                prompt = _chat_prompt(llm.tokenizer, messages)
+                prompts = [chat_prompt(llm.tokenizer, messages)]
             else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                    prompt = prompt[0]
-                if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                                    and all(isinstance(t, int) for t in prompt))):
-                    raise BadRequest("prompt must be a string or a list of token ids")
-            request_id, queue = engine.submit(prompt, sampling, plan, plan_key)
+                prompts = _completion_prompts(body)
+            if body.get("stream") and len(prompts) > 1:
+                raise BadRequest("stream returns one prompt's completion; send one prompt, or a list with stream: false")
+            encoded = [llm.encode(p) for p in prompts]                   # (text or None, token ids)
+            if extra.echo:
+                encoded = [(text if text is not None else llm.tokenizer.decode(ids), ids) for text, ids in encoded]
+            queues = []
+            for prompt in prompts:
+                request_id, queue = engine.submit(prompt, sampling, plan, plan_key)
+                submitted.append(request_id)
+                queues.append(queue)
         except ValueError as e:
+            for request_id in submitted:
+                engine.abort(request_id)
             return error(400, str(e))
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
-        oid = ("chatcmpl-" if chat else "cmpl-") + request_id
+        oid = ("chatcmpl-" if chat else "cmpl-") + submitted[0]
 
-        def choice(delta: StreamDelta, text: str, streaming: bool) -> dict:
-            reason = delta.finish_reason if delta.finished else None
+        def decode(ids: list[int]) -> str:
+            return llm.tokenizer.decode(ids)
+
+        def choice(index: int, out: _Collected, streaming: bool, echoed: bool = False, offset: int = 0) -> dict:
+            """One choice from what a request produced; ``echoed``: its prompt was already returned
+            (streaming), ``offset``: characters already returned (text_offset)."""
+            reason = out.finish_reason
+            text, token_ids, entries = out.text, out.token_ids, out.logprobs
+            if not extra.generate:   # echo with max_tokens 0: only the prompt comes back
+                text, token_ids, entries, reason = "", [], [], "length" if reason is not None else None
             if chat:
                 key = "delta" if streaming else "message"
-                return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": reason}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+                result = {"index": index, key: {"role": "assistant", "content": text}, "finish_reason": reason}
+                if extra.top is not None:
+                    result["logprobs"] = chat_logprobs(entries, decode)
+                return result
+            if extra.echo and not echoed:
+                prompt_text, prompt_ids = encoded[index]
+                text, token_ids = prompt_text + text, prompt_ids + token_ids
+                entries = [*(out.prompt_logprobs or [None] * len(prompt_ids)), *entries]
+            logprobs = completion_logprobs(entries, token_ids, decode, offset) if extra.top is not None else None
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
         if body.get("stream"):
+            request_id, queue = submitted[0], queues[0]
+
             async def events():
-                finished = False
+                finished, returned, echoed = False, 0, False
                 try:
                     while True:
                         delta: StreamDelta = await queue.get()
                         if delta.error:
                             yield f"data: {json.dumps({'error': {'message': delta.error, 'type': 'engine_error'}})}\n\n"
+                        part = _Collected.of([delta])
+                        c = choice(0, part, True, echoed=echoed, offset=returned)
+                        echoed, returned = True, returned + len(c.get("text", ""))
                         chunk = {"id": oid, "object": kind + (".chunk" if chat else ""), "created": created,
-                                 "model": model_name, "choices": [choice(delta, delta.text, True)]}
+                                 "model": model_name, "choices": [c]}
                         yield f"data: {json.dumps(chunk)}\n\n"
                         if delta.finished:
                             finished = True
@@ -244,31 +350,34 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
                         engine.abort(request_id)
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        text, tokens, last = [], [], None
+        outputs = []
         try:
-            while True:
-                try:
-                    delta = await asyncio.wait_for(queue.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        engine.abort(request_id)
-                        return error(499, "client disconnected")
-                    continue
-                text.append(delta.text)
-                tokens += delta.token_ids
-                last = delta
-                if delta.finished:
-                    break
+            for request_id, queue in zip(submitted, queues):
+                deltas = []
+                while not deltas or not deltas[-1].finished:
+                    try:
+                        deltas.append(await asyncio.wait_for(queue.get(), timeout=1.0))
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            for rid in submitted:
+                                engine.abort(rid)
+                            return error(499, "client disconnected")
+                outputs.append(_Collected.of(deltas))
         except asyncio.CancelledError:
-            engine.abort(request_id)
+            for rid in submitted:
+                engine.abort(rid)
             raise
-        if last.finish_reason == "error":
-            return error(500, f"generation failed: {last.error}", "engine_error")
-        prompt_tokens = len(llm.encode(prompt)[1])
+        failed = next((o for o in outputs if o.finish_reason == "error"), None)
+        if failed is not None:
+            for rid in submitted:
+                engine.abort(rid)
+            return error(500, f"generation failed: {failed.error}", "engine_error")
+        prompt_tokens = sum(len(ids) for _, ids in encoded)
+        completion_tokens = sum(len(o.token_ids) for o in outputs) if extra.generate else 0
         return {"id": oid, "object": kind, "created": created, "model": model_name,
-                "choices": [choice(last, "".join(text), False)],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
-                          "total_tokens": prompt_tokens + len(tokens)}}
+                "choices": [choice(i, o, False) for i, o in enumerate(outputs)],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -283,6 +392,48 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(engine.started),
                                             "owned_by": "moetailor", "max_model_len": llm.max_model_len,
                                             "expert_plans": ["default", *sorted(plans)]}]}
+
+    # vLLM's tokenizer endpoints: clients such as lm-evaluation-harness tokenize with the server's own tokenizer
+    def tokenizer() -> object:
+        if llm.tokenizer is None:
+            raise BadRequest("this server has no tokenizer (it was started on a checkpoint without tokenizer files)")
+        return llm.tokenizer
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        try:
+            tok = tokenizer()
+        except BadRequest as e:
+            return error(400, str(e))
+        info = {name: getattr(tok, name, None) for name in ("eos_token", "bos_token", "pad_token", "chat_template")}
+        return {"tokenizer_class": type(tok).__name__, **info, "model_max_length": llm.max_model_len}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        try:
+            body = await read_body(request)
+            tok = tokenizer()
+            prompt, special = body.get("prompt"), body.get("add_special_tokens", False)
+            if not isinstance(prompt, str):
+                raise BadRequest("prompt must be a string")
+            if not isinstance(special, bool):
+                raise BadRequest(f"add_special_tokens must be true or false, got {special!r}")
+        except ValueError as e:
+            return error(400, str(e))
+        tokens = list(tok.encode(prompt, add_special_tokens=special))
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            body = await read_body(request)
+            tok = tokenizer()
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise BadRequest("tokens must be a list of token ids")
+        except ValueError as e:
+            return error(400, str(e))
+        return {"prompt": tok.decode(tokens)}
 
     @app.get("/health")
     async def health():
@@ -362,11 +513,6 @@ def guard_metrics(snap: dict) -> list[str]:
     return lines
 
 
-def _chat_prompt(tokenizer, messages: list[dict]) -> str:
-    """The tokenizer's chat template when it has one, else plain "role: content" lines."""
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{m.get('role', 'user')}: {m['content']}\n" for m in messages) + "assistant:"
 
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, model_name: str = "moetailor",

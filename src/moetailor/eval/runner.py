@@ -93,6 +93,7 @@ class EvalSettings:
     top_p: float = 0.95
 
     def validate(self) -> list[Task]:
+        tasks = resolve_tasks(self.tasks)
         if self.n <= 0:
             raise ValueError(f"--n must be a positive number of prompts per task, got {self.n}")
         if self.seeds <= 0:
@@ -112,12 +113,16 @@ class EvalSettings:
                              "(or --configs baseline)")
         if self.kl_window < 4:
             raise ValueError(f"--kl-window must be at least 4 tokens, got {self.kl_window}")
-        return resolve_tasks(self.tasks)
+        return tasks
 
 
 def task_budget(task: Task, tokenizer, factor: float = BUDGET_FACTOR) -> int:
     """Max new tokens for a task: ``factor`` x the longest reference completion (+ EOS) among
-    held-out samples at each trained difficulty, so over-long generation shows up as budget hits."""
+    held-out samples at each trained difficulty, so over-long generation shows up as budget hits.
+    A user task has no reference completions: it gets ``user_tasks.DEFAULT_BUDGET``."""
+    if not isinstance(task, Task):
+        from .user_tasks import DEFAULT_BUDGET
+        return DEFAULT_BUDGET
     rng = eval_rng(task.name, 10**6)  # a stream no evaluation seed uses
     longest = 0
     for level in task.difficulties:
@@ -257,11 +262,15 @@ class Sweep:
         if tokenizer is None:
             raise ValueError("a tokenizer is needed to evaluate; pass the model as a checkpoint directory with one")
         self.model, self.tokenizer = model, tokenizer
+        for t in self.tasks:
+            if not isinstance(t, Task) and len(t.items) > settings.n:
+                log(f"task {t.name} ({t.path}): evaluating the first {settings.n} of {len(t.items)} prompts (--n)")
         self.fingerprint = model_fingerprint(model)
         self.budgets = {t.name: settings.max_tokens or task_budget(t, tokenizer) for t in self.tasks}
         # a cell is reused on resume only when it was made under the same settings
         self.signature = {"model": self.fingerprint["router_hash"], "n": settings.n, "budgets": self.budgets,
-                          "tasks": [t.name for t in self.tasks], "kl": [settings.kl_docs, settings.kl_window],
+                          "tasks": [t.name if isinstance(t, Task) else f"{t.name}@{t.digest}" for t in self.tasks],
+                          "kl": [settings.kl_docs, settings.kl_window],
                           "sample": [settings.temperature, settings.top_p]}
         self._llm = None
         self._scorer = None
@@ -303,7 +312,8 @@ class Sweep:
 
     def generation_cell(self, variant: Variant, mode: str, seed: int) -> dict:
         """Every task's n prompts for one seed in one batched generate call."""
-        examples = [ex for task in self.tasks for ex in eval_examples(task, self.settings.n, seed)]
+        examples = [ex for task in self.tasks for ex in eval_examples(task, self.settings.n, seed,
+                                                                      tokenizer=self.tokenizer)]
         params = [self._sampling_params(mode, seed, ex.task, i) for i, ex in enumerate(examples)]
         prompts = [ex.prompt for ex in examples]
         t0 = time.time()

@@ -134,7 +134,7 @@ def task_accuracy(model, tokenizer, plans: dict[str, Plan | None], n: int, tasks
     from ..eval.tasks import eval_examples, resolve_tasks
 
     chosen = resolve_tasks(tasks)
-    examples = [ex for t in chosen for ex in eval_examples(t, n, seed)]
+    examples = [ex for t in chosen for ex in eval_examples(t, n, seed, tokenizer=tokenizer)]
     budgets = {t.name: task_budget(t, tokenizer) for t in chosen}
     params = [SamplingParams(max_tokens=budgets[ex.task], temperature=0.0) for ex in examples]
     llm = LLM(model, tokenizer=tokenizer, max_num_seqs=64)
