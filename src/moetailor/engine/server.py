@@ -269,7 +269,8 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
             body = await read_body(request)
             extra = _logprob_request(body, chat)
             # echo with max_tokens 0 scores the prompt: one token is generated (and dropped) to run the prefill
-            sampling = _sampling_from(body if extra.generate else {**body, "max_tokens": 1, "max_completion_tokens": None})
+            one_token = {**body, "max_tokens": 1, "max_completion_tokens": None}
+            sampling = _sampling_from(body if extra.generate else one_token)
             if (extra.top is not None or extra.echo) and llm.tokenizer is None:
                 raise BadRequest("logprobs and echo need the model's tokenizer to return token text; serve a "
                                  "checkpoint directory that has tokenizer files")
@@ -285,7 +286,8 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
             else:
                 prompts = _completion_prompts(body)
             if body.get("stream") and len(prompts) > 1:
-                raise BadRequest("stream returns one prompt's completion; send one prompt, or a list with stream: false")
+                raise BadRequest("stream returns one prompt's completion; send one prompt, or a list with "
+                                 "stream: false")
             encoded = [llm.encode(p) for p in prompts]                   # (text or None, token ids)
             if extra.echo:
                 encoded = [(text if text is not None else llm.tokenizer.decode(ids), ids) for text, ids in encoded]

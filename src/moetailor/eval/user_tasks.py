@@ -126,7 +126,8 @@ def _example(path: Path, number: int, record: dict, default_task: str) -> UserEx
         raise ValueError(f"{where}: unknown field {unknown[0]!r}; a line has: {', '.join(sorted(known))}")
     prompt, messages = record.get("prompt"), record.get("messages")
     if (prompt is None) == (messages is None):
-        raise ValueError(f"{where}: give exactly one of 'prompt' (a string) or 'messages' (a list of {{role, content}})")
+        raise ValueError(f"{where}: give exactly one of 'prompt' (a string) or 'messages' "
+                         "(a list of {role, content})")
     if prompt is not None and (not isinstance(prompt, str) or not prompt):
         raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
     if messages is not None and (not isinstance(messages, list) or not messages or not all(
