@@ -9,8 +9,7 @@ import pytest
 
 from moetailor.cli.main import main
 from moetailor.eval import lm_eval_tasks
-from moetailor.eval.tasks import resolve_tasks
-from moetailor.eval.user_tasks import MatchRule, load_user_tasks
+from moetailor.eval.user_tasks import MatchRule, load_user_tasks, select_tasks
 
 
 def write(path, lines) -> str:
@@ -44,7 +43,7 @@ def test_lines_group_into_tasks_and_chat_lines_render(tmp_path, char_tok):
     ])
     mine, geo = load_user_tasks(path)
     assert (mine.name, len(mine.items), geo.name, len(geo.items)) == ("mine", 2, "geo", 1)
-    assert [t.name for t in resolve_tasks(f"addition,{path}")] == ["addition", "mine", "geo"]
+    assert [t.name for t in select_tasks(f"addition,{path}")] == ["addition", "mine", "geo"]
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
         geo.examples()
     (ex,) = geo.examples(tokenizer=char_tok)
@@ -78,12 +77,12 @@ def test_malformed_lines_name_the_line(tmp_path, line, message):
 
 def test_bad_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        resolve_tasks(str(tmp_path / "missing.jsonl"))
+        select_tasks(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="has no tasks"):
         load_user_tasks(write(tmp_path / "empty.jsonl", [""]))
     path = write(tmp_path / "addition.jsonl", [{"prompt": "a", "answer": "b"}])
     with pytest.raises(ValueError, match="selected twice"):
-        resolve_tasks(f"addition,{path}")
+        select_tasks(f"addition,{path}")
     good = write(tmp_path / "ok.jsonl", [{"prompt": "a", "answer": "b"}, {"prompt": "a", "answer": "b"}])
     lines = open(good).read().splitlines()
     write(tmp_path / "third.jsonl", [*lines, '{"prompt": 3, "answer": "b"}'])

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import print_table
+from ..tables import print_table
 
 
 def register(sub) -> None:

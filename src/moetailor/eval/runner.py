@@ -28,9 +28,10 @@ from pathlib import Path
 
 from ..models.loading import model_fingerprint
 from ..plans import Plan
-from .configurations import ConfigSpec
+from .configurations import ConfigSpec, Serving
 from .metrics import Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output
-from .tasks import TASKS, Task, eval_examples, eval_rng, resolve_tasks
+from ..data.tasks import TASKS, Task, eval_rng
+from .user_tasks import DEFAULT_BUDGET, select_tasks, task_examples
 
 SAMPLING_MODES = ("greedy", "sample")
 DEFAULT_KEEPS = (0.75, 0.5, 0.25)
@@ -93,7 +94,7 @@ class EvalSettings:
     top_p: float = 0.95
 
     def validate(self) -> list[Task]:
-        tasks = resolve_tasks(self.tasks)
+        tasks = select_tasks(self.tasks)
         if self.n <= 0:
             raise ValueError(f"--n must be a positive number of prompts per task, got {self.n}")
         if self.seeds <= 0:
@@ -121,7 +122,6 @@ def task_budget(task: Task, tokenizer, factor: float = BUDGET_FACTOR) -> int:
     held-out samples at each trained difficulty, so over-long generation shows up as budget hits.
     A user task has no reference completions: it gets ``user_tasks.DEFAULT_BUDGET``."""
     if not isinstance(task, Task):
-        from .user_tasks import DEFAULT_BUDGET
         return DEFAULT_BUDGET
     rng = eval_rng(task.name, 10**6)  # a stream no evaluation seed uses
     longest = 0
@@ -161,7 +161,11 @@ class Variant:
     config: str              # configuration label
     criterion: str | None
     keep: float | None
-    plan: Plan
+    serving: Serving
+
+    @property
+    def plan(self) -> Plan:
+        return self.serving.plan
 
 
 def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log) -> list[tuple[str | None, float | None, Plan | None]]:
@@ -312,12 +316,11 @@ class Sweep:
 
     def generation_cell(self, variant: Variant, mode: str, seed: int) -> dict:
         """Every task's n prompts for one seed in one batched generate call."""
-        examples = [ex for task in self.tasks for ex in eval_examples(task, self.settings.n, seed,
-                                                                      tokenizer=self.tokenizer)]
+        examples = [ex for task in self.tasks for ex in task_examples(task, self.settings.n, seed, self.tokenizer)]
         params = [self._sampling_params(mode, seed, ex.task, i) for i, ex in enumerate(examples)]
         prompts = [ex.prompt for ex in examples]
         t0 = time.time()
-        if variant.plan.meta.get("decode_model"):
+        if variant.serving.decode_model:
             outputs, extra = self._generate_disaggregated(variant, prompts, params), {}
         else:
             outputs, extra = self._generate(variant, prompts, params)
@@ -327,7 +330,7 @@ class Sweep:
                 "tokens": sum(g.length for g in gens), "prompts": len(examples), **extra}
 
     def _generate(self, variant: Variant, prompts: list[str], params) -> tuple[list, dict]:
-        guarded = bool(variant.plan.meta.get("guard"))   # the guarded:CONFIG configurations
+        guarded = variant.serving.guard   # the guarded:CONFIG configurations
         self.llm.guard = None
         if guarded:
             self.llm.enable_guard()
@@ -346,14 +349,14 @@ class Sweep:
         the disaggregated engine: the decoder continues the KV cache the original model wrote."""
         from ..engine.disagg import DisaggregatedLLM
 
-        with DisaggregatedLLM(self.settings.model, decode_model=variant.plan.meta["decode_model"],
+        with DisaggregatedLLM(self.settings.model, decode_model=variant.serving.decode_model,
                               tokenizer=self.tokenizer,                 # the decoder brings its own plan
                               max_num_seqs=self.settings.max_num_seqs) as llm:
             return llm.generate(prompts, params)
 
     def heldout_cell(self, variant: Variant) -> dict:
         t0 = time.time()
-        path = variant.plan.meta.get("decode_model")
+        path = variant.serving.decode_model
         decode_model = None
         if path:
             from ..models import load_model

@@ -26,7 +26,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tasks.base import Example
+from ..data.tasks import TASKS, Task, eval_examples, get_task
+from ..data.tasks.base import Example
 
 MATCH_RULES = ("exact", "number", "regex", "contains")
 DEFAULT_BUDGET = 256      # max new tokens for a user task unless --max-tokens says otherwise
@@ -90,6 +91,40 @@ class UserTask:
             raise ValueError(f"{self.path} has chat 'messages' lines; rendering them needs the model's tokenizer")
         return [replace(ex, prompt=chat_prompt(tokenizer, list(ex.messages))) if ex.messages is not None else ex
                 for ex in chosen]
+
+
+def select_tasks(spec: str | list[str]) -> list:
+    """'all', a comma-separated string, or a list of entries -> tasks, validated. An entry is a
+    built-in task's name (``data.tasks``), 'all' (every built-in task) or a JSONL file of the
+    user's own tasks (one ``UserTask`` per ``task`` name in it)."""
+    entries = [e.strip() for e in (spec.split(",") if isinstance(spec, str) else spec) if e.strip()]
+    if not entries:
+        raise ValueError("no tasks given; name built-in tasks, 'all', or a JSONL task file")
+    tasks: list = []
+    for entry in entries:
+        if entry == "all":
+            tasks += TASKS.values()
+        elif entry in TASKS:
+            tasks.append(TASKS[entry])
+        elif is_task_file(entry):
+            tasks += load_user_tasks(entry)
+        else:
+            get_task(entry)   # raises, listing the valid names
+    seen: set[str] = set()
+    for task in tasks:
+        if task.name in seen:
+            raise ValueError(f"task {task.name!r} is selected twice (a user file's 'task' names must differ from "
+                             "each other's and from the built-in tasks')")
+        seen.add(task.name)
+    return tasks
+
+
+def task_examples(task, n: int, seed: int = 0, tokenizer=None) -> list[Example]:
+    """A built-in task's n held-out examples for ``seed``, or a user task's first n lines whatever
+    the seed (chat lines rendered for ``tokenizer``)."""
+    if isinstance(task, Task):
+        return eval_examples(task, n, seed)
+    return task.examples(n, tokenizer)
 
 
 def is_task_file(spec: str) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..tasks import ANSWER_MARKER, TASKS, eval_examples
+from ...data.tasks import ANSWER_MARKER, TASKS, eval_examples
 
 HERE = Path(__file__).resolve().parent
 N = 40          # prompts per task: enough for a quick check through a server, small enough for a test

@@ -26,32 +26,12 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
-def resolve_tasks(spec: str | list[str]) -> list:
-    """'all', a comma-separated string, or a list of entries -> tasks, validated. An entry is a
-    built-in task's name, 'all' (every built-in task) or a JSONL file of the user's own tasks
-    (``eval/user_tasks.py``; one task per ``task`` name in it)."""
-    from ..user_tasks import is_task_file, load_user_tasks
-
-    entries = [e.strip() for e in (spec.split(",") if isinstance(spec, str) else spec) if e.strip()]
-    if not entries:
-        raise ValueError("no tasks given; name built-in tasks, 'all', or a JSONL task file")
-    tasks = []
-    for entry in entries:
-        if entry == "all":
-            tasks += TASKS.values()
-        elif entry in TASKS:
-            tasks.append(TASKS[entry])
-        elif is_task_file(entry):
-            tasks += load_user_tasks(entry)
-        else:
-            get_task(entry)   # raises, listing the valid names
-    seen: set[str] = set()
-    for task in tasks:
-        if task.name in seen:
-            raise ValueError(f"task {task.name!r} is selected twice (a user file's 'task' names must differ from "
-                             "each other's and from the built-in tasks')")
-        seen.add(task.name)
-    return tasks
+def resolve_tasks(spec: str | list[str]) -> list[Task]:
+    """'all', a comma-separated string, or a list of names -> tasks, validated."""
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    if names == ["all"]:
+        return list(TASKS.values())
+    return [get_task(n.strip()) for n in names]
 
 
 def training_rng(seed: int) -> random.Random:
@@ -62,12 +42,8 @@ def eval_rng(task: str, seed: int) -> random.Random:
     return random.Random(f"eval:{task}:{seed}")
 
 
-def eval_examples(task, n: int, seed: int = 0, difficulties: tuple[int, ...] | None = None,
-                  tokenizer=None) -> list[Example]:
-    """n held-out examples, cycling over the task's trained difficulties. A user task gives its
-    first n lines whatever the seed (chat lines rendered for ``tokenizer``)."""
-    if not isinstance(task, Task):
-        return task.examples(n, tokenizer)
+def eval_examples(task: Task, n: int, seed: int = 0, difficulties: tuple[int, ...] | None = None) -> list[Example]:
+    """n held-out examples, cycling over the task's trained difficulties."""
     rng = eval_rng(task.name, seed)
     levels = difficulties or task.difficulties
     return [task.generate(rng, levels[i % len(levels)]) for i in range(n)]
