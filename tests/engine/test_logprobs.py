@@ -147,7 +147,7 @@ def test_chat_logprobs(server, reference):
     ("/v1/completions", {"prompt": "a", "logprobs": True}, "logprobs must be an integer"),
     ("/v1/completions", {"prompt": "a", "logprobs": 21}, "from 0 to 20"),
     ("/v1/completions", {"prompt": "a", "echo": "yes"}, "echo must be true or false"),
-    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens=0 must be an integer >= 1"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "0 is allowed with echo: true"),
     ("/v1/completions", {"prompt": [[1, 2], "x", 3]}, "prompt must be"),
     ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, "stream returns one prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": 3}, "true or false"),

@@ -176,8 +176,11 @@ def _logprob_request(body: dict, chat: bool) -> LogprobRequest:
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise BadRequest(f"echo must be true or false, got {echo!r}")
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    limit = body.get("max_completion_tokens")
+    limit = body.get("max_tokens") if limit is None else limit
     no_tokens = type(limit) is int and limit == 0
+    if no_tokens and not echo:
+        raise BadRequest("max_tokens must be at least 1 (0 is allowed with echo: true, which scores the prompt)")
     return LogprobRequest(top=top_n("logprobs", body.get("logprobs")), echo=bool(echo),
                           generate=not (echo and no_tokens))
 
