@@ -13,6 +13,9 @@ def register(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
     p.add_argument("--expert-plan", action="append", default=[], metavar="NAME=PATH",
                    help="a plan clients may select per request with the \"expert_plan\" field (repeatable)")
+    p.add_argument("--no-guard", action="store_true",
+                   help="serve reduced pools as planned even when they collapse (measuring a plan, e.g. with "
+                        "lm-eval); by default the collapse guard sends requests back to the full pool")
     p.set_defaults(func=run)
 
 
@@ -42,5 +45,6 @@ def run(args) -> int:
                          "sees requests arrive one by one: use --k-schedule lanes")
     llm = build_engine(args)
     plans = parse_named_plans(args.expert_plan, llm.model)
-    serve(llm, host=args.host, port=args.port, model_name=args.served_model_name or str(args.model), plans=plans)
+    serve(llm, host=args.host, port=args.port, model_name=args.served_model_name or str(args.model), plans=plans,
+          guard=not args.no_guard)
     return 0

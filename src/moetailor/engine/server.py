@@ -521,7 +521,7 @@ def guard_metrics(snap: dict) -> list[str]:
 
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, model_name: str = "moetailor",
-          plans: dict | None = None) -> None:
+          plans: dict | None = None, guard: bool = True) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(llm, model_name, plans), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(llm, model_name, plans, guard=guard), host=host, port=port, log_level="info")

@@ -3,7 +3,8 @@
 * ``addition.jsonl``: generation; each line is also a ``moetailor eval --tasks`` line (prompt,
   answer, match rule), so the same file scores through the engine and through lm-eval;
 * ``reverse_mc.jsonl``: multiple choice; the context is the prompt and the answer marker, the
-  choices the right reversal and three near misses (the letters unreversed, two letters swapped).
+  choices the right answer (reversed, or copied for ``copy`` prompts) and three near misses (that
+  answer reversed, or two neighbouring letters swapped).
 
 Run ``python -m moetailor.eval.lm_eval_tasks.build`` to regenerate (the output is deterministic).
 """
