@@ -49,8 +49,13 @@ def build_engine(args):
     from ..engine import LLM
     from ..plans.plan import Plan
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from ..models.loading import resolve_model_path
+    from .common import set_threads
+
+    set_threads(args.threads)
+    resolve_model_path(args.model)
+    if args.decode_model:
+        resolve_model_path(args.decode_model)   # a clear error here, not a worker that dies while loading
     dtype = getattr(torch, DTYPES[args.dtype])
     kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, dtype=dtype, device=args.device,
