@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -81,6 +82,21 @@ def check_output(out: str | Path, *, overwrite: bool = False, inputs=(), directo
     return out
 
 
+def normal_permissions(folder: str | Path) -> None:
+    """Give every file under ``folder`` the permissions a new file gets (0o666 less the umask):
+    safetensors (so ``save_pretrained``) creates its files 0600."""
+    folder = Path(folder)
+    probe = folder / f".probe-{os.getpid()}-{secrets.token_hex(4)}"
+    os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    try:
+        mode = stat.S_IMODE(os.stat(probe).st_mode)
+    finally:
+        probe.unlink()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; when the block succeeds it replaces ``path`` in one
@@ -90,7 +106,10 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        mode = stat.S_IMODE(os.stat(tmp).st_mode)       # 0o666 less the umask: what a new file gets
         yield tmp
+        os.chmod(tmp, mode)                             # some writers (safetensors) create files 0600
         os.replace(tmp, path)
     finally:
         try:

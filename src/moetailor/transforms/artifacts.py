@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ..outputs import check_output
+from ..outputs import check_output, normal_permissions
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "vocab.txt",
                    "merges.txt", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
@@ -36,6 +36,7 @@ def checkpoint_directory(out: str | Path, overwrite: bool = False, inputs=()) ->
     tmp.mkdir()
     try:
         yield tmp
+        normal_permissions(tmp)
         # no signal between the two renames: out is always either the old or the new checkpoint
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:

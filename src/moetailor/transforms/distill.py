@@ -382,12 +382,19 @@ def read_state(path: Path) -> dict:
     """A resumable checkpoint, read with ``torch.load(weights_only=True)``: tensors and plain
     containers only, so a planted file cannot run code; anything else is a one-line error."""
     import pickle
+    import re
 
     try:
         state = torch.load(path, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"--resume: {path} is not a readable distillation checkpoint ({first[:160]}); it may be "
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        what = f"it refers to {found.group(1)}" if found else "it holds more than tensors and plain data"
+        raise ValueError(f"--resume: {path} is not a readable distillation checkpoint ({what}; refused unread, since "
+                         "loading it could run code): start over with --overwrite") from None
+    except (RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as e:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+        first = text.splitlines()[0].split(". ")[0] if text else type(e).__name__
+        raise ValueError(f"--resume: {path} is not a readable distillation checkpoint ({first[:120]}); it may be "
                          "truncated or not written by `moetailor distill`: start over with --overwrite") from None
     missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
@@ -579,6 +586,8 @@ def distill_checkpoint(model_name: str | Path, plan: str | Path | Plan, data: st
     state_dir = out.parent / f"{out.name}.partial"
     if resume and not (state_dir / STATE_FILE).is_file():
         raise FileNotFoundError(f"--resume: no interrupted run at {state_dir}; start without --resume")
+    if resume:
+        read_state(state_dir / STATE_FILE)   # unreadable: say so before loading the model
     if not resume and (state_dir / STATE_FILE).is_file():
         if not overwrite:
             raise FileExistsError(f"an interrupted run exists at {state_dir}; pass --resume to continue it or "
