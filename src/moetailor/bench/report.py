@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..cli.common import markdown_table, print_table
 from ..outputs import save_figure, write_json, write_text
+from ..tables import markdown_table, print_table
 
 
 @dataclass

@@ -70,7 +70,7 @@ def data_file(spec: str | DataSpec) -> Path | None:
 
 
 def _task_documents(seed: int) -> Iterator[str]:
-    from ..eval.tasks import TASKS, training_rng
+    from ..data.tasks import TASKS, training_rng
 
     rng = training_rng(TASK_SEED_OFFSET + seed)
     tasks = list(TASKS.values())

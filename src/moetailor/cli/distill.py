@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 import sys
 
-from .common import print_table
+from ..tables import print_table
 
 
 def register(sub) -> None:
@@ -38,7 +38,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..transforms.distill import DistillConfig, distill_checkpoint
-    from .common import set_threads
+    from .generate import set_threads
 
     set_threads(args.threads)
     cfg = DistillConfig(steps=args.steps, alpha=args.alpha, lr=args.lr, batch_size=args.batch_size,

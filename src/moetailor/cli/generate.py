@@ -11,6 +11,16 @@ import argparse
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def set_threads(threads: int | None) -> None:
+    """``--threads N``: torch intra-op threads (None: torch's default)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be at least 1 (got {threads}); omit it to use every core")
+    import torch
+    torch.set_num_threads(threads)
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by `generate` and `serve`."""
     p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
@@ -50,7 +60,6 @@ def build_engine(args):
     from ..plans.plan import Plan
 
     from ..models.loading import resolve_model_path
-    from .common import set_threads
 
     set_threads(args.threads)
     resolve_model_path(args.model)
@@ -69,7 +78,7 @@ def build_engine(args):
     plan = None
     if args.decode_plan:
         plan = Plan.load(args.decode_plan)
-        plan = plan.with_phases(prefill=None, decode=plan.decode)
+        plan = plan.phase_aware()
     elif args.plan:
         plan = Plan.load(args.plan)
     llm = LLM(args.model, plan, **kwargs)
@@ -97,7 +106,7 @@ def run(args) -> int:
     import time
 
     from ..engine import SamplingParams
-    from .common import print_table
+    from ..tables import print_table
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,

@@ -1,12 +1,12 @@
 """`moetailor search-k MODEL --budget N --out PLAN`: a per-layer active-expert allocation that keeps
-next-token KL to the full model low under a total budget (coordinate descent; see plans/search_k.py)."""
+next-token KL to the full model low under a total budget (coordinate descent; see eval/search_k.py)."""
 from __future__ import annotations
 
 import json
 import shlex
 import sys
 
-from .common import print_table
+from ..tables import print_table
 
 
 def register(sub) -> None:
@@ -38,8 +38,8 @@ def run(args) -> int:
     from ..models import load_model, load_tokenizer
     from ..calibration.data import data_file
     from ..models.loading import resolve_model_path
+    from ..eval.search_k import search_plan
     from ..outputs import check_output
-    from ..plans.search_k import search_plan
     from ..plans.techniques import Shape
 
     if args.tokens < 1 or args.window < 4:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ..cli.common import markdown_table
 from ..outputs import save_figure, write_json, write_text
+from ..tables import markdown_table
 
 
 def parse_budgets(spec: str, max_budget: int) -> list[int]:

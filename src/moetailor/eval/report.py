@@ -11,8 +11,8 @@ import re
 import shutil
 from pathlib import Path
 
-from ..cli.common import markdown_table
 from ..outputs import save_figure, write_text
+from ..tables import markdown_table
 from .configurations import PHASE_CONFIGURATIONS
 
 PLOTS = ("accuracy_vs_keep.png", "length_by_configuration.png", "length_distribution.png")

@@ -1,17 +1,7 @@
-"""Helpers shared by CLI verbs: result tables (rich when a terminal, plain otherwise)."""
+"""Result tables shared by every layer that prints or writes results: rich on a terminal, markdown in files."""
 from __future__ import annotations
 
 import sys
-
-
-def set_threads(threads: int | None) -> None:
-    """``--threads N``: torch intra-op threads (None: torch's default)."""
-    if threads is None:
-        return
-    if threads < 1:
-        raise ValueError(f"--threads must be at least 1 (got {threads}); omit it to use every core")
-    import torch
-    torch.set_num_threads(threads)
 
 
 def print_table(title: str, columns: list[str], rows: list[tuple], file=None) -> None:
