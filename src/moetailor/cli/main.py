@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split()) or type(e).__name__   # one line, whatever the message holds
         print(f"moetailor {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"moetailor {args.command}: interrupted; partial outputs removed", file=sys.stderr)
+        return 130
     except SystemExit as e:
         if e.code == 128 + signal.SIGTERM:
             print(f"moetailor {args.command}: terminated (SIGTERM); partial outputs removed", file=sys.stderr)

@@ -34,6 +34,7 @@ def checkpoint_directory(out: str | Path, overwrite: bool = False, inputs=()) ->
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    old = None
     try:
         yield tmp
         normal_permissions(tmp)
@@ -43,14 +44,13 @@ def checkpoint_directory(out: str | Path, overwrite: bool = False, inputs=()) ->
             if out.exists():
                 old = out.parent / f".{out.name}.old-{os.getpid()}"
                 os.replace(out, old)
-                os.replace(tmp, out)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, out)
+            os.replace(tmp, out)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def copy_tokenizer(source: str | Path | None, dest: Path) -> None:
