@@ -57,9 +57,8 @@ def build_engine(args):
     import torch
 
     from ..engine import LLM
-    from ..plans.plan import Plan
-
     from ..models.loading import resolve_model_path
+    from ..plans.plan import Plan
 
     set_threads(args.threads)
     resolve_model_path(args.model)

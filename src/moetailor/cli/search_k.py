@@ -35,8 +35,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..models import load_model, load_tokenizer
     from ..calibration.data import data_file
+    from ..models import load_model, load_tokenizer
     from ..models.loading import resolve_model_path
     from ..eval.search_k import search_plan
     from ..outputs import check_output

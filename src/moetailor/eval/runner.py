@@ -148,7 +148,7 @@ def _versions() -> dict:
 
 
 CELL_IDENTITY_VERSION = 1
-VOLATILE_PLAN_META = ("created", "command")   # provenance only: two such plans run identically
+VOLATILE_PLAN_META = ("created", "command", "stats")   # provenance only (when, how, from which path)
 
 
 def _digest(data) -> str:
@@ -160,6 +160,7 @@ def plan_hash(plan: Plan) -> str:
     content of the fold statistics it reads."""
     data = plan.to_json()
     data["meta"] = {k: v for k, v in data["meta"].items() if k not in VOLATILE_PLAN_META}
+    data["model"] = {k: v for k, v in data["model"].items() if k != "source"}   # where it was loaded from
     if plan.fold_stats and Path(plan.fold_stats).is_file():
         data["fold_stats"] = hashlib.sha256(Path(plan.fold_stats).read_bytes()).hexdigest()
     return _digest(data)
