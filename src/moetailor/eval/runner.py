@@ -36,7 +36,7 @@ from pathlib import Path
 from ..models.loading import model_fingerprint, weights_hash
 from ..outputs import write_json
 from ..plans import Plan
-from .configurations import ConfigSpec
+from .configurations import ConfigSpec, Serving
 from .metrics import Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output
 from ..data.tasks import TASKS, Task, eval_examples, eval_rng, resolve_tasks
 
@@ -179,7 +179,8 @@ class CellMismatch(ValueError):
 
 # identity fields in the order a mismatch names them, with the words used for each
 IDENTITY_FIELDS = {"version": "cell format", "model": "model (weights hash)", "tokenizer": "tokenizer (hash)",
-                   "plan": "plan (content hash)", "configuration": "configuration", "sampling": "sampling",
+                   "plan": "plan (content hash)", "configuration": "configuration",
+                   "serving": "serving (guard, decode model)", "sampling": "sampling",
                    "seed": "seed", "tasks": "tasks", "n": "n", "max_tokens": "max tokens",
                    "heldout": "held-out settings", "data": "prompts/data (hash)"}
 
@@ -203,7 +204,11 @@ class Variant:
     config: str              # configuration label
     criterion: str | None
     keep: float | None
-    plan: Plan
+    serving: Serving
+
+    @property
+    def plan(self) -> Plan:
+        return self.serving.plan
 
 
 def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log,
@@ -354,7 +359,8 @@ class Sweep:
     # -- cells -----------------------------------------------------------------------------------
     def cell_identity(self, variant: Variant, mode: str, seed: int | None) -> dict:
         """Everything that decides one cell's result (see the module docstring)."""
-        ident = {**self.identity, "plan": plan_hash(variant.plan), "configuration": variant.config}
+        ident = {**self.identity, "plan": plan_hash(variant.plan), "configuration": variant.config,
+                 "serving": {"guard": variant.serving.guard, "decode_model": variant.serving.decode_model}}
         if mode == "heldout":
             return {**ident, "heldout": [self.settings.kl_docs, self.settings.kl_window],
                     "data": _digest(self.windows)}
@@ -395,7 +401,7 @@ class Sweep:
         params = [self._sampling_params(mode, seed, ex.task, i) for i, ex in enumerate(examples)]
         prompts = [ex.prompt for ex in examples]
         t0 = time.time()
-        if variant.plan.meta.get("decode_model"):
+        if variant.serving.decode_model:
             outputs, extra = self._generate_disaggregated(variant, prompts, params), {}
         else:
             outputs, extra = self._generate(variant, prompts, params)
@@ -405,7 +411,7 @@ class Sweep:
                 "tokens": sum(g.length for g in gens), "prompts": len(examples), **extra}
 
     def _generate(self, variant: Variant, prompts: list[str], params) -> tuple[list, dict]:
-        guarded = bool(variant.plan.meta.get("guard"))   # the guarded:CONFIG configurations
+        guarded = variant.serving.guard   # the guarded:CONFIG configurations
         self.llm.guard = None
         if guarded:
             self.llm.enable_guard()
@@ -424,14 +430,14 @@ class Sweep:
         the disaggregated engine: the decoder continues the KV cache the original model wrote."""
         from ..engine.disagg import DisaggregatedLLM
 
-        with DisaggregatedLLM(self.settings.model, decode_model=variant.plan.meta["decode_model"],
+        with DisaggregatedLLM(self.settings.model, decode_model=variant.serving.decode_model,
                               tokenizer=self.tokenizer,                 # the decoder brings its own plan
                               max_num_seqs=self.settings.max_num_seqs) as llm:
             return llm.generate(prompts, params)
 
     def heldout_cell(self, variant: Variant) -> dict:
         t0 = time.time()
-        path = variant.plan.meta.get("decode_model")
+        path = variant.serving.decode_model
         decode_model = None
         if path:
             from ..models import load_model
