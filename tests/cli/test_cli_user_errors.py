@@ -71,7 +71,7 @@ CASES = {
         "model fingerprint object"),
     "plan decode of the wrong type": (
         lambda t, m: ["generate", "reference", "--prompt", "hi", "--plan", _plan(t, decode=[1, 2])],
-        "phase policy must be an object"),
+        "decode (a phase policy) must be an object"),
     "plan layer policy of the wrong type": (
         lambda t, m: ["generate", "reference", "--prompt", "hi", "--plan", _plan(t, decode={"0": 5})],
         "layer policy must be an object"),

@@ -129,12 +129,13 @@ class Plan:
         check_fingerprint(data["model"], where)
         if not isinstance(data.get("meta", {}), dict) or not isinstance(data.get("fold_stats"), (str, type(None))):
             raise ValueError(f"{where}: \"meta\" must be an object and \"fold_stats\" a path or null; {REGENERATE}")
-        try:
-            plan = cls(model=data["model"], prefill=PhasePolicy.from_json(data["prefill"]),
-                       decode=PhasePolicy.from_json(data["decode"]), meta=data.get("meta", {}),
-                       fold_stats=data.get("fold_stats"))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where} is malformed: {e}") from None
+        phases = {}
+        for name in PHASES:
+            try:
+                phases[name] = PhasePolicy.from_json(data[name])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{where} is malformed: {name} {e}") from None
+        plan = cls(model=data["model"], meta=data.get("meta", {}), fold_stats=data.get("fold_stats"), **phases)
         plan.validate(where)
         return plan
 

@@ -133,13 +133,16 @@ class PhasePolicy:
     @classmethod
     def from_json(cls, data: dict) -> "PhasePolicy":
         if not isinstance(data, dict):
-            raise ValueError(f"a phase policy must be an object mapping MoE layer index to a layer policy, like "
+            raise ValueError(f"(a phase policy) must be an object mapping MoE layer index to a layer policy, like "
                              f"{{\"3\": {{\"keep\": [0, 1]}}}}, got {type(data).__name__}")
         layers = {}
         for i, p in data.items():
             if not str(i).lstrip("-").isdigit():
                 raise ValueError(f"phase policy key {i!r} is not a layer index")
-            layers[int(i)] = LayerPolicy.from_json(p)
+            try:
+                layers[int(i)] = LayerPolicy.from_json(p)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"layer {i}: {e}") from None
         return cls(layers)
 
     @classmethod
