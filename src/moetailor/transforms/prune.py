@@ -18,7 +18,7 @@ from ..models.adapters import moe_layers
 from ..models.architectures import arch_spec
 from ..models.loading import model_fingerprint, resolve_model_path
 from ..plans.plan import Plan
-from .artifacts import checkpoint_directory, copy_tokenizer, refuse_existing
+from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
 
 SIDECAR = "moetailor_pruning.json"
 
@@ -89,18 +89,17 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
                      phase: str = "decode", command: str | None = None) -> Path:
     """Write a stock checkpoint with only the plan's kept experts (``model``: a path, "reference" or a
     loaded model). Written to a temporary directory and renamed: never half a checkpoint."""
-    from transformers import AutoModelForCausalLM
-
     from ..models.loading import load_model
 
-    out = Path(out)
-    refuse_existing(out, overwrite)
     source = None
     if isinstance(model, (str, Path)):
         source = resolve_model_path(model)
-        model = load_model(source, dtype=_dtype_of(source))  # keep the stored dtype: sizes shrink as expected
     elif getattr(model, "moetailor_source", None):
         source = Path(model.moetailor_source)
+    inputs = (source, None if isinstance(plan, Plan) else plan)
+    out = refuse_existing(out, overwrite, inputs)   # before any work; never over the source checkpoint
+    if isinstance(model, (str, Path)):
+        model = load_model(source, dtype=_dtype_of(source))  # keep the stored dtype: sizes shrink as expected
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
     if getattr(model, "_moetailor_controller", None) is not None:
@@ -112,16 +111,9 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
 
     config = type(model.config).from_dict(model.config.to_dict())
     setattr(config, spec.experts_key, count)
-    pruned = AutoModelForCausalLM.from_config(config, dtype=next(model.parameters()).dtype)
-    missing, unexpected = pruned.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in getattr(pruned, "_tied_weights_keys", {}) and "rotary" not in k]
-    if missing or unexpected:
-        raise RuntimeError(f"pruned state does not fit the pruned config: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    if getattr(config, "tie_word_embeddings", False):
-        pruned.tie_weights()
-    pruned.eval()
+    pruned = model_from_state(config, state, next(model.parameters()).dtype, "pruned")
 
-    with checkpoint_directory(out, overwrite) as tmp:
+    with checkpoint_directory(out, overwrite, inputs) as tmp:
         pruned.save_pretrained(tmp)
         copy_tokenizer(source, tmp)
         sidecar = {"format": "moetailor-pruning", "version": 1, "phase": phase,
