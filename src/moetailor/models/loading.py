@@ -38,10 +38,19 @@ def load_model(name: str | Path, dtype: torch.dtype = torch.float32, device: str
     return model
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(name: str | Path):
+    """The checkpoint's tokenizer; FileNotFoundError when its folder has no tokenizer files (transformers
+    would otherwise build an empty tokenizer from config.json that turns every text into no tokens)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(name), local_files_only=True)
+    path = resolve_model_path(name)
+    if not any((path / f).exists() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"the model folder {path.name!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                                "copy the tokenizer of the model it came from into it")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def model_fingerprint(model) -> dict:
