@@ -25,7 +25,7 @@ from .model_runner import ModelRunner
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
-from .validation import check_request, encode_prompt
+from .validation import RequestLimits, check_request, encode_prompt
 
 log = logging.getLogger("moetailor.engine")
 
@@ -174,18 +174,9 @@ class LLM:
         ``plan`` overrides the engine's plan for this request (``plan_key`` names it; requests
         with different keys run in different steps); so does an offline k ``tier``."""
         sampling = sampling or SamplingParams()
-        if getattr(self, "_budget_range", None) is None:
-            self._budget_range = model_max_k(self.model)   # (max k, sub-expert parts): read once
         text, ids = self.encode(prompt)
-        check_request(ids, sampling, self.vocab_size, self.config.max_model_len, self._budget_range)
-        if len(ids) > self.config.max_num_batched_tokens:
-            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens="
-                             f"{self.config.max_num_batched_tokens}; raise max_num_batched_tokens")
+        check_request(ids, sampling, self.request_limits())
         bs = self.config.block_size
-        need = (len(ids) + sampling.max_tokens + bs - 1) // bs
-        if need > self.block_manager.num_blocks:
-            raise ValueError(f"the request needs {need} KV blocks of {bs} tokens but the pool holds "
-                             f"{self.block_manager.num_blocks}; lower max_tokens or give more num_kv_blocks")
         with self.lock:
             if plan is not None:
                 plan = resolve_plan(plan, self.model)
@@ -200,6 +191,13 @@ class LLM:
                 self.guard.admit(seq)   # may run it on the full pool and queue a full-pool shadow of it
             self.scheduler.add(seq)
         return seq
+
+    def request_limits(self) -> RequestLimits:
+        if getattr(self, "_limits", None) is None:   # model_max_k reads a sidecar: once
+            self._limits = RequestLimits(self.vocab_size, self.config.max_model_len,
+                                         self.config.max_num_batched_tokens, self.block_manager.num_blocks,
+                                         self.config.block_size, model_max_k(self.model))
+        return self._limits
 
     def adopt(self, token_ids: list[int], num_prompt_tokens: int, sampling: SamplingParams, kv: list,
               request_id: str, generator_state: torch.Tensor | None = None, prompt: str | None = None) -> Sequence:
