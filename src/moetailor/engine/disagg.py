@@ -156,6 +156,8 @@ def _serve(kind: str, llm, inbox, conn, on_message, on_step) -> None:
                 continue
             try:
                 on_message(msg)
+            except ValueError as e:       # a request this worker cannot run (e.g. its pool is too small)
+                conn.send(("delta", msg[1], [], "", "error", str(e), kind))
             except Exception as e:
                 conn.send(_error(msg[1], kind, e))
         for seq in llm.step():            # a request that fails in the step comes back finished with an error
@@ -272,6 +274,8 @@ class DisaggregatedLLM:
         try:
             self._wait_ready({"prefill", "decode"}, startup_timeout)
         except BaseException:
+            for worker in self.workers.values():   # nothing to finish: no waiting for a worker still loading
+                worker.process.kill()
             self.close()
             raise
         self.limits = self.ready["prefill"]["limits"].tighter(self.ready["decode"]["limits"])
