@@ -1,6 +1,6 @@
 """Hostile-client probe of `moetailor serve` on the bundled reference model, one run.
 
-    flock /tmp/moetailor-heavy.lock .venv/bin/python bench/reliability_probe.py
+    flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/reliability_probe.py
 
 Starts `moetailor serve reference --decode-plan P` (P: a uniform plan keeping half the experts in
 decode, so the collapse guard shadows requests on the full pool) as a subprocess on 127.0.0.1 and
