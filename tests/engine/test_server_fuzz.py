@@ -16,8 +16,7 @@ from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
 
-from engine_helpers import char_tokenizer
-from test_server_reliability import idle, one_thread, start_server  # noqa: F401  (fixture)
+from engine_helpers import char_tokenizer, idle, start_server
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "seed", "stop", "stream", "ignore_eos", "expert_top_k", "expert_plan", "n", "best_of", "presence_penalty",
@@ -87,7 +86,7 @@ def malformed(rng: random.Random) -> tuple[bytes, str]:
 
 
 @pytest.fixture(scope="module")
-def server(one_thread):  # noqa: F811
+def server(one_thread):
     model = tiny_model("qwen2_moe", vocab=128, seed=4)
     llm = LLM(model, tokenizer=char_tokenizer(), block_size=4, num_kv_blocks=128, max_model_len=128)
     plans = {"half": uniform_plan(model, decode=LayerPolicy(keep=(0, 1, 2, 3)))}

@@ -11,7 +11,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from moetailor.engine import LLM, SamplingParams
 from moetailor.engine.guard import GuardConfig, shadow_id
@@ -20,42 +19,9 @@ from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
 
-from engine_helpers import char_tokenizer
+from engine_helpers import char_tokenizer, idle, start_server
 
 MAX_LEN = 8192       # long enough that a dropped request could not finish on its own during a test
-
-
-def start_server(app):
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            httpx.get(base + "/health")
-            break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-
-    def stop():
-        srv.should_exit = True
-        thread.join(timeout=5)
-        app.state.engine.close()
-    return base, port, stop
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """The tiny model steps in ~5 ms on one thread; two threads on a loaded 2-core machine are 20x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +43,6 @@ def server(one_thread, model):
 def post(base, body, path="/v1/completions", **kw):
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)   # json.dumps writes NaN / Infinity
     return httpx.post(base + path, content=data, headers={"content-type": "application/json"}, timeout=60, **kw)
-
-
-def idle(llm, seconds=15.0) -> bool:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        if not llm.has_unfinished():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # ---- finite, in-range sampling fields -------------------------------------------------------------

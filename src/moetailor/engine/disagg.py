@@ -421,12 +421,13 @@ class DisaggregatedLLM:
             return seq
 
     def _replace_dead_workers(self) -> list[RemoteSequence]:
-        """A dead worker's requests end with an error; a new worker with fresh channels takes its place."""
+        """A dead worker's requests end with an error; a new worker with fresh channels takes its place.
+        Returns every request updated meanwhile."""
         lost = []
         for kind, worker in list(self.workers.items()):
             if worker.retired or worker.process.is_alive():
                 continue
-            self._drain(timeout=0.01)              # what it sent before dying
+            lost += self._drain(timeout=0.01)      # what it (and the other worker) sent meanwhile
             code = worker.process.exitcode
             was_ready = kind in self.ready
             log.error("the %s worker (pid %s) exited with code %s%s", kind, worker.process.pid, code,
