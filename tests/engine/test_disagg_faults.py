@@ -186,6 +186,13 @@ def test_served_server_survives_worker_deaths_and_leaves_no_orphans(checkpoints)
         seen_down, body = recovered(base, prefill_pid, "prefill")
         pids.add(body["workers"]["prefill"]["pid"])
         assert body["workers"]["prefill"]["restarts"] == 1
+
+        # a worker that dies while the server is idle: /health says so without any request
+        decode_pid = body["workers"]["decode"]["pid"]
+        os.kill(decode_pid, signal.SIGKILL)
+        seen_down, body = recovered(base, decode_pid, "decode")
+        assert seen_down and body["workers"]["decode"]["restarts"] == 2
+        pids.add(body["workers"]["decode"]["pid"])
         live = {w["pid"] for w in body["workers"].values()}
         assert all(alive(p) for p in live) and not any(alive(p) for p in pids - live)
 
