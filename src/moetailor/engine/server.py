@@ -289,7 +289,8 @@ def _prompt_from(body: dict, tokenizer, chat: bool, max_chars: int):
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]   # a batch of one
         if isinstance(prompt, list) and prompt and all(isinstance(t, str) for t in prompt):
-            raise _not_implemented("prompt (a batch of several prompts)", f"{len(prompt)} prompts")
+            raise BadRequest(f"prompt holds {len(prompt)} prompts: several prompts in one request are not "
+                             "implemented by this server; send one request per prompt")
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
             raise BadRequest("prompt must be a string or a non-empty list of token ids (integers)")
