@@ -150,10 +150,12 @@ def test_served_server_survives_worker_deaths_and_leaves_no_orphans(checkpoints)
 
         # decode worker killed mid-stream: every stream ends with a clear error, then the server recovers
         outs, threads = start_streams(base, 3, 3000)
-        metrics = httpx.get(base + "/metrics", headers=AUTH).text
-        usage = float(next(line.split()[-1] for line in metrics.splitlines()
-                           if line.startswith("moetailor_kv_cache_usage")))
-        assert usage > 0, "the decode worker's real cache usage, not a constant"
+
+        def usage():
+            metrics = httpx.get(base + "/metrics", headers=AUTH).text
+            return float(next(line.split()[-1] for line in metrics.splitlines()
+                              if line.startswith("moetailor_kv_cache_usage")))
+        assert wait_for(lambda: usage() > 0, 10), "the decode worker's real cache usage, not a constant"
         decode_pid = body["workers"]["decode"]["pid"]
         os.kill(decode_pid, signal.SIGKILL)
         for t in threads:

@@ -142,12 +142,18 @@ def _next_messages(inbox, block: bool) -> list:
 def _serve(kind: str, llm, inbox, conn, on_message, on_step) -> None:
     """The worker loop: messages in, one engine step, results out, stats now and then. One bad
     request ends with an error delta; the worker keeps serving."""
-    last_stats = 0.0
+    last_stats, idle_reported = 0.0, False
+
+    def report() -> None:
+        nonlocal last_stats
+        conn.send(("stats", kind, llm.stats()))
+        last_stats = time.monotonic()
+
     while True:
         idle = not llm.has_unfinished()
-        if idle or time.monotonic() - last_stats > STATS_EVERY_S:
-            conn.send(("stats", kind, llm.stats()))
-            last_stats = time.monotonic()
+        if idle and not idle_reported:       # once on going idle: the pool is empty now
+            report()
+        idle_reported = idle
         for msg in _next_messages(inbox, block=idle):
             if msg[0] == "stop":
                 return
@@ -160,12 +166,15 @@ def _serve(kind: str, llm, inbox, conn, on_message, on_step) -> None:
                 conn.send(("delta", msg[1], [], "", "error", str(e), kind))
             except Exception as e:
                 conn.send(_error(msg[1], kind, e))
-        for seq in llm.step():            # a request that fails in the step comes back finished with an error
+        stepped = llm.step()              # a request that fails in the step comes back finished with an error
+        for seq in stepped:
             try:
                 on_step(seq)
             except Exception as e:
                 llm.abort(seq.request_id)
                 conn.send(_error(seq.request_id, kind, e))
+        if stepped and (idle or time.monotonic() - last_stats > STATS_EVERY_S):
+            report()                      # the first busy step, then every STATS_EVERY_S
 
 
 def prefill_worker(model, kwargs: dict, inbox, conn, parent_pid: int) -> None:
