@@ -1,6 +1,11 @@
 """Shared helpers for the engine tests (imported by name: tests/engine is on sys.path)."""
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
+import httpx
 import torch
 
 from moetailor.models.tiny import char_tokenizer  # noqa: F401  (the tests import it from here)
@@ -18,31 +23,36 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def serve_in_thread(app):
-    """Run a FastAPI app with uvicorn in a daemon thread; returns (base URL, stop function)."""
-    import socket
-    import threading
-    import time
-
-    import httpx
+def start_server(app):
+    """uvicorn serving ``app`` on a free port of 127.0.0.1 in a thread: (base URL, port, stop)."""
     import uvicorn
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
     for _ in range(200):
         try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
+            httpx.get(base + "/health")
+            break
         except httpx.HTTPError:
             time.sleep(0.05)
 
-    def stop() -> None:
-        server.should_exit = True
+    def stop():
+        srv.should_exit = True
         thread.join(timeout=5)
         app.state.engine.close()
-    return base, stop
+    return base, port, stop
+
+
+def idle(llm, seconds=15.0) -> bool:
+    """Wait until the engine has no unfinished request (False after ``seconds``)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if not llm.has_unfinished():
+            return True
+        time.sleep(0.05)
+    return False

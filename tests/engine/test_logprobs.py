@@ -13,7 +13,7 @@ from moetailor.engine import LLM, SamplingParams
 from moetailor.engine.server import create_app
 from moetailor.models import load_model, load_tokenizer
 
-from engine_helpers import serve_in_thread
+from engine_helpers import start_server
 
 TOL = 1e-4
 PROMPTS = ["add 12 + 34\n", "sort 5 3 9 1\n", "reverse a b c d\n"]
@@ -76,7 +76,7 @@ def test_logprob_settings_are_validated():
 @pytest.fixture(scope="module")
 def server(reference):
     model, tok = reference
-    base, stop = serve_in_thread(create_app(LLM(model, tokenizer=tok, max_num_seqs=8), model_name="reference"))
+    base, _, stop = start_server(create_app(LLM(model, tokenizer=tok, max_num_seqs=8), model_name="reference"))
     yield base
     stop()
 
@@ -102,16 +102,15 @@ def test_echo_with_max_tokens_0_scores_the_prompt(server, reference):
         assert 2 <= len(top) <= 3 and value in top.values()    # the top 2 plus the prompt's own token
 
 
-def test_prompt_lists_echo_and_generated_logprobs(server, reference):
-    """lm-eval's loglikelihood request (token-id lists, echo, max_tokens 1, logprobs 1) and generation."""
+def test_token_id_prompts_echo_and_generated_logprobs(server, reference):
+    """lm-eval's loglikelihood request (a batch of one token-id list, echo, max_tokens 1, logprobs 1)
+    and generation."""
     model, tok = reference
-    prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS[:2]]
-    r = post(server, "/v1/completions", {"prompt": prompts, "echo": True, "max_tokens": 1, "logprobs": 1,
-                                         "temperature": 0})
-    assert r.status_code == 200, r.text
-    choices = r.json()["choices"]
-    assert [c["index"] for c in choices] == [0, 1]
-    for ids, c in zip(prompts, choices):
+    for ids in [tok.encode(p, add_special_tokens=False) for p in PROMPTS[:2]]:
+        r = post(server, "/v1/completions", {"prompt": [ids], "echo": True, "max_tokens": 1, "logprobs": 1,
+                                             "temperature": 0})
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
         lp = c["logprobs"]
         assert len(lp["token_logprobs"]) == len(ids) + 1 and c["text"].startswith(tok.decode(ids))
         full = ids + tok.encode(lp["tokens"][-1], add_special_tokens=False)
@@ -149,7 +148,6 @@ def test_chat_logprobs(server, reference):
     ("/v1/completions", {"prompt": "a", "echo": "yes"}, "echo must be true or false"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "0 is allowed with echo: true"),
     ("/v1/completions", {"prompt": [[1, 2], "x", 3]}, "prompt must be"),
-    ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, "stream returns one prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": 3}, "true or false"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "needs logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": -1},
@@ -179,7 +177,7 @@ def test_disaggregated_server_returns_the_same_logprobs(reference):
 
     model, tok = reference
     llm = DisaggregatedLLM("reference", plan=uniform_plan(model), max_num_seqs=4)
-    base, stop = serve_in_thread(create_app(llm, model_name="reference"))
+    base, _, stop = start_server(create_app(llm, model_name="reference"))
     try:
         body = {"prompt": PROMPTS[2], "echo": True, "max_tokens": 6, "temperature": 0, "logprobs": 2}
         c = post(base, "/v1/completions", body).json()["choices"][0]
