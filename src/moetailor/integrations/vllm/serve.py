@@ -88,10 +88,12 @@ def run(args) -> int:
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("--backend vllm needs vLLM in this environment: run `make setup-vllm` and use "
                          ".venv-vllm/bin/moetailor")
-    for flag in ("expert_plan",):
-        if getattr(args, flag, None):
-            raise ValueError("--expert-plan is served by moetailor's engine only; with --backend vllm pass one "
-                             "--plan/--decode-plan (clients still send expert_top_k)")
+    if getattr(args, "expert_plan", None):
+        raise ValueError("--expert-plan is served by moetailor's engine only; with --backend vllm pass one "
+                         "--plan/--decode-plan (clients still send expert_top_k)")
+    if getattr(args, "api_key", None):
+        raise ValueError("--api-key is not passed on to vLLM by --backend vllm yet; serve without it behind your own "
+                         "gateway, or use moetailor's engine")
     name = args.served_model_name or str(args.model)
     if args.decode_model:
         return run_pair(args, name)
