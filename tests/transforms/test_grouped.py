@@ -151,3 +151,35 @@ def test_pruned_config_keeps_group_settings(model):
     config = pruned_config(model.config, 8)
     assert (config.n_routed_experts, config.n_group, config.topk_group) == (8, 4, 2)
     assert model.config.n_routed_experts == 16  # a copy
+
+
+def test_distilled_grouped_decoder_becomes_a_pruned_checkpoint(tmp_path):
+    """Distillation on a grouped router: the student starts as the masked model; its export prunes to a
+    stock grouped checkpoint that equals the distilled model with the plan's masked router."""
+    from transformers import AutoModelForCausalLM
+
+    from moetailor.transforms.distill import Student, export, load_distilled
+
+    model = tiny_grouped_model(seed=3)
+    plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 1, 4, 5, 8, 9, 12, 13)), criterion="test")
+    student = Student(model, plan)
+    x = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert (student(x, use_cache=False).logits - logits_under(tiny_grouped_model(seed=3), plan.decode, x)
+                ).abs().max() <= 1e-6
+        torch.manual_seed(1)  # a student that has moved: SE2 and router/norm updates
+        for p in student.se2.parameters():
+            p.normal_(0, 0.1)
+        for p in student.params.values():
+            p.add_(0.05 * torch.randn_like(p))
+        want = student(x, use_cache=False).logits
+    distilled = export(student, tmp_path / "distilled", source=None)
+    student.close()
+    path, saved = load_distilled(distilled)
+    loaded = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+    out = prune_checkpoint(loaded, saved, tmp_path / "pruned")
+    pruned = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    assert (pruned.config.n_routed_experts, pruned.config.n_group, pruned.config.topk_group) == (8, 4, 2)
+    with torch.no_grad():
+        got = pruned(input_ids=x, use_cache=False).logits
+    assert (got - want).abs().max() <= 1e-5
