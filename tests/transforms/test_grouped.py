@@ -17,12 +17,14 @@ from moetailor.transforms.prune import checkpoint_kept, pruned_config
 
 
 def logits_under(model, policy, x):
-    ctl = RoutingController(model)
+    existing = getattr(model, "_moetailor_controller", None)
+    ctl = existing or RoutingController(model)
     try:
         with torch.no_grad(), ctl.policy(policy):
             return model(input_ids=x, use_cache=False).logits
     finally:
-        ctl.remove()
+        if existing is None:
+            ctl.remove()
 
 
 def routes_under(model, policy, x):
@@ -183,3 +185,43 @@ def test_distilled_grouped_decoder_becomes_a_pruned_checkpoint(tmp_path):
     with torch.no_grad():
         got = pruned(input_ids=x, use_cache=False).logits
     assert (got - want).abs().max() <= 1e-5
+
+
+def test_split_grouped_router_routes_like_the_original(tmp_path):
+    """Sub-expert splitting on a grouped router: N sub-groups per routing group, the full budget is
+    exact, smaller per-request budgets stay inside the original's chosen groups."""
+    from transformers import AutoModelForCausalLM
+
+    from moetailor.models.groups import split_order
+    from moetailor.transforms.split import (SplitResult, group_agreement, plan_split, profile_neurons, split_model,
+                                            write_split)
+
+    model = tiny_grouped_model(seed=2)
+    batches = [torch.randint(3, 96, (4, 32), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    splits = plan_split(model, profile_neurons(model, batches, progress=False), 2, "anneal", "proxy", steps=200)
+    split = split_model(model, splits, 2, "proxy")
+    c = split.config
+    assert (c.n_routed_experts, c.num_experts_per_tok, c.n_group, c.topk_group) == (32, 8, 8, 4)
+    assert group_agreement(model, split, batches) == {"1": 1.0, "2": 1.0}
+    order = split_order(sem(model), 2)
+    assert order[:8].tolist() == [0, 2, 4, 6, 1, 3, 5, 7]  # sub-group 0: part 0 of experts 0-3; sub-group 1: part 1
+    x = torch.randint(3, 96, (3, 20), generator=torch.Generator().manual_seed(5))
+    full = logits_under(model, None, x)
+    assert (logits_under(split, None, x) - full).abs().max() < 1e-5
+    out = write_split(SplitResult(split, splits, 2, "proxy", "anneal"), model, tmp_path / "split")
+    stock = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    with torch.no_grad():
+        assert (stock(input_ids=x, use_cache=False).logits - full).abs().max() < 1e-5
+    # a per-request budget of 4 sub-experts (half) stays inside the original's 2 chosen groups
+    ctl = RoutingController(split)
+    used = []
+    try:
+        with torch.no_grad(), ctl.policy(None, token_top_k=torch.full((x.numel(),), 4)), \
+                ctl.observing(lambda l, h, z, w, i: used.append(i)):
+            half = split(input_ids=x, use_cache=False).logits
+    finally:
+        ctl.remove()
+    assert (half - full).abs().max() > 1e-3
+    for index in used:                                  # [T, 4] sub-expert ids
+        groups = order[index] // 2 // 4                 # the original group of each sub-expert's parent
+        assert all(len(set(row.tolist())) <= 2 for row in groups)

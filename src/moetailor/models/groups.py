@@ -111,6 +111,30 @@ def unreachable(ids, sem: RouterSemantics) -> list[int]:
     return [int(e) for e in ids if counts[int(e) // size] < 2]
 
 
+def chosen_groups(choice: torch.Tensor, sem: RouterSemantics) -> torch.Tensor:
+    """The stock group rule on selection scores ``choice`` [T, E] (sigmoid + correction bias, -inf for
+    experts a policy excludes): each group scores the sum of its top-2, the ``topk_group`` best win.
+    Returns the chosen groups as a mask [T, G]."""
+    grouped = choice.view(-1, sem.n_group, group_size(sem))                    # [T, G, E/G]
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)                      # [T, G]
+    group_idx = group_scores.topk(sem.topk_group, dim=-1)[1]                   # [T, topk_group]
+    return torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+
+
+def split_order(sem: RouterSemantics, parts: int) -> torch.Tensor:
+    """Where the sub-experts of an N-way split go [E*N]: entry c is the parent-major child index
+    (e * N + p) placed at id c. Ungrouped routers keep parent-major order. A grouped router gets
+    N * n_group sub-groups of E / n_group ids: sub-group g * N + p holds part p of every parent of
+    group g, so each sub-group's top-2 (and score) equals its parent group's, the N * topk_group best
+    sub-groups are exactly the N parts of the topk_group best groups (the node bound holds), and
+    top-(N * k) inside them picks every part of the top-k parents: the split routes like the original."""
+    if not is_grouped(sem):
+        return torch.arange(sem.num_experts * parts)
+    size = group_size(sem)
+    g, p, j = torch.meshgrid(torch.arange(sem.n_group), torch.arange(parts), torch.arange(size), indexing="ij")
+    return ((g * size + j) * parts + p).reshape(-1)
+
+
 def same_group_only(loss: torch.Tensor, sem: RouterSemantics) -> torch.Tensor:
     """Fold losses L[src, dst] [E, E] with every cross-group pair set to inf (never a fold target)."""
     if not is_grouped(sem):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.architectures import RouterSemantics
-from ..models.groups import same_group_only
+from ..models.groups import chosen_groups, same_group_only
 from .policy import LayerPolicy
 
 
@@ -75,10 +75,7 @@ def select(logits: torch.Tensor, sem: RouterSemantics, k: int, allowed: torch.Te
     if allowed is not None:
         choice = choice.masked_fill(~allowed, float("-inf"))
     if sem.n_group > 1:  # a group scores the sum of its top-2 kept experts (-inf if it keeps < 2): models/groups.py
-        grouped = choice.view(-1, sem.n_group, sem.num_experts // sem.n_group)  # [T, G, E/G]
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)               # [T, G]
-        group_idx = group_scores.topk(sem.topk_group, dim=-1)[1]            # [T, topk_group]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+        group_mask = chosen_groups(choice, sem)                             # [T, G]
         choice = choice.masked_fill(~group_mask.repeat_interleave(sem.num_experts // sem.n_group, dim=1), float("-inf"))
     top, index = choice.topk(k, dim=-1)                                     # [T, k]
     weights = scores.gather(1, index)
