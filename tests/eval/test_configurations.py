@@ -1,7 +1,7 @@
 import pytest
 
 from moetailor.eval.configurations import (CONFIGURATIONS, PHASE_CONFIGURATIONS, ConfigSpec, configuration,
-                                           parse_configs, pruning_policy)
+                                           parse_configs)
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import PlanMismatch, uniform_plan
 from moetailor.routing import FULL_PHASE, LayerPolicy
@@ -27,9 +27,9 @@ def test_four_phase_configurations_from_a_decode_plan(model):
 
 def test_a_prefill_only_plan_prunes_with_its_prefill_policy(model):
     plan = uniform_plan(model, prefill=LayerPolicy(keep=(1, 3, 5)))
-    assert pruning_policy(plan) == plan.prefill
+    assert plan.pruning_policy() == plan.prefill
     with pytest.raises(ValueError, match="full router in both phases"):
-        pruning_policy(uniform_plan(model))
+        uniform_plan(model).pruning_policy()
 
 
 def test_baseline_needs_no_plan_and_the_others_do(model):

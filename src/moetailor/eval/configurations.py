@@ -50,16 +50,6 @@ def configuration(name: str, *, uses_plan: bool, help: str, takes_arg: bool = Fa
     return register
 
 
-def pruning_policy(plan: Plan) -> PhasePolicy:
-    """The policy a plan prunes with: its decode policy, or its prefill policy when decode is full."""
-    if not plan.decode.is_identity:
-        return plan.decode
-    if not plan.prefill.is_identity:
-        return plan.prefill
-    raise ValueError("the plan runs the full router in both phases, so pruned/reverse/phase-aware would all equal "
-                     "the baseline; make a pruning plan with `moetailor plan`")
-
-
 def _tagged(plan: Plan, name: str, **extra) -> Plan:
     from dataclasses import replace
     return replace(plan, meta={**plan.meta, "configuration": name, **extra})
@@ -72,18 +62,18 @@ def _baseline(model, plan, arg):
 
 @configuration("pruned", uses_plan=True, help="the plan's pruning in both phases (a pruned checkpoint)")
 def _pruned(model, plan, arg):
-    p = pruning_policy(plan)
+    p = plan.pruning_policy()
     return _tagged(plan.with_phases(prefill=p, decode=p), "pruned")
 
 
 @configuration("reverse", uses_plan=True, help="pruned prefill, full decode")
 def _reverse(model, plan, arg):
-    return _tagged(plan.with_phases(prefill=pruning_policy(plan), decode=None), "reverse")
+    return _tagged(plan.with_phases(prefill=plan.pruning_policy(), decode=None), "reverse")
 
 
 @configuration("phase-aware", uses_plan=True, help="full prefill, pruned decode (SlimWise)")
 def _phase_aware(model, plan, arg):
-    return _tagged(plan.with_phases(prefill=None, decode=pruning_policy(plan)), "phase-aware")
+    return _tagged(plan.phase_aware(), "phase-aware")
 
 
 @configuration("plan", uses_plan=True, help="the plan exactly as written (its own prefill and decode policies)")
@@ -170,6 +160,3 @@ def parse_configs(spec: str | list[str]) -> list[ConfigSpec]:
     if len({s.label for s in out}) != len(out):
         raise ValueError(f"configuration list {items} names one configuration twice")
     return out
-
-
-from . import technique_configs  # noqa: E402,F401  (folding and skipping configurations, issues 7 and 8)

@@ -30,7 +30,7 @@ from ..models.loading import model_fingerprint
 from ..plans import Plan
 from .configurations import ConfigSpec
 from .metrics import Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output
-from .tasks import TASKS, Task, eval_examples, eval_rng, resolve_tasks
+from ..data.tasks import TASKS, Task, eval_examples, eval_rng, resolve_tasks
 
 SAMPLING_MODES = ("greedy", "sample")
 DEFAULT_KEEPS = (0.75, 0.5, 0.25)

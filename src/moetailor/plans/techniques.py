@@ -1,8 +1,8 @@
-"""Plan builders for expert folding (ExFold, issue 7) and expert skipping / per-layer allocation
-(Faster MoE inference, issue 8). Every technique is a setting of the shared ``LayerPolicy``; this
+"""Plan builders for expert folding (ExFold) and expert skipping / per-layer allocation
+(Faster MoE inference). Every technique is a setting of the shared ``LayerPolicy``; this
 module only writes policies and plans, ``routing.router.route`` applies them.
 
-Folding (``../shared/papers/README.md`` §2):
+Folding (ExFold: token-level top-K for prefill, batch-level pool for decode):
   fold-prefill:K   each token keeps K of its top-k routes, the rest fold onto the kept expert with
                    the lowest loss L[src, dst] (weight S[src, dst] * g_src added)   token_keep=K
   fold-decode:D    each step keeps a pool of D experts by batch importance (sum of gate x mean
@@ -12,7 +12,7 @@ Folding (``../shared/papers/README.md`` §2):
   drop-*/plan+drop the same budgets without folding: excluded routes vanish, no renormalisation
                    (the pool of drop-decode is chosen with the same importance as fold-decode)
 
-Skipping (§4):
+Skipping (Faster MoE inference):
   topk:K           every token uses K < k experts (renormalised as the model's router does)
   layer-k:LIST     one K per MoE layer (in MoE-layer order)
   bhep:B/H/E/P     the four-tuple: B experts in the first MoE layer, H at MoE layer P, E in the
@@ -338,8 +338,7 @@ def policy_from_spec(model, spec: str, stats=None, phase: str = "decode") -> Pha
         plan.check_model(model)
         if name == "plan":
             return plan.phase(phase)
-        from ..eval.configurations import pruning_policy
-        return pool_with_fold(pruning_policy(plan), fold=name == "pool-fold")
+        return pool_with_fold(plan.pruning_policy(), fold=name == "pool-fold")
     raise ValueError(f"unknown policy {spec!r}; valid: {SPEC_HELP}")
 
 

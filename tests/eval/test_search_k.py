@@ -7,7 +7,7 @@ import torch
 from moetailor.models import moe_layers
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import Plan
-from moetailor.plans.search_k import search_k, uniform_allocation
+from moetailor.eval.search_k import search_k, uniform_allocation
 from moetailor.plans.techniques import Shape, layer_ks
 
 K = 4
