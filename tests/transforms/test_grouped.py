@@ -225,3 +225,15 @@ def test_split_grouped_router_routes_like_the_original(tmp_path):
     for index in used:                                  # [T, 4] sub-expert ids
         groups = order[index] // 2 // 4                 # the original group of each sub-expert's parent
         assert all(len(set(row.tolist())) <= 2 for row in groups)
+
+
+def test_benchmark_pools_of_a_grouped_router_are_balanced(model):
+    """The decode benchmark's masked and pruned pools compute the same function on a grouped router."""
+    from moetailor.bench.pools import kept_ids, mask_plan, pruned_model
+
+    ids = kept_ids(16, 0.5, 4, sem=sem(model))
+    assert len(ids) == 8 and checkpoint_problem(ids, sem(model)) is None
+    x = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        got = pruned_model(model, 0.5)(input_ids=x, use_cache=False).logits
+    assert (got - logits_under(model, mask_plan(model, 0.5).decode, x)).abs().max() <= 1e-5
