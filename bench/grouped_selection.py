@@ -1,10 +1,11 @@
 """Grouped routing (DeepSeek-V3 style): group-balanced vs unconstrained expert selection in masked
 mode, and fold targets inside vs across routing groups, measured as held-out KL from the full model.
 
-    flock /tmp/moetailor-heavy.lock .venv/bin/python bench/grouped_selection.py --out build/grouped
+    .venv/bin/python bench/grouped_selection.py --out build/grouped
+    .venv/bin/python bench/grouped_selection.py --model build/grouped-trained --out build/grouped-trained-eval
 
-The models are tiny and random (no trained grouped model exists here): task accuracy would be
-meaningless, so quality is the teacher-forced next-token KL(full || configuration) on the bundled
+The models are tiny: random, or a small character-level model trained here for minutes
+(``bench/train_tiny_grouped.py``); task accuracy would be meaningless, so quality is the teacher-forced next-token KL(full || configuration) on the bundled
 held-out text (char tokenizer), the prefix run under the configuration's prefill policy and the
 scored half under its decode policy (``eval.metrics.HeldoutScorer``). Every plan prunes both phases
 (the masked router = what a pruned checkpoint computes), so the numbers are the selection's effect.
@@ -25,7 +26,7 @@ SHAPES = {  # name: tiny_grouped_model overrides
 }
 
 
-def run(shape: str, seed: int, criteria: list[str], keeps: list[float], tokens: int) -> list[dict]:
+def run(shape: str, seed: int, criteria: list[str], keeps: list[float], tokens: int, path: str | None = None) -> list[dict]:
     from moetailor.calibration import calibrate
     from moetailor.data.corpus import bundled_documents
     from moetailor.eval.metrics import HeldoutScorer, heldout_windows
@@ -34,8 +35,11 @@ def run(shape: str, seed: int, criteria: list[str], keeps: list[float], tokens: 
     from moetailor.routing import LayerPolicy, PhasePolicy, RoutingController
     import moetailor.routing.router as router
 
-    model = tiny_grouped_model(seed=seed, **SHAPES[shape])
-    tok = char_tokenizer()
+    if path is None:
+        model, tok = tiny_grouped_model(seed=seed, **SHAPES[shape]), char_tokenizer()
+    else:  # a saved model (bench/train_tiny_grouped.py): seeds vary the calibration sample only
+        from moetailor.models.loading import load_model, load_tokenizer
+        model, tok = load_model(path), load_tokenizer(path)
     stats = calibrate(model, tok, "mix", tokens, seed=seed, batch_tokens=1024, seq_len=128, fold=True,
                       all_experts=True, progress=False)
     ctl = RoutingController.of(model)
@@ -96,14 +100,17 @@ def main() -> int:
     ap.add_argument("--keeps", default="0.5,0.75")
     ap.add_argument("--tokens", type=int, default=8192, help="calibration tokens per model")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--model", help="a saved grouped checkpoint instead of random tiny models (e.g. the output of "
+                    "bench/train_tiny_grouped.py)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0, rows = time.time(), []
-    for shape in args.shapes.split(","):
+    for shape in ([f"trained ({Path(args.model).name})"] if args.model else args.shapes.split(",")):
         for seed in range(args.seeds):
-            rows += run(shape, seed, args.criteria.split(","), [float(k) for k in args.keeps.split(",")], args.tokens)
+            rows += run(shape, seed, args.criteria.split(","), [float(k) for k in args.keeps.split(",")], args.tokens,
+                        args.model)
             print(f"{shape} seed {seed} done ({time.time() - t0:.0f} s)", flush=True)
     (out / "grouped_selection.json").write_text(json.dumps(rows, indent=1))
     table = summarise(rows)
