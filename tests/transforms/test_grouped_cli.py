@@ -30,6 +30,10 @@ def test_grouped_checkpoint_end_to_end(tmp_path, capsys):
     assert "per group" in out and "2 2 2 2" in out and "the same count kept in every group" in out
     assert Plan.load(plan).meta["groups"]["mode"] == "balanced"
 
+    # a count that cannot be spread evenly over the groups is refused with the valid counts
+    assert main(["plan", str(stats), "--criterion", "reap", "--keep-experts", "6", "--out", str(tmp_path / "x.json")]) == 2
+    assert "choose a count in [8, 12, 16]" in capsys.readouterr().err
+
     # ignoring groups makes a masked-only plan: prune refuses it with the fix
     free = tmp_path / "free.json"
     assert main(["plan", str(stats), "--criterion", "frequency", "--keep-experts", "8", "--groups", "ignore",
