@@ -9,7 +9,6 @@ experts' logits -inf before softmax/top-k, k unchanged). The kept original ids a
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 
@@ -75,31 +74,23 @@ def pruned_config(config, count: int):
     return config
 
 
-# state-dict keys whose first dimension is the routed expert: router rows, DeepSeek's correction bias,
-# the fused experts. Shared experts (``shared_expert(s)``, ``shared_expert_gate``) and dense layers do not match.
-EXPERT_ROWS = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.(?:gate\.(?:weight|e_score_correction_bias)|experts\.[A-Za-z_]+)$")
-
-
-def pruned_tensor(key: str, tensor: torch.Tensor, kept: dict[int, tuple[int, ...]], num_experts: int) -> torch.Tensor:
-    """One state-dict tensor of the pruned checkpoint: rows of the kept experts (in id order) for a
-    routed-expert tensor of a pruned layer, the tensor itself otherwise."""
-    m = EXPERT_ROWS.search(key)
-    if m is None or int(m[1]) not in kept or tensor.ndim == 0 or tensor.shape[0] != num_experts:
-        return tensor
-    return tensor.index_select(0, torch.tensor(kept[int(m[1])], dtype=torch.long)).clone()
+def _module_names(model) -> dict[int, str]:
+    return {id(m): name for name, m in model.named_modules()}
 
 
 def pruned_state(model, kept: dict[int, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], int]:
     """The model's state dict with routed-expert dims sliced to the kept ids; returns (state, m')."""
-    layers = moe_layers(model)
-    E = layers[0].num_experts
+    names = _module_names(model)
     state = dict(model.state_dict())
-    sliced = 0
-    for key, tensor in state.items():
-        state[key] = pruned_tensor(key, tensor, kept, E)
-        sliced += state[key] is not tensor
-    # every layer: router weight, both fused expert tensors, DeepSeek's correction bias
-    assert sliced == sum(3 + (l.router_bias is not None) for l in layers if l.index in kept), sliced
+    E = moe_layers(model)[0].num_experts
+    for layer in moe_layers(model):
+        ids = torch.tensor(kept[layer.index], dtype=torch.long)
+        for module in (layer.router, layer.experts):
+            prefix = names[id(module)]
+            for key, tensor in list(module.state_dict().items()):
+                full = f"{prefix}.{key}"
+                if tensor.ndim >= 1 and tensor.shape[0] == E:
+                    state[full] = tensor.index_select(0, ids).clone()
     return state, len(next(iter(kept.values())))
 
 
