@@ -1,11 +1,11 @@
 """Grouped routing (DeepSeek-V3 style): group-balanced vs unconstrained expert selection in masked
 mode, and fold targets inside vs across routing groups, measured as held-out KL from the full model.
 
-    .venv/bin/python bench/grouped_selection.py --out build/grouped
-    .venv/bin/python bench/grouped_selection.py --model build/grouped-trained --out build/grouped-trained-eval
+    .venv/bin/python scripts/grouped_selection.py --out build/grouped
+    .venv/bin/python scripts/grouped_selection.py --model build/grouped-trained --out build/grouped-trained-eval
 
 The models are tiny: random, or a small character-level model trained here for minutes
-(``bench/train_tiny_grouped.py``); task accuracy would be meaningless, so quality is the teacher-forced next-token KL(full || configuration) on the bundled
+(``scripts/train_tiny_grouped.py``); task accuracy would be meaningless, so quality is the teacher-forced next-token KL(full || configuration) on the bundled
 held-out text (char tokenizer), the prefix run under the configuration's prefill policy and the
 scored half under its decode policy (``eval.metrics.HeldoutScorer``). Every plan prunes both phases
 (the masked router = what a pruned checkpoint computes), so the numbers are the selection's effect.
@@ -37,7 +37,7 @@ def run(shape: str, seed: int, criteria: list[str], keeps: list[float], tokens: 
 
     if path is None:
         model, tok = tiny_grouped_model(seed=seed, **SHAPES[shape]), char_tokenizer()
-    else:  # a saved model (bench/train_tiny_grouped.py): seeds vary the calibration sample only
+    else:  # a saved model (scripts/train_tiny_grouped.py): seeds vary the calibration sample only
         from moetailor.models.loading import load_model, load_tokenizer
         model, tok = load_model(path), load_tokenizer(path)
     stats = calibrate(model, tok, "mix", tokens, seed=seed, batch_tokens=1024, seq_len=128, fold=True,
@@ -101,7 +101,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8192, help="calibration tokens per model")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--model", help="a saved grouped checkpoint instead of random tiny models (e.g. the output of "
-                    "bench/train_tiny_grouped.py)")
+                    "scripts/train_tiny_grouped.py)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)

@@ -1,8 +1,8 @@
 """Train a small DeepSeek-V3-style model (grouped routing) on the bundled text, so the grouped-routing
-comparisons (`bench/grouped_selection.py --model DIR`) also run on a router whose choices follow the
+comparisons (`scripts/grouped_selection.py --model DIR`) also run on a router whose choices follow the
 data rather than random weights.
 
-    .venv/bin/python bench/train_tiny_grouped.py --out build/grouped-trained --minutes 10
+    .venv/bin/python scripts/train_tiny_grouped.py --out build/grouped-trained --minutes 10
 
 Character-level LM (the tiny char tokenizer, 96 ids) on the bundled calibration documents
 (`--data text`; evaluation uses the held-out split). Shape: ``models.tiny.GROUPED`` widened

@@ -2,7 +2,10 @@
 DeepSeek-V3 model with grouped routing) and write which ones succeed: the evidence behind the
 README's architecture list.
 
-    .venv/bin/python bench/verbs_by_arch.py --out build/verbs   # ~10-20 minutes on 2 shared cores
+    .venv/bin/python scripts/verbs_by_arch.py --out build/verbs [--arch qwen2_moe,mixtral]
+
+(about 10 minutes per architecture on 2 shared cores; runs over different --arch lists, also in
+parallel, add up in OUT/verbs.json and the table covers all of them)
 
 Each cell is one CLI call with tiny settings (it checks that the verb runs end to end and writes
 what it says, not quality: the models are random). A failure keeps the last lines of its error.
@@ -79,7 +82,7 @@ def verbs(m: Path, w: Path) -> list[tuple[str, list[str]]]:
         ("generate fold-decode", ["generate", str(m), "--decode-policy", "fold-decode:4", "--fold-stats", str(stats), "--prompt",
                                   "add 1 + 2", "--max-tokens", "4"]),
         ("serve", []),
-        ("eval", ["eval", str(m), "--plan", str(plan), "--configs", "baseline,phase-aware,plan+fold,skip", *quick_eval,
+        ("eval", ["eval", str(m), "--plan", str(plan), "--configs", "baseline,phase-aware", *quick_eval,
                   "--out", str(w / "eval")]),
         ("eval pruned", ["eval", str(pruned), "--configs", "baseline", *quick_eval, "--out", str(w / "eval-pruned")]),
         ("search-k", ["search-k", str(m), "--mean-k", "1.5", "--tokens", "256", "--window", "32",
@@ -106,7 +109,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     moetailor = str(Path(sys.executable).parent / "moetailor")
-    results: dict[str, dict[str, str]] = {}
+    record = out / "verbs.json"  # results of earlier runs (other --arch lists) are kept
+    results: dict[str, dict[str, str]] = json.loads(record.read_text()) if record.exists() else {}
     for arch in args.arch.split(","):
         w = out / arch
         subprocess.run(["rm", "-rf", str(w)], check=True)
@@ -130,7 +134,10 @@ def main() -> int:
             results[arch][name] = "ok" if ok else f"FAIL: {tail}"
             print(f"{arch:22s} {name:24s} {'ok' if ok else 'FAIL'} {time.time() - t0:5.1f}s {'' if ok else tail}",
                   flush=True)
-    (out / "verbs.json").write_text(json.dumps(results, indent=1))
+        latest = json.loads(record.read_text()) if record.exists() else {}   # parallel runs write here too
+        record.write_text(json.dumps({**latest, arch: results[arch]}, indent=1))
+    results = json.loads(record.read_text())
+    results = {a: results[a] for a in ARCHES if a in results}
     names = [n for n, _ in verbs(Path("m"), Path("w"))]
     lines = ["| verb | " + " | ".join(results) + " |", "|---|" + "---|" * len(results)]
     for n in names:
