@@ -66,7 +66,10 @@ def serve_once(moetailor: str, model: Path, plan: Path, log: Path) -> None:
         proc.wait(timeout=30)
 
 
-def verbs(m: Path, w: Path) -> list[tuple[str, list[str]]]:
+NO_SHARED_EXPERT = ("qwen3_moe", "olmoe", "mixtral")   # distill trains router and norms only there (--no-se2)
+
+
+def verbs(m: Path, w: Path, arch: str = "") -> list[tuple[str, list[str]]]:
     stats, plan, pruned = w / "stats.safetensors", w / "plan.json", w / "pruned"
     quick_eval = ["--tasks", "addition", "--n", "2", "--seeds", "1", "--max-tokens", "4", "--kl-docs", "1",
                   "--kl-window", "32"]
@@ -88,7 +91,7 @@ def verbs(m: Path, w: Path) -> list[tuple[str, list[str]]]:
         ("search-k", ["search-k", str(m), "--mean-k", "1.5", "--tokens", "256", "--window", "32",
                       "--heldout-docs", "0", "--out", str(w / "k.json")]),
         ("distill", ["distill", str(m), str(plan), "--steps", "2", "--batch-size", "1", "--seq-len", "32",
-                     "--out", str(w / "distilled")]),
+                     *(["--no-se2"] if arch in NO_SHARED_EXPERT else []), "--out", str(w / "distilled")]),
         ("split", ["split", str(m), "--parts", "2", "--tokens", "256", "--seq-len", "64", "--anneal-steps", "50",
                    "--out", str(w / "split")]),
         ("eval --budgets", ["eval", str(w / "split"), "--budgets", "all", "--original", str(m), *quick_eval,
@@ -118,7 +121,7 @@ def main() -> int:
         m = w / "model"
         save_model(arch, m)
         results[arch] = {}
-        for name, argv in verbs(m, w):
+        for name, argv in verbs(m, w, arch):
             t0 = time.time()
             log = w / f"{name.replace(' ', '_').replace('-', '')}.log"
             try:
