@@ -83,8 +83,9 @@ def per_group_budget(count: int, sem: RouterSemantics, where: str = "") -> int:
     if count % G or count // G < need:
         options = [c * G for c in range(need, group_size(sem) + 1)]
         raise ValueError(f"{at}keeping {count} experts cannot be split evenly over the {G} routing groups "
-                         f"(n_group={G}) with at least {need} per group; choose a count in {options}, or pass "
-                         "--groups ignore (masked serving only: such a plan cannot become a pruned checkpoint)")
+                         f"(n_group={G}) with at least {need} per group; choose a count in {options}, or use "
+                         "`moetailor plan --groups ignore` (masked serving only: such a plan cannot become a pruned "
+                         "checkpoint)")
     return count // G
 
 
