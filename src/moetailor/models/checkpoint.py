@@ -1,0 +1,202 @@
+"""A checkpoint on disk read one tensor at a time: the streamed verbs never hold the whole model.
+
+A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or shards with a
+``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file), as the hub ships them.
+Routed experts are stored per expert in the hub layout (``model.layers.{i}.mlp.experts.{j}.gate_proj
+.weight``; Mixtral: ``block_sparse_moe.experts.{j}.w1``), which transformers fuses on load into
+``mlp.experts.gate_up_proj [E, 2I, H]`` and ``mlp.experts.down_proj [E, H, I]``. ``hub_names`` and
+``fused_tensor`` are that mapping in both directions, for one decoder layer at a time.
+
+``skeleton(path, dtype)`` builds the stock model on the meta device (no memory) with only the
+routers loaded, so ``moe_layers``, ``model_fingerprint``, plans and the RoutingController work on it
+unchanged; ``load_module`` materialises one submodule (a decoder layer, the embeddings) from the
+shards and ``free_module`` returns it to the meta device.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+# per-model-type hub names of the MoE block and of one expert's three projections (gate, up, down)
+HUB_MOE = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+HUB_MOE_DEFAULT = ("mlp", "gate_proj", "up_proj", "down_proj")
+
+LAYER_KEY = re.compile(r"^(?P<base>.*?\blayers\.)(?P<layer>\d+)\.(?P<rest>.+)$")
+EXPERT_KEY = re.compile(r"^(?P<moe>mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>[^.]+)\.weight$")
+FUSED_KEY = re.compile(r"^(?P<moe>mlp|block_sparse_moe)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
+ROUTER_KEY = re.compile(r"^(?P<moe>mlp|block_sparse_moe)\.gate\.(?P<what>weight|e_score_correction_bias)$")
+
+
+def hub_layout(model_type: str) -> tuple[str, str, str, str]:
+    """(MoE block attribute, gate, up, down projection names) of the hub's per-expert layout."""
+    return HUB_MOE.get(model_type, HUB_MOE_DEFAULT)
+
+
+def split_layer_key(name: str) -> tuple[int, str] | None:
+    """'model.layers.3.mlp.gate.weight' -> (3, 'mlp.gate.weight'); None outside the decoder layers."""
+    m = LAYER_KEY.match(name)
+    return (int(m["layer"]), m["rest"]) if m else None
+
+
+class Checkpoint:
+    """Tensor names, shapes and lazy reads of a safetensors checkpoint (sharded or single file)."""
+
+    def __init__(self, path: str | Path):
+        from .loading import resolve_model_path
+
+        self.path = resolve_model_path(path)
+        index = self.path / INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.path / SINGLE).is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(self.path / SINGLE), framework="pt") as f:
+                weight_map = {k: SINGLE for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{self.path} has neither {SINGLE} nor {INDEX}; moetailor reads safetensors "
+                                    "checkpoints (convert .bin weights with transformers' save_pretrained first)")
+        self.weight_map: dict[str, str] = weight_map
+        self.config = json.loads((self.path / "config.json").read_text())
+        self._open: dict[str, object] = {}
+
+    def _file(self, name: str):
+        from safetensors import safe_open
+
+        shard = self.weight_map[name]
+        if shard not in self._open:
+            self._open[shard] = safe_open(str(self.path / shard), framework="pt")
+        return self._open[shard]
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._file(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor, read from its shard (a fresh CPU tensor in the stored dtype)."""
+        return self._file(name).get_tensor(name)
+
+    def nbytes(self) -> int:
+        return sum((self.path / s).stat().st_size for s in set(self.weight_map.values()))
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def fused_tensor(self, name: str, model_type: str, num_experts: int) -> torch.Tensor:
+        """The tensor named ``name`` in the in-memory (fused) state dict, read from either layout."""
+        if name in self.weight_map:
+            return self.get(name)
+        split = split_layer_key(name)
+        if split is None:
+            raise KeyError(f"{self.path} has no tensor {name}")
+        layer, rest = split
+        base = name[: len(name) - len(rest)]
+        moe, gate, up, down = hub_layout(model_type)
+        m = FUSED_KEY.match(rest)
+        if m:
+            if m["proj"] == "gate_up_proj":   # [E, 2I, H]: gate rows then up rows (chunk(2) order)
+                return torch.stack([torch.cat([self.get(f"{base}{moe}.experts.{e}.{gate}.weight"),
+                                               self.get(f"{base}{moe}.experts.{e}.{up}.weight")], 0)
+                                    for e in range(num_experts)])
+            return torch.stack([self.get(f"{base}{moe}.experts.{e}.{down}.weight") for e in range(num_experts)])
+        m = ROUTER_KEY.match(rest)
+        if m:
+            return self.get(f"{base}{moe}.gate.{m['what']}")
+        raise KeyError(f"{self.path} has no tensor {name}")
+
+
+def hub_names(name: str, shape: tuple[int, ...], model_type: str) -> list[tuple[str, tuple[int, ...], tuple]]:
+    """The hub-layout tensors that store the fused tensor ``name`` of ``shape``: a list of
+    (hub name, hub shape, (expert, row slice) or ()) — the inverse of ``Checkpoint.fused_tensor``."""
+    split = split_layer_key(name)
+    if split is None:
+        return [(name, shape, ())]
+    layer, rest = split
+    base = name[: len(name) - len(rest)]
+    moe, gate, up, down = hub_layout(model_type)
+    m = FUSED_KEY.match(rest)
+    if m and m["proj"] == "gate_up_proj":
+        E, two_i, H = shape
+        return [(f"{base}{moe}.experts.{e}.{p}.weight", (two_i // 2, H), (e, half))
+                for e in range(E) for half, p in enumerate((gate, up))]
+    if m:
+        E, H, I = shape
+        return [(f"{base}{moe}.experts.{e}.{down}.weight", (H, I), (e, None)) for e in range(E)]
+    m = ROUTER_KEY.match(rest)
+    if m:
+        return [(f"{base}{moe}.gate.{m['what']}", shape, ())]
+    return [(name, shape, ())]
+
+
+def meta_model(config, dtype: torch.dtype):
+    """The stock model for ``config`` on the meta device: module tree and shapes, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def load_module(module: nn.Module, prefix: str, ckpt: Checkpoint, model_type: str, num_experts: int,
+                dtype: torch.dtype) -> nn.Module:
+    """Materialise ``module`` (named ``prefix`` in the model) on the CPU from the checkpoint."""
+    state = {}
+    for key, value in module.state_dict().items():   # meta tensors: names, shapes and dtypes only
+        full = f"{prefix}.{key}" if prefix else key
+        state[key] = ckpt.fused_tensor(full, model_type, num_experts).to(value.dtype)
+    module.load_state_dict(state, strict=True, assign=True)
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module
+
+
+def free_module(module: nn.Module) -> None:
+    """Return a materialised module's weights to the meta device (frees their memory)."""
+    module.to("meta")
+
+
+def skeleton(path: str | Path, dtype: torch.dtype = torch.bfloat16):
+    """(meta model with routers, the norm and rotary tables loaded; Checkpoint). Nothing else is in
+    memory: ``moe_layers``, ``model_fingerprint`` and plans work on it; decoder layers load on demand."""
+    from transformers import AutoConfig
+
+    from .adapters import moe_layers
+    from .architectures import arch_spec
+
+    ckpt = Checkpoint(path)
+    config = AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
+    spec = arch_spec(config)
+    model = meta_model(config, dtype)
+    model.eval()
+    names = {id(m): n for n, m in model.named_modules()}
+    E = spec.num_experts(config)
+    for layer in moe_layers(model):
+        load_module(layer.router, names[id(layer.router)], ckpt, config.model_type, E, dtype)
+    base = getattr(model, "model", model)
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is not None:   # non-persistent inv_freq: rebuild it on the CPU from the config
+        with torch.device("cpu"):
+            base.rotary_emb = type(rotary)(config)
+    if hasattr(base, "norm"):
+        load_module(base.norm, names[id(base.norm)], ckpt, config.model_type, E, dtype)
+    model.moetailor_source = str(ckpt.path)
+    model.moetailor_checkpoint = ckpt
+    return model, ckpt
+
+
+def stored_dtype(path: str | Path) -> torch.dtype:
+    """The dtype a checkpoint stores its weights in (config ``dtype``/``torch_dtype``; fp32 if unset)."""
+    from .loading import resolve_model_path
+
+    config = json.loads((resolve_model_path(path) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    value = getattr(torch, name, None) if isinstance(name, str) else None
+    return value if isinstance(value, torch.dtype) else torch.float32
