@@ -22,6 +22,7 @@ def _size(path) -> int:
 
 
 def run(args) -> int:
+    from ..memory import peak_rss_gib
     from ..models import resolve_model_path
     from ..transforms import prune_checkpoint, read_sidecar
 
@@ -35,6 +36,7 @@ def run(args) -> int:
         ("experts per layer", f"{side['num_experts_original']} -> {side['num_experts_kept']}"),
         ("weights on disk", f"{before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB ({after / max(before, 1):.0%})"),
         ("kept ids", f"in {out}/moetailor_pruning.json"),
+        ("peak RSS", f"{peak_rss_gib():.2f} GiB (streamed: one tensor at a time)"),
     ])
     return 0
 

@@ -200,3 +200,46 @@ def stored_dtype(path: str | Path) -> torch.dtype:
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     value = getattr(torch, name, None) if isinstance(name, str) else None
     return value if isinstance(value, torch.dtype) else torch.float32
+
+
+class ShardWriter:
+    """Writes tensors into safetensors shards of at most ``shard_bytes`` as they arrive (memory: one
+    shard), then ``model.safetensors`` (one shard) or ``model-0000i-of-0000N.safetensors`` + index."""
+
+    def __init__(self, directory: Path, shard_bytes: int = 1 << 30):
+        self.directory, self.shard_bytes = Path(directory), shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []       # (temporary file name, tensor names)
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.shard_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        tmp = f".shard-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(self.directory / tmp), metadata={"format": "pt"})
+        self.files.append((tmp, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> dict[str, str]:
+        """Finish the last shard, name the shards, write the index; returns the weight map."""
+        if self.pending or not self.files:
+            self._flush()
+        n = len(self.files)
+        weight_map = {}
+        for i, (tmp, names) in enumerate(self.files):
+            final = SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            (self.directory / tmp).rename(self.directory / final)
+            weight_map.update({k: final for k in names})
+        if n > 1:
+            (self.directory / INDEX).write_text(json.dumps({"metadata": {"total_size": self.total},
+                                                            "weight_map": weight_map}, indent=2))
+        return weight_map

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import zlib
 from pathlib import Path
 
 import torch
 
-from .checkpoint import INDEX, hub_names, meta_model
+from .checkpoint import ShardWriter, hub_names, meta_model
 
 # Published configs (hub config.json values that set shapes and routing).
 PRESETS: dict[str, dict] = {
@@ -137,7 +136,6 @@ def write_synthetic(preset: str, out: str | Path, *, layers: int | None = None, 
                     skew: float = DEFAULT_SKEW, shard_bytes: int = 1 << 30, overwrite: bool = False,
                     progress: bool = True, **overrides) -> Path:
     """Write a synthetic checkpoint of ``preset``'s shape to ``out`` (bf16, sharded); returns ``out``."""
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     from ..transforms.artifacts import checkpoint_directory, copy_tokenizer
@@ -146,32 +144,17 @@ def write_synthetic(preset: str, out: str | Path, *, layers: int | None = None, 
     config = synthetic_config(preset, layers, **overrides)
     dtype = torch.bfloat16
     tensors = hub_tensors(config)
-    size = lambda shape: math.prod(shape) * dtype.itemsize  # noqa: E731
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    used = 0
-    for name, shape in tensors:                            # greedy packing in order, as save_pretrained does
-        if shards[-1] and used + size(shape) > shard_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append((name, shape))
-        used += size(shape)
-    total = sum(size(s) for _, s in tensors)
+    total = sum(math.prod(s) for _, s in tensors) * dtype.itemsize
     init = _Init(config, seed, skew)
-    weight_map = {}
     with checkpoint_directory(Path(out), overwrite) as tmp:
+        writer = ShardWriter(tmp, shard_bytes)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {preset}", disable=not progress,
                    mininterval=2)
-        for i, shard in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            values = {}
-            for name, shape in shard:
-                values[name] = init(name, shape, dtype)
-                weight_map[name] = file
-                bar.update(size(shape))
-            save_file(values, str(tmp / file), metadata={"format": "pt"})
-            del values
+        for name, shape in tensors:
+            writer.add(name, init(name, shape, dtype))
+            bar.update(math.prod(shape) * dtype.itemsize)
+        writer.close()
         bar.close()
-        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         config.save_pretrained(tmp)
         copy_tokenizer(REFERENCE_DIR, tmp)
         params = sum(math.prod(s) for _, s in tensors)

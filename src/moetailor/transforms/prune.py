@@ -16,6 +16,7 @@ import torch
 
 from ..models.adapters import moe_layers
 from ..models.architectures import arch_spec
+from ..models.checkpoint import EXPERT_KEY, FUSED_KEY, ROUTER_KEY, split_layer_key
 from ..models.loading import model_fingerprint, resolve_model_path
 from ..plans.plan import Plan
 from .artifacts import checkpoint_directory, copy_tokenizer, refuse_existing
@@ -59,47 +60,57 @@ def kept_per_layer(plan: Plan, model, phase: str = "decode") -> dict[int, tuple[
     return kept
 
 
-def _module_names(model) -> dict[int, str]:
-    return {id(m): name for name, m in model.named_modules()}
+def pruned_name(name: str, kept: dict[int, tuple[int, ...]]) -> tuple[str, torch.Tensor | None] | None:
+    """How a pruned checkpoint stores tensor ``name`` (the one slicing rule of the in-memory and the
+    streamed pruner, for fused and hub-layout names): None = drop it (a dropped expert's weights);
+    (new name, None) = keep it whole; (name, kept ids [m']) = keep those rows (router rows,
+    ``e_score_correction_bias``, fused experts [E, ...]). Hub-layout experts are renumbered 0..m'-1
+    in kept order."""
+    split = split_layer_key(name)
+    if split is None or split[0] not in kept:
+        return name, None
+    layer, rest = split
+    ids = kept[layer]
+    m = EXPERT_KEY.match(rest)
+    if m:
+        e = int(m["expert"])
+        if e not in ids:
+            return None
+        base = name[: len(name) - len(rest)]
+        return f"{base}{m['moe']}.experts.{ids.index(e)}.{m['proj']}.weight", None
+    if FUSED_KEY.match(rest) or ROUTER_KEY.match(rest):
+        return name, torch.tensor(ids, dtype=torch.long)
+    return name, None
 
 
 def pruned_state(model, kept: dict[int, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], int]:
     """The model's state dict with routed-expert dims sliced to the kept ids; returns (state, m')."""
-    names = _module_names(model)
-    state = dict(model.state_dict())
-    E = moe_layers(model)[0].num_experts
-    for layer in moe_layers(model):
-        ids = torch.tensor(kept[layer.index], dtype=torch.long)
-        for module in (layer.router, layer.experts):
-            prefix = names[id(module)]
-            for key, tensor in list(module.state_dict().items()):
-                full = f"{prefix}.{key}"
-                if tensor.ndim >= 1 and tensor.shape[0] == E:
-                    state[full] = tensor.index_select(0, ids).clone()
+    state = {}
+    for name, tensor in model.state_dict().items():
+        action = pruned_name(name, kept)
+        if action is None:
+            continue
+        new, rows = action
+        state[new] = tensor if rows is None else tensor.index_select(0, rows).clone()
     return state, len(next(iter(kept.values())))
-
-
-def _dtype_of(path: Path):
-    config = json.loads((path / "config.json").read_text())
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else torch.float32
 
 
 def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite: bool = False,
                      phase: str = "decode", command: str | None = None) -> Path:
-    """Write a stock checkpoint with only the plan's kept experts (``model``: a path, "reference" or a
-    loaded model). Written to a temporary directory and renamed: never half a checkpoint."""
+    """Write a stock checkpoint with only the plan's kept experts (``model``: a path or "reference",
+    pruned shard by shard without loading it, or a loaded model). Written to a temporary directory and
+    renamed: never half a checkpoint."""
     from transformers import AutoModelForCausalLM
-
-    from ..models.loading import load_model
 
     out = Path(out)
     refuse_existing(out, overwrite)
     source = None
-    if isinstance(model, (str, Path)):
-        source = resolve_model_path(model)
-        model = load_model(source, dtype=_dtype_of(source))  # keep the stored dtype: sizes shrink as expected
-    elif getattr(model, "moetailor_source", None):
+    if isinstance(model, (str, Path)):   # a checkpoint on disk: one tensor at a time, never the whole model
+        from .streaming import prune_checkpoint_streamed
+
+        return prune_checkpoint_streamed(resolve_model_path(model), plan, out, overwrite=overwrite, phase=phase,
+                                         command=command)
+    if getattr(model, "moetailor_source", None):
         source = Path(model.moetailor_source)
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
