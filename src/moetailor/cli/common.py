@@ -20,3 +20,9 @@ def markdown_table(columns: list[str], rows: list[tuple]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def add_dtype_argument(parser, what: str) -> None:
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                        help=f"working dtype for {what} (default auto: the checkpoint's stored dtype, bf16 for "
+                             "hub MoE checkpoints; float32 only when asked: twice the memory)")

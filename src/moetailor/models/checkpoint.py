@@ -163,15 +163,17 @@ def free_module(module: nn.Module) -> None:
     module.to("meta")
 
 
-def skeleton(path: str | Path, dtype: torch.dtype = torch.bfloat16):
+def skeleton(path: str | Path, dtype: torch.dtype | None = None):
     """(meta model with routers, the norm and rotary tables loaded; Checkpoint). Nothing else is in
-    memory: ``moe_layers``, ``model_fingerprint`` and plans work on it; decoder layers load on demand."""
+    memory: ``moe_layers``, ``model_fingerprint`` and plans work on it; decoder layers load on demand.
+    ``dtype`` None = the stored dtype (the fingerprint then equals a model loaded in that dtype)."""
     from transformers import AutoConfig
 
     from .adapters import moe_layers
     from .architectures import arch_spec
 
     ckpt = Checkpoint(path)
+    dtype = dtype or stored_dtype(ckpt.path)
     config = AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
     spec = arch_spec(config)
     model = meta_model(config, dtype)
@@ -243,3 +245,30 @@ class ShardWriter:
             (self.directory / INDEX).write_text(json.dumps({"metadata": {"total_size": self.total},
                                                             "weight_map": weight_map}, indent=2))
         return weight_map
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def working_dtype(name: str, path: str | Path) -> torch.dtype:
+    """``--dtype``: 'auto' = the checkpoint's stored dtype (bf16 for hub MoE checkpoints), or a name."""
+    if name == "auto":
+        return stored_dtype(path)
+    if name not in DTYPES:
+        raise ValueError(f"unknown --dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def should_stream(path: str | Path, dtype: torch.dtype, mode: str = "auto", share: float = 0.6) -> bool:
+    """``--stream``: 'on', 'off', or 'auto' = when the weights in ``dtype`` exceed ``share`` of the
+    memory available now (then one decoder layer at a time)."""
+    from ..memory import available_gib
+
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"unknown --stream {mode!r}; choose from auto, on, off")
+    if mode != "auto":
+        return mode == "on"
+    ckpt = Checkpoint(path)
+    need = ckpt.nbytes() / stored_dtype(path).itemsize * dtype.itemsize
+    free = available_gib()
+    return free is not None and need > share * free * 2**30
