@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import shlex
 
-from .common import add_dtype_argument, print_table
+from ..tables import print_table
 
 
 
@@ -82,3 +82,9 @@ def command_line(args, positional: tuple[str, ...]) -> str:
         else:
             parts += [flag, shlex.quote(str(value))]
     return " ".join(parts)
+
+
+def add_dtype_argument(parser, what: str) -> None:
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                        help=f"working dtype for {what} (default auto: the checkpoint's stored dtype, bf16 for "
+                             "hub MoE checkpoints; float32 only when asked: twice the memory)")

@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from .common import add_dtype_argument, print_table
+from ..tables import print_table
+from .calibrate import add_dtype_argument
 
 
 def register(sub) -> None:
@@ -55,7 +56,7 @@ def run(args) -> int:
     from ..eval.configurations import parse_configs
     from ..eval.report import write_docs
     from ..eval.runner import EvalSettings, Sweep
-    from ..eval.tasks import resolve_tasks
+    from ..data.tasks import resolve_tasks
 
     t0 = time.time()
     if args.metric == "kl":

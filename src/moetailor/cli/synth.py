@@ -1,7 +1,7 @@
 """`moetailor synth PRESET --out DIR [--layers N]`: a synthetic real-shaped checkpoint (random bf16 weights)."""
 from __future__ import annotations
 
-from .common import print_table
+from ..tables import print_table
 
 
 def register(sub) -> None:

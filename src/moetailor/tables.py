@@ -1,4 +1,4 @@
-"""Helpers shared by CLI verbs: result tables (rich when a terminal, plain otherwise)."""
+"""Result tables shared by every layer that prints or writes results: rich on a terminal, markdown in files."""
 from __future__ import annotations
 
 import sys
@@ -21,8 +21,3 @@ def markdown_table(columns: list[str], rows: list[tuple]) -> str:
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
-
-def add_dtype_argument(parser, what: str) -> None:
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
-                        help=f"working dtype for {what} (default auto: the checkpoint's stored dtype, bf16 for "
-                             "hub MoE checkpoints; float32 only when asked: twice the memory)")
