@@ -68,7 +68,7 @@ def test_cli_workflow_on_a_synthetic_checkpoint(tmp_path, capsys):
     import json
 
     from moetailor.cli.main import main
-    from moetailor.models.synthetic import write_synthetic
+    from moetailor.transforms.synthetic import write_synthetic
 
     model = write_synthetic("qwen3-30b-a3b", tmp_path / "m", layers=2, shard_bytes=200_000, progress=False,
                             hidden_size=64, moe_intermediate_size=32, intermediate_size=64, vocab_size=8192,

@@ -47,9 +47,11 @@ def test_streamed_prune_of_a_sharded_checkpoint_equals_masked_model(arch, tmp_pa
     assert read_sidecar(out)["source_model"]["router_hash"] == read_sidecar(in_memory)["source_model"]["router_hash"]
 
 
-def test_prune_of_a_path_streams(tmp_path):
+def test_prune_cli_streams(tmp_path):
+    from moetailor.cli.main import main
+
     model = tiny_model("olmoe", num_experts=8, top_k=2)
     model.save_pretrained(tmp_path / "full", max_shard_size="40KB")
-    plan = uniform_plan(model, decode=LayerPolicy(keep=KEEP))
-    out = prune_checkpoint(tmp_path / "full", plan, tmp_path / "p")
-    assert read_sidecar(out).get("streamed") is True
+    uniform_plan(model, decode=LayerPolicy(keep=KEEP)).save(tmp_path / "plan.json")
+    assert main(["prune", str(tmp_path / "full"), str(tmp_path / "plan.json"), "--out", str(tmp_path / "p")]) == 0
+    assert read_sidecar(tmp_path / "p").get("streamed") is True

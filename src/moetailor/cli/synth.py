@@ -5,7 +5,7 @@ from ..tables import print_table
 
 
 def register(sub) -> None:
-    from ..models.synthetic import DEFAULT_SKEW, PRESETS
+    from ..transforms.synthetic import DEFAULT_SKEW, PRESETS
 
     p = sub.add_parser("synth", help="write a synthetic checkpoint with a published MoE config's shapes "
                        "(seeded random bf16 weights, sharded safetensors, bundled tokenizer)")
@@ -27,7 +27,7 @@ def run(args) -> int:
     import time
     from pathlib import Path
 
-    from ..models.synthetic import SIDECAR, hub_tensors, synthetic_config, write_synthetic
+    from ..transforms.synthetic import SIDECAR, hub_tensors, synthetic_config, write_synthetic
     from ..transforms.artifacts import refuse_existing
     from ..memory import peak_rss_gib
 

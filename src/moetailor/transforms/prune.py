@@ -97,18 +97,19 @@ def pruned_state(model, kept: dict[int, tuple[int, ...]]) -> tuple[dict[str, tor
 
 def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite: bool = False,
                      phase: str = "decode", command: str | None = None) -> Path:
-    """Write a stock checkpoint with only the plan's kept experts (``model``: a path or "reference",
-    pruned shard by shard without loading it, or a loaded model). Written to a temporary directory and
-    renamed: never half a checkpoint."""
+    """Write a stock checkpoint with only the plan's kept experts (``model``: a path, "reference" or a
+    loaded model; ``streaming.prune_checkpoint_streamed`` prunes a checkpoint on disk without loading
+    it). Written to a temporary directory and renamed: never half a checkpoint."""
+    from ..models.checkpoint import stored_dtype
+    from ..models.loading import load_model
+
     out = Path(out)
     refuse_existing(out, overwrite)
     source = None
-    if isinstance(model, (str, Path)):   # a checkpoint on disk: one tensor at a time, never the whole model
-        from .streaming import prune_checkpoint_streamed
-
-        return prune_checkpoint_streamed(resolve_model_path(model), plan, out, overwrite=overwrite, phase=phase,
-                                         command=command)
-    if getattr(model, "moetailor_source", None):
+    if isinstance(model, (str, Path)):
+        source = resolve_model_path(model)
+        model = load_model(source, dtype=stored_dtype(source))  # keep the stored dtype: sizes shrink as expected
+    elif getattr(model, "moetailor_source", None):
         source = Path(model.moetailor_source)
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from moetailor.models.synthetic import PRESETS, hub_tensors, synthetic_config, write_synthetic
+from moetailor.transforms.synthetic import PRESETS, hub_tensors, synthetic_config, write_synthetic
 
 SMALL = dict(hidden_size=64, intermediate_size=32, moe_intermediate_size=32, vocab_size=8192, num_attention_heads=4,
              num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=16)

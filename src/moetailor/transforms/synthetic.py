@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import ShardWriter, hub_names, meta_model
+from ..models.checkpoint import ShardWriter, hub_names, meta_model
 
 # Published configs (hub config.json values that set shapes and routing).
 PRESETS: dict[str, dict] = {
@@ -138,8 +138,8 @@ def write_synthetic(preset: str, out: str | Path, *, layers: int | None = None, 
     """Write a synthetic checkpoint of ``preset``'s shape to ``out`` (bf16, sharded); returns ``out``."""
     from tqdm import tqdm
 
-    from ..transforms.artifacts import checkpoint_directory, copy_tokenizer
-    from .loading import REFERENCE_DIR
+    from .artifacts import checkpoint_directory, copy_tokenizer
+    from ..models.loading import REFERENCE_DIR
 
     config = synthetic_config(preset, layers, **overrides)
     dtype = torch.bfloat16
