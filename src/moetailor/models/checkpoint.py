@@ -102,12 +102,21 @@ class Checkpoint:
         base = name[: len(name) - len(rest)]
         moe, gate, up, down = hub_layout(model_type)
         m = FUSED_KEY.match(rest)
-        if m:
-            if m["proj"] == "gate_up_proj":   # [E, 2I, H]: gate rows then up rows (chunk(2) order)
-                return torch.stack([torch.cat([self.get(f"{base}{moe}.experts.{e}.{gate}.weight"),
-                                               self.get(f"{base}{moe}.experts.{e}.{up}.weight")], 0)
-                                    for e in range(num_experts)])
-            return torch.stack([self.get(f"{base}{moe}.experts.{e}.{down}.weight") for e in range(num_experts)])
+        if m:   # filled expert by expert: one copy of the fused tensor in memory, never two
+            parts = [(gate, up)] if m["proj"] == "gate_up_proj" else [(down,)]
+            names = [[f"{base}{moe}.experts.{e}.{p}.weight" for p in parts[0]] for e in range(num_experts)]
+            first = [self.shape(n) for n in names[0]]
+            rows = sum(shape[0] for shape in first)
+            out = None
+            for e, expert in enumerate(names):   # gate_up [E, 2I, H]: gate rows then up rows (chunk(2) order)
+                start = 0
+                for n in expert:
+                    t = self.get(n)
+                    if out is None:
+                        out = torch.empty(num_experts, rows, t.shape[1], dtype=t.dtype)
+                    out[e, start:start + t.shape[0]] = t
+                    start += t.shape[0]
+            return out
         m = ROUTER_KEY.match(rest)
         if m:
             return self.get(f"{base}{moe}.gate.{m['what']}")
