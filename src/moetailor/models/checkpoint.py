@@ -45,8 +45,26 @@ def split_layer_key(name: str) -> tuple[int, str] | None:
     return (int(m["layer"]), m["rest"]) if m else None
 
 
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def _header(file: Path) -> tuple[int, dict]:
+    """(byte offset of the data, tensor entries) of a safetensors file."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
 class Checkpoint:
-    """Tensor names, shapes and lazy reads of a safetensors checkpoint (sharded or single file)."""
+    """Tensor names, shapes and reads of a safetensors checkpoint (sharded or single file).
+
+    Tensors are read with plain file reads into fresh (or given) CPU tensors, not through a memory
+    map: a read leaves nothing mapped, so the process's resident memory is what it holds, not every
+    page of every shard it has read."""
 
     def __init__(self, path: str | Path):
         from .loading import resolve_model_path
@@ -56,40 +74,56 @@ class Checkpoint:
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
         elif (self.path / SINGLE).is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(self.path / SINGLE), framework="pt") as f:
-                weight_map = {k: SINGLE for k in f.keys()}
+            weight_map = {k: SINGLE for k in _header(self.path / SINGLE)[1]}
         else:
             raise FileNotFoundError(f"{self.path} has neither {SINGLE} nor {INDEX}; moetailor reads safetensors "
                                     "checkpoints (convert .bin weights with transformers' save_pretrained first)")
         self.weight_map: dict[str, str] = weight_map
         self.config = json.loads((self.path / "config.json").read_text())
-        self._open: dict[str, object] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}
 
-    def _file(self, name: str):
-        from safetensors import safe_open
-
-        shard = self.weight_map[name]
-        if shard not in self._open:
-            self._open[shard] = safe_open(str(self.path / shard), framework="pt")
-        return self._open[shard]
+    def _entry(self, name: str) -> tuple[Path, int, dict]:
+        shard = self.weight_map.get(name)
+        if shard is None:
+            raise KeyError(f"{self.path} has no tensor {name}")
+        if shard not in self._headers:
+            self._headers[shard] = _header(self.path / shard)
+        start, header = self._headers[shard]
+        return self.path / shard, start, header[name]
 
     def keys(self) -> list[str]:
-        return list(self.weight_map)
+        """Tensor names in file order (shard by shard, by offset): reading in this order is sequential."""
+        def order(name):
+            file, _, entry = self._entry(name)
+            return file.name, entry["data_offsets"][0]
+        return sorted(self.weight_map, key=order)
 
     def shape(self, name: str) -> list[int]:
-        return list(self._file(name).get_slice(name).get_shape())
+        return list(self._entry(name)[2]["shape"])
 
-    def get(self, name: str) -> torch.Tensor:
-        """One tensor, read from its shard (a fresh CPU tensor in the stored dtype)."""
-        return self._file(name).get_tensor(name)
+    def get(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One tensor in its stored dtype, read into ``out`` (a contiguous tensor of its shape and
+        dtype, e.g. a slice of a fused tensor) or a fresh CPU tensor."""
+        file, start, entry = self._entry(name)
+        dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"]
+        begin, end = entry["data_offsets"]
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif list(out.shape) != list(shape) or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"cannot read {name} {shape} {dtype} into a {list(out.shape)} {out.dtype} tensor")
+        if end > begin:
+            view = out.view(-1).view(torch.uint8).numpy()
+            with open(file, "rb") as f:
+                f.seek(start + begin)
+                if f.readinto(memoryview(view)) != end - begin:
+                    raise ValueError(f"{file} is truncated (reading {name}); re-download or rewrite the checkpoint")
+        return out
 
     def nbytes(self) -> int:
         return sum((self.path / s).stat().st_size for s in set(self.weight_map.values()))
 
     def close(self) -> None:
-        self._open.clear()
+        self._headers.clear()
 
     def fused_tensor(self, name: str, model_type: str, num_experts: int) -> torch.Tensor:
         """The tensor named ``name`` in the in-memory (fused) state dict, read from either layout."""
@@ -102,20 +136,17 @@ class Checkpoint:
         base = name[: len(name) - len(rest)]
         moe, gate, up, down = hub_layout(model_type)
         m = FUSED_KEY.match(rest)
-        if m:   # filled expert by expert: one copy of the fused tensor in memory, never two
-            parts = [(gate, up)] if m["proj"] == "gate_up_proj" else [(down,)]
-            names = [[f"{base}{moe}.experts.{e}.{p}.weight" for p in parts[0]] for e in range(num_experts)]
-            first = [self.shape(n) for n in names[0]]
-            rows = sum(shape[0] for shape in first)
-            out = None
+        if m:   # read expert by expert straight into the fused tensor: no other copy in memory
+            projs = (gate, up) if m["proj"] == "gate_up_proj" else (down,)
+            names = [[f"{base}{moe}.experts.{e}.{p}.weight" for p in projs] for e in range(num_experts)]
+            shapes = [self.shape(n) for n in names[0]]
+            dtype = SAFETENSORS_DTYPES[self._entry(names[0][0])[2]["dtype"]]
+            out = torch.empty(num_experts, sum(s[0] for s in shapes), shapes[0][1], dtype=dtype)
             for e, expert in enumerate(names):   # gate_up [E, 2I, H]: gate rows then up rows (chunk(2) order)
                 start = 0
-                for n in expert:
-                    t = self.get(n)
-                    if out is None:
-                        out = torch.empty(num_experts, rows, t.shape[1], dtype=t.dtype)
-                    out[e, start:start + t.shape[0]] = t
-                    start += t.shape[0]
+                for n, shape in zip(expert, shapes):
+                    self.get(n, out=out[e, start:start + shape[0]])
+                    start += shape[0]
             return out
         m = ROUTER_KEY.match(rest)
         if m:
@@ -168,8 +199,21 @@ def load_module(module: nn.Module, prefix: str, ckpt: Checkpoint, model_type: st
 
 
 def free_module(module: nn.Module) -> None:
-    """Return a materialised module's weights to the meta device (frees their memory)."""
+    """Return a materialised module's weights to the meta device and hand the freed memory back to
+    the system (glibc keeps freed heap chunks otherwise, so resident memory would grow per layer)."""
     module.to("meta")
+    release_memory()
+
+
+def release_memory() -> None:
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc: nothing to trim
+        pass
 
 
 def skeleton(path: str | Path, dtype: torch.dtype | None = None):
@@ -239,6 +283,7 @@ class ShardWriter:
         save_file(self.pending, str(self.directory / tmp), metadata={"format": "pt"})
         self.files.append((tmp, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
+        release_memory()
 
     def close(self) -> dict[str, str]:
         """Finish the last shard, name the shards, write the index; returns the weight map."""
