@@ -32,7 +32,7 @@ def run(args) -> int:
     from ..memory import peak_rss_gib
 
     out = Path(args.out)
-    refuse_existing(out, args.overwrite)
+    out = refuse_existing(out, args.overwrite)
     config = synthetic_config(args.preset, args.layers)
     need = sum(2 * math.prod(s) for _, s in hub_tensors(config))
     free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free

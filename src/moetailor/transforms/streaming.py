@@ -33,8 +33,8 @@ def prune_checkpoint_streamed(source: str | Path, plan: Plan | str | Path, out: 
     from ..models.checkpoint import ShardWriter, skeleton, stored_dtype
     from ..models.loading import model_fingerprint
 
-    out = Path(out)
-    refuse_existing(out, overwrite)
+    inputs = (Path(source), None if isinstance(plan, Plan) else plan)
+    out = refuse_existing(out, overwrite, inputs)   # before any work; never over the source checkpoint
     model, ckpt = skeleton(source, stored_dtype(source))
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
@@ -45,7 +45,7 @@ def prune_checkpoint_streamed(source: str | Path, plan: Plan | str | Path, out: 
     count = len(next(iter(kept.values())))
     setattr(config, spec.experts_key, count)
     names = ckpt.keys()
-    with checkpoint_directory(out, overwrite) as tmp:
+    with checkpoint_directory(out, overwrite, inputs) as tmp:
         writer = ShardWriter(tmp, shard_bytes)
         bar = tqdm(total=len(names), unit="tensor", desc="pruning", disable=not progress, file=sys.stderr,
                    mininterval=2)
