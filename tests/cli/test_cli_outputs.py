@@ -139,15 +139,15 @@ def test_eval_and_bench_outputs_are_checked_before_the_work(work, tmp_path, caps
 
 BARRIER = textwrap.dedent("""
     import signal, sys
-    import moetailor.transforms.prune as prune
+    import moetailor.transforms.streaming as streaming   # the pruner `moetailor prune` runs (shard-streamed)
     from moetailor.cli.main import main
 
-    real = prune.copy_tokenizer
+    real = streaming.copy_tokenizer
     def copy_then_wait(source, dest):   # runs inside the write: the weights are in the hidden folder
         real(source, dest)
         print("writing", flush=True)
         signal.pause()                  # a barrier, not a stand-in: the test sends SIGTERM now
-    prune.copy_tokenizer = copy_then_wait
+    streaming.copy_tokenizer = copy_then_wait
     sys.exit(main(sys.argv[1:]))
 """)
 

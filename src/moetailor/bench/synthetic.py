@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import torch
 
-HIDDEN, EXPERTS, EXPERT_WIDTH, TOP_K = 2048, 64, 1024, 8
+from ..transforms.synthetic import PRESETS
+
+_OLMOE = PRESETS["olmoe-1b-7b"]     # the published shapes; `moetailor synth` writes the full-depth checkpoint
+HIDDEN, EXPERTS, EXPERT_WIDTH, TOP_K = (_OLMOE["hidden_size"], _OLMOE["num_experts"], _OLMOE["intermediate_size"],
+                                        _OLMOE["num_experts_per_tok"])
 
 
 def synthetic_config(layers: int = 2, vocab: int = 1024, hidden: int = HIDDEN, experts: int = EXPERTS,

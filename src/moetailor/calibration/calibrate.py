@@ -149,9 +149,16 @@ def calibrate_batches(model, batches, *, gate: str = "renorm", fold: bool = Fals
             ctl.remove()
     if seen == 0:
         raise ValueError("no calibration tokens were read; check --data and --tokens")
-    info = {"format": STATS_FORMAT, "version": STATS_VERSION, "model": model_fingerprint(model), "tokens": seen,
-            "gate": {"name": gate, "definition": GATES[gate]}, "fold": collector.fold, "all_experts": all_experts,
-            "beta_bins": BETA_BINS, "seconds": round(time.time() - t0, 2)}
+    meta = {"dtype": str(next(model.parameters()).dtype).replace("torch.", ""), **(meta or {})}
+    return stats_of(collector, model_fingerprint(model), seen, all_experts, t0, meta)
+
+
+def stats_of(collector: Collector, fingerprint: dict, tokens: int, all_experts: bool, t0: float,
+             meta: dict | None) -> ExpertStats:
+    """The collector's sums with the statistics file's metadata (in-memory and streamed calibration)."""
+    info = {"format": STATS_FORMAT, "version": STATS_VERSION, "model": fingerprint, "tokens": tokens,
+            "gate": {"name": collector.gate, "definition": GATES[collector.gate]}, "fold": collector.fold,
+            "all_experts": all_experts, "beta_bins": BETA_BINS, "seconds": round(time.time() - t0, 2)}
     info.update(meta or {})
     return ExpertStats(info, collector.stats)
 

@@ -24,6 +24,13 @@ def register(sub) -> None:
     p.add_argument("--fold", action="store_true", help="also collect ExFold tables (pairs co-selected by a token)")
     p.add_argument("--all-experts", action="store_true",
                    help="compute every expert on every token (implies --fold; folding then sees every pair)")
+    add_dtype_argument(p, "calibration")
+    p.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
+                   help="load one decoder layer at a time from the shards (memory: one layer + activations); "
+                        "auto (default): when the model would take over 60%% of the available memory")
+    p.add_argument("--spill-dir", default=None,
+                   help="with streaming: keep the activations of all batches on disk here (default: in memory "
+                        "up to 4 GiB, then a temporary directory)")
     p.set_defaults(func=run)
 
 
@@ -33,13 +40,22 @@ def run(args) -> int:
     from ..models import load_model, load_tokenizer, resolve_model_path
     from ..outputs import check_output
 
-    check_output(args.out, overwrite=args.overwrite, inputs=(resolve_model_path(args.model), data_file(args.data)))
-    model = load_model(args.model)
+    from ..memory import peak_rss_gib
+    from ..models.checkpoint import should_stream, working_dtype
+
+    path = resolve_model_path(args.model)
+    check_output(args.out, overwrite=args.overwrite, inputs=(path, data_file(args.data)))
+    dtype = working_dtype(args.dtype, path)
     tokenizer = load_tokenizer(args.model)
     command = command_line(args, positional=("model",))
-    stats = calibrate(model, tokenizer, args.data, args.tokens, seed=args.seed, batch_tokens=args.batch_tokens,
-                      seq_len=args.seq_len, gate=args.gate, all_experts=args.all_experts, fold=args.fold,
-                      command=command)
+    kw = dict(seed=args.seed, batch_tokens=args.batch_tokens, seq_len=args.seq_len, gate=args.gate,
+              all_experts=args.all_experts, fold=args.fold, command=command)
+    if should_stream(path, dtype, args.stream):
+        from ..calibration.streaming import calibrate_streamed
+
+        stats = calibrate_streamed(path, tokenizer, args.data, args.tokens, dtype=dtype, spill_dir=args.spill_dir, **kw)
+    else:
+        stats = calibrate(load_model(args.model, dtype=dtype), tokenizer, args.data, args.tokens, **kw)
     stats.save(args.out)
     rows = []
     for i, layer in stats.layers.items():
@@ -47,8 +63,11 @@ def run(args) -> int:
         beta = layer.beta
         rows.append((i, f"{used}/{layer.num_experts}", int(layer.frequency.max()), int(layer.frequency.min()),
                      f"{float(layer.mean_norm[layer.frequency > 0].mean()):.3f}", "-" if beta is None else f"{beta:.3f}"))
+    mode = "layer-streamed" if stats.meta.get("streamed") else "in memory"
     print_table(f"calibrated {stats.meta['tokens']:,} tokens of {stats.meta['data']} in {stats.meta['seconds']:.1f}s "
-                f"-> {args.out}", ["layer", "experts used", "max freq", "min freq", "mean ||E(x)||", "beta"], rows)
+                f"({stats.meta['tokens'] / max(stats.meta['seconds'], 1e-9):,.0f} tok/s, {mode}, {stats.meta['dtype']}, "
+                f"peak RSS {peak_rss_gib():.2f} GiB) -> {args.out}",
+                ["layer", "experts used", "max freq", "min freq", "mean ||E(x)||", "beta"], rows)
     return 0
 
 
@@ -66,3 +85,9 @@ def command_line(args, positional: tuple[str, ...]) -> str:
         else:
             parts += [flag, shlex.quote(str(value))]
     return " ".join(parts)
+
+
+def add_dtype_argument(parser, what: str) -> None:
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                        help=f"working dtype for {what} (default auto: the checkpoint's stored dtype, bf16 for "
+                             "hub MoE checkpoints; float32 only when asked: twice the memory)")

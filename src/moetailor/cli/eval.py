@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from ..tables import print_table
+from .calibrate import add_dtype_argument
 
 
 def register(sub) -> None:
@@ -46,6 +47,12 @@ def register(sub) -> None:
                    help="MODEL is a split checkpoint: evaluate these sub-expert budgets (topk:K) against --original "
                         "at equal active parameters, and count usable operating points")
     p.add_argument("--original", default="reference", help="with --budgets: the model the split came from")
+    p.add_argument("--metric", choices=("tasks", "kl"), default="tasks",
+                   help="tasks (default): the task suite and held-out KL on a model in memory; kl: only held-out "
+                        "KL and perplexity against the full MODEL, layer-streamed (any size; the quality number "
+                        "for random-weight checkpoints), of --plan (masked on every token) or --pruned DIR")
+    p.add_argument("--pruned", default=None, help="with --metric kl: a pruned checkpoint of MODEL to compare")
+    add_dtype_argument(p, "--metric kl")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="with --budgets: a budget is usable within this accuracy drop of the full budget (0.05)")
     p.set_defaults(func=run)
@@ -56,6 +63,10 @@ def run(args) -> int:
     from ..eval.report import write_docs
     from ..eval.runner import EvalSettings, Sweep
     t0 = time.time()
+    if args.metric == "kl":
+        return run_kl(args)
+    if args.pruned:
+        raise ValueError("--pruned is for --metric kl; evaluate a pruned checkpoint's tasks as MODEL instead")
     settings = EvalSettings(
         model=args.model, tasks=[e.strip() for e in args.tasks.split(",") if e.strip()], n=args.n, seeds=args.seeds,
         sampling=[s.strip() for s in args.sampling.split(",") if s.strip()], configs=parse_configs(args.configs),
@@ -137,4 +148,37 @@ def run_budgets(args, settings, t0: float) -> int:
                 ["active fraction", "split k", "split acc %", "split p50/p90", "original k", "original acc %",
                  "original p50/p90"], budget_rows(result))
     print(f"wrote {Path(args.out) / 'budgets.md'} (+ .json, .png) in {time.time() - t0:.0f} s")
+    return 0
+
+
+def run_kl(args) -> int:
+    """``--metric kl``: held-out KL of a plan or a pruned checkpoint from the full model, layer-streamed."""
+    from ..data.corpus import bundled_documents
+    from ..eval.metrics import heldout_windows
+    from ..eval.streamed_kl import heldout_kl_streamed
+    from ..models import load_tokenizer, resolve_model_path
+    from ..models.checkpoint import working_dtype
+
+    if args.sweep or args.budgets:
+        raise ValueError("--metric kl compares one candidate; pass --plan PLAN or --pruned DIR (not --sweep/--budgets)")
+    if args.kl_window < 4:
+        raise ValueError(f"--kl-window must be at least 4 tokens, got {args.kl_window}")
+    from ..outputs import check_output, write_json
+
+    path = resolve_model_path(args.model)
+    inputs = [path] + ([resolve_model_path(args.pruned)] if args.pruned else []) + ([args.plan] if args.plan else [])
+    out = check_output(args.out, overwrite=True, inputs=inputs, directory=True, replaces=False)
+    check_output(out / "kl.json", overwrite=args.overwrite, inputs=inputs)
+    windows = heldout_windows(load_tokenizer(args.model), bundled_documents("heldout"), args.kl_docs, args.kl_window)
+    result = heldout_kl_streamed(path, windows, plan=args.plan, pruned=args.pruned,
+                                 dtype=working_dtype(args.dtype, path))
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"model": str(path), "plan": args.plan, "pruned": args.pruned, "dtype": args.dtype,
+              "windows": len(windows), "window": args.kl_window, **result.to_json()}
+    write_json(out / "kl.json", record)
+    print_table(f"held-out KL vs the full {args.model} ({len(windows)} windows x {args.kl_window} tokens, layer-streamed)",
+                ["candidate", "KL nats/token", "ppl full", "ppl candidate", "tokens", "seconds", "peak RSS GiB"],
+                [(result.candidate, f"{result.kl:.4f}", f"{result.perplexity_full:.2f}", f"{result.perplexity:.2f}",
+                  result.tokens, f"{result.seconds:.0f}", f"{result.peak_rss_gib:.2f}")])
+    print(f"wrote {out / 'kl.json'}")
     return 0

@@ -40,9 +40,9 @@ def run(args) -> int:
                  inputs=(args.stats, resolve_model_path(args.model) if args.model else None))
     stats = ExpertStats.load(args.stats)
     model = None
-    if args.model:
-        from ..models import load_model
-        model = load_model(args.model)
+    if args.model:   # only its routers are read (a meta-device skeleton): any size fits
+        from ..models.checkpoint import skeleton
+        model, _ = skeleton(args.model)
     command = command_line(args, positional=("stats",))
     plan = make_plan(stats, model, args.criterion, keep=args.keep, keep_experts=args.keep_experts, layers=args.layers,
                      phase=args.phase, seed=args.seed, stats_path=str(args.stats), command=command,

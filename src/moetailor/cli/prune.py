@@ -22,19 +22,22 @@ def _size(path) -> int:
 
 
 def run(args) -> int:
+    from ..memory import peak_rss_gib
     from ..models import resolve_model_path
-    from ..transforms import prune_checkpoint, read_sidecar
+    from ..transforms import read_sidecar
+    from ..transforms.streaming import prune_checkpoint_streamed
 
     command = command_line(args, positional=("model", "plan"))
     source = resolve_model_path(args.model)
-    out = prune_checkpoint(args.model, args.plan, args.out, overwrite=args.overwrite, phase=args.phase,
-                           command=command)
+    out = prune_checkpoint_streamed(source, args.plan, args.out, overwrite=args.overwrite, phase=args.phase,
+                                    command=command)
     side = read_sidecar(out)
     before, after = _size(source), _size(out)
     print_table(f"pruned checkpoint -> {out}", ["property", "value"], [
         ("experts per layer", f"{side['num_experts_original']} -> {side['num_experts_kept']}"),
         ("weights on disk", f"{before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB ({after / max(before, 1):.0%})"),
         ("kept ids", f"in {out}/moetailor_pruning.json"),
+        ("peak RSS", f"{peak_rss_gib():.2f} GiB (streamed: one tensor at a time)"),
     ])
     return 0
 

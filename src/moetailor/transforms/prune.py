@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..models.adapters import moe_layers, semantics_for
+from ..models.adapters import semantics_for
 from ..models.architectures import arch_spec
+from ..models.checkpoint import EXPERT_KEY, FUSED_KEY, ROUTER_KEY, split_layer_key
 from ..models.groups import checkpoint_problem
 from ..models.loading import model_fingerprint, resolve_model_path
 from ..plans.plan import Plan
@@ -74,36 +75,47 @@ def pruned_config(config, count: int):
     return config
 
 
-def _module_names(model) -> dict[int, str]:
-    return {id(m): name for name, m in model.named_modules()}
+def pruned_name(name: str, kept: dict[int, tuple[int, ...]]) -> tuple[str, torch.Tensor | None] | None:
+    """How a pruned checkpoint stores tensor ``name`` (the one slicing rule of the in-memory and the
+    streamed pruner, for fused and hub-layout names): None = drop it (a dropped expert's weights);
+    (new name, None) = keep it whole; (name, kept ids [m']) = keep those rows (router rows,
+    ``e_score_correction_bias``, fused experts [E, ...]). Hub-layout experts are renumbered 0..m'-1
+    in kept order."""
+    split = split_layer_key(name)
+    if split is None or split[0] not in kept:
+        return name, None
+    layer, rest = split
+    ids = kept[layer]
+    m = EXPERT_KEY.match(rest)
+    if m:
+        e = int(m["expert"])
+        if e not in ids:
+            return None
+        base = name[: len(name) - len(rest)]
+        return f"{base}{m['moe']}.experts.{ids.index(e)}.{m['proj']}.weight", None
+    if FUSED_KEY.match(rest) or ROUTER_KEY.match(rest):
+        return name, torch.tensor(ids, dtype=torch.long)
+    return name, None
 
 
 def pruned_state(model, kept: dict[int, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], int]:
     """The model's state dict with routed-expert dims sliced to the kept ids; returns (state, m')."""
-    names = _module_names(model)
-    state = dict(model.state_dict())
-    E = moe_layers(model)[0].num_experts
-    for layer in moe_layers(model):
-        ids = torch.tensor(kept[layer.index], dtype=torch.long)
-        for module in (layer.router, layer.experts):
-            prefix = names[id(module)]
-            for key, tensor in list(module.state_dict().items()):
-                full = f"{prefix}.{key}"
-                if tensor.ndim >= 1 and tensor.shape[0] == E:
-                    state[full] = tensor.index_select(0, ids).clone()
+    state = {}
+    for name, tensor in model.state_dict().items():
+        action = pruned_name(name, kept)
+        if action is None:
+            continue
+        new, rows = action
+        state[new] = tensor if rows is None else tensor.index_select(0, rows).clone()
     return state, len(next(iter(kept.values())))
-
-
-def _dtype_of(path: Path):
-    config = json.loads((path / "config.json").read_text())
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else torch.float32
 
 
 def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite: bool = False,
                      phase: str = "decode", command: str | None = None) -> Path:
     """Write a stock checkpoint with only the plan's kept experts (``model``: a path, "reference" or a
-    loaded model). Written to a temporary directory and renamed: never half a checkpoint."""
+    loaded model; ``streaming.prune_checkpoint_streamed`` prunes a checkpoint on disk without loading
+    it). Written to a temporary directory and renamed: never half a checkpoint."""
+    from ..models.checkpoint import stored_dtype
     from ..models.loading import load_model
 
     source = None
@@ -114,7 +126,7 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
     inputs = (source, None if isinstance(plan, Plan) else plan)
     out = refuse_existing(out, overwrite, inputs)   # before any work; never over the source checkpoint
     if isinstance(model, (str, Path)):
-        model = load_model(source, dtype=_dtype_of(source))  # keep the stored dtype: sizes shrink as expected
+        model = load_model(source, dtype=stored_dtype(source))  # keep the stored dtype: sizes shrink as expected
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
     if getattr(model, "_moetailor_controller", None) is not None:
@@ -130,12 +142,19 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
     with checkpoint_directory(out, overwrite, inputs) as tmp:
         pruned.save_pretrained(tmp)
         copy_tokenizer(source, tmp)
-        sidecar = {"format": "moetailor-pruning", "version": 1, "phase": phase,
-                   "source_model": model_fingerprint(model), "num_experts_original": original_E,
-                   "num_experts_kept": count, "kept": {str(i): list(ids) for i, ids in sorted(kept.items())},
-                   "plan_meta": plan.meta, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": command}
-        (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=1))
+        write_sidecar(tmp, model, plan, kept, phase, original_E, command)
     return out
+
+
+def write_sidecar(directory: Path, model, plan: Plan, kept: dict[int, tuple[int, ...]], phase: str,
+                  num_experts_original: int, command: str | None, **extra) -> None:
+    """The pruning record beside a pruned checkpoint's weights (kept original ids per layer)."""
+    sidecar = {"format": "moetailor-pruning", "version": 1, "phase": phase,
+               "source_model": model_fingerprint(model), "num_experts_original": num_experts_original,
+               "num_experts_kept": len(next(iter(kept.values()))),
+               "kept": {str(i): list(ids) for i, ids in sorted(kept.items())},
+               "plan_meta": plan.meta, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": command, **extra}
+    (Path(directory) / SIDECAR).write_text(json.dumps(sidecar, indent=1))
 
 
 def read_sidecar(path: str | Path) -> dict:

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
 from ..models.adapters import MoeLayer, moe_layers
 from ..models.architectures import arch_spec
-from ..models.groups import chosen_groups, group_size, is_grouped, split_order
+from ..models.groups import chosen_groups, is_grouped, split_order
 from ..models.loading import model_fingerprint, resolve_model_path
 
 SIDECAR = "moetailor_split.json"
@@ -327,7 +327,6 @@ def plan_split(model, profile: dict[int, LayerProfile], parts: int, method: str 
 
 
 def _check_splittable(model, parts: int) -> None:
-    layers = moe_layers(model)
     check_parts(expert_width(model), parts)
     if getattr(getattr(getattr(model, "model", model), "layers", [None])[0], "mlp", None) is None:
         raise ValueError("model has no .mlp blocks to split")

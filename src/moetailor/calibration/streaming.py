@@ -1,0 +1,67 @@
+"""Layer-streamed calibration: the statistics of ``calibrate`` for a checkpoint that does not fit in memory.
+
+All calibration batches go through the embeddings, then through decoder layer 0 (loaded from the
+shards, then freed), then layer 1, and so on (``models.streamed.LayerStream``). The same
+``Collector`` observes each MoE layer's inputs and routes, so the statistics (frequency, mass, EAN,
+REAP, co-selection, beta, ExFold tables) are the in-memory calibration's: each batch meets the same
+layer computations, only in layer-major order. Peak memory: one decoder layer plus the activations of
+all batches ([tokens, H] in the working dtype; spilled to disk above ``spill_bytes``).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .calibrate import GATES, Collector, stats_of
+from .data import iter_token_batches, parse_data_spec
+
+
+def calibrate_streamed(source: str | Path, tokenizer, data_spec: str, tokens: int, *, dtype: torch.dtype | None = None,
+                       seed: int = 0, batch_tokens: int = 4096, seq_len: int = 512, gate: str = "renorm",
+                       all_experts: bool = False, fold: bool = False, progress: bool = True,
+                       command: str | None = None, spill_dir: str | Path | None = None,
+                       spill_bytes: int = 4 << 30):
+    """Calibrate the checkpoint at ``source`` layer by layer (arguments as ``calibrate``; ``dtype``
+    None = the checkpoint's stored dtype). Deterministic given ``seed``."""
+    from tqdm import tqdm
+
+    from ..memory import peak_rss_gib
+    from ..models.loading import model_fingerprint
+    from ..models.streamed import LayerStream, spill_directory
+    from ..routing import RoutingController
+
+    spec = parse_data_spec(data_spec)
+    if gate not in GATES:
+        raise ValueError(f"unknown gate definition {gate!r}; choose from {', '.join(GATES)}")
+    t0 = time.time()
+    stream = LayerStream(source, dtype)
+    fingerprint = model_fingerprint(stream.model)
+    torch.manual_seed(seed)
+    batches = list(iter_token_batches(tokenizer, spec, tokens, batch_tokens, seq_len, seed))
+    seen = sum(b.numel() for b in batches)
+    if seen == 0:
+        raise ValueError("no calibration tokens were read; check --data and --tokens")
+    shapes = [tuple(b.shape) for b in batches]
+    ctl = RoutingController.of(stream.model)
+    collector = Collector(ctl.layers, gate, fold, all_experts)
+    total = len(stream.layers) * seen
+    bar = tqdm(total=total, unit="tok", desc="calibrating (layer-streamed)", disable=not progress, file=sys.stderr,
+               mininterval=2)
+    act_bytes = seen * stream.config.hidden_size * stream.dtype.itemsize
+    try:
+        with spill_directory(act_bytes, spill_bytes, spill_dir) as spill, ctl.policy(None), ctl.observing(collector):
+            acts = stream.embed(batches, spill)
+            stream.run_layers(acts, shapes, on_batch=lambda i, b: bar.update(batches[b].numel()),
+                              after_layer=lambda i: bar.set_postfix_str(f"layer {i + 1}/{len(stream.layers)}, "
+                                                                        f"peak RSS {peak_rss_gib():.1f} GiB"))
+    finally:
+        bar.close()
+        ctl.remove()
+        stream.close()
+    meta = {"data": str(spec), "seed": seed, "seq_len": min(seq_len, batch_tokens), "batch_tokens": batch_tokens,
+            "command": command, "dtype": str(stream.dtype).replace("torch.", ""), "streamed": True,
+            "peak_rss_gib": round(peak_rss_gib(), 2)}
+    return stats_of(collector, fingerprint, seen, all_experts, t0, meta)

@@ -1,0 +1,155 @@
+"""Running a checkpoint layer by layer: embeddings, then one decoder layer at a time from the shards.
+
+Memory holds one decoder layer plus the activations of every batch ([tokens, H] in the working
+dtype; on disk when they exceed ``spill_bytes``), never the model. Each layer sees exactly the
+inputs the stock model gives it: the attention mask, position ids and rotary tables are captured by
+running the stock base model's forward once per batch shape with its decoder layers replaced by
+recorders, so every architecture's mask rules (causal, sliding window) are the stock ones.
+
+``LayerStream(path, dtype)`` holds the meta-device skeleton (``checkpoint.skeleton``): a
+RoutingController installed on it (observers, plans) acts on each layer while it is loaded.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from .adapters import decoder_layers
+from .architectures import arch_spec
+from .checkpoint import free_module, load_module, skeleton, stored_dtype
+
+
+class _Recorder(nn.Module):
+    """Stands in for decoder layer ``index``: records its call arguments, passes hidden through."""
+
+    def __init__(self, sink: dict, index: int):
+        super().__init__()
+        self.sink, self.index = sink, index
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.sink[self.index] = (args, kwargs)
+        return hidden_states
+
+
+class Activations:
+    """Per-batch hidden states [B, S, H], in memory or (``spill_dir``) one file per batch on disk."""
+
+    def __init__(self, spill_dir: Path | None = None):
+        self.spill_dir = spill_dir
+        self.memory: dict[int, torch.Tensor] = {}
+
+    def __setitem__(self, b: int, value: torch.Tensor) -> None:
+        if self.spill_dir is None:
+            self.memory[b] = value
+        else:
+            from safetensors.torch import save_file
+            save_file({"h": value.contiguous()}, str(self.spill_dir / f"{b}.safetensors"))
+
+    def __getitem__(self, b: int) -> torch.Tensor:
+        if self.spill_dir is None:
+            return self.memory[b]
+        from safetensors.torch import load_file
+        return load_file(str(self.spill_dir / f"{b}.safetensors"))["h"]
+
+
+class LayerStream:
+    """A checkpoint run layer-major over a fixed list of token batches (see the module docstring)."""
+
+    def __init__(self, path: str | Path, dtype: torch.dtype | None = None):
+        self.dtype = dtype or stored_dtype(path)
+        self.model, self.ckpt = skeleton(path, self.dtype)
+        self.config = self.model.config
+        self.num_experts = arch_spec(self.config).num_experts(self.config)
+        self.base = getattr(self.model, "model", self.model)
+        self.layers = decoder_layers(self.model)
+        self._inputs: dict[tuple, dict[int, tuple]] = {}
+
+    def _load(self, module: nn.Module, prefix: str) -> nn.Module:
+        return load_module(module, prefix, self.ckpt, self.config.model_type, self.num_experts, self.dtype)
+
+    def layer_inputs(self, shape: tuple[int, int], index: int) -> tuple[tuple, dict]:
+        """The (args, kwargs) the stock model passes decoder layer ``index`` for a batch [B, S]."""
+        if shape not in self._inputs:
+            sink: dict[int, tuple] = {}
+            layers = self.base.layers
+            self.base.layers = nn.ModuleList([_Recorder(sink, i) for i in range(len(layers))])
+            try:
+                embeds = torch.zeros(*shape, self.config.hidden_size, dtype=self.dtype)   # [B, S, H]
+                with torch.no_grad():
+                    self.base(inputs_embeds=embeds, use_cache=False)
+            finally:
+                self.base.layers = layers
+            self._inputs[shape] = sink
+        return self._inputs[shape][index]
+
+    def embed(self, batches: list[torch.Tensor], spill_dir: Path | None = None) -> Activations:
+        """Hidden states after the embeddings, one entry per batch (LongTensor [B, S] each)."""
+        acts = Activations(spill_dir)
+        embed = self._load(self.base.embed_tokens, "model.embed_tokens")
+        with torch.no_grad():
+            for b, ids in enumerate(batches):
+                acts[b] = embed(ids)                                                     # [B, S, H]
+        free_module(embed)
+        return acts
+
+    def run_layers(self, acts: Activations, shapes: list[tuple[int, int]],
+                   on_batch: Callable[[int, int], None] | None = None,
+                   after_layer: Callable[[int], None] | None = None) -> Activations:
+        """Push every batch through every decoder layer, loading one layer at a time."""
+        with torch.no_grad():
+            for i, layer in enumerate(self.layers):
+                self._load(layer, f"model.layers.{i}")
+                for b, shape in enumerate(shapes):
+                    args, kwargs = self.layer_inputs(shape, i)
+                    out = layer(acts[b], *args, **kwargs)
+                    acts[b] = out[0] if isinstance(out, tuple) else out
+                    if on_batch is not None:
+                        on_batch(i, b)
+                free_module(layer)
+                if after_layer is not None:
+                    after_layer(i)
+        return acts
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm and LM head on hidden [B, S, H] -> logits [B, S, V] (fp32)."""
+        head = getattr(self.model, "lm_head", None)
+        if head is None or getattr(self.config, "tie_word_embeddings", False) and \
+                "lm_head.weight" not in self.ckpt.weight_map:
+            weight = self.ckpt.get("model.embed_tokens.weight")
+        else:
+            weight = self.ckpt.get("lm_head.weight")
+        with torch.no_grad():
+            h = self.base.norm(hidden)
+            return torch.nn.functional.linear(h, weight.to(h.dtype)).float()
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def spill_directory(total_bytes: int, spill_bytes: int, spill_dir: str | Path | None) -> Iterator:
+    """A context yielding the directory activations spill to (None: keep them in memory)."""
+    from contextlib import nullcontext
+
+    if spill_dir is None and total_bytes <= spill_bytes:
+        return nullcontext(None)
+    if spill_dir is not None:
+        Path(spill_dir).mkdir(parents=True, exist_ok=True)
+    print(f"activations ({total_bytes / 2**30:.1f} GiB) spill to disk", file=sys.stderr)
+    return _TempDir(spill_dir)
+
+
+class _TempDir:
+    def __init__(self, parent):
+        self.parent = parent
+
+    def __enter__(self) -> Path:
+        self._tmp = tempfile.TemporaryDirectory(prefix="moetailor-acts-", dir=self.parent)
+        return Path(self._tmp.name)
+
+    def __exit__(self, *exc):
+        self._tmp.cleanup()

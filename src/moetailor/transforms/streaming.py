@@ -1,0 +1,65 @@
+"""Pruning a checkpoint on disk one tensor at a time: memory holds one output shard, never the model.
+
+The plan is checked and its kept experts are read against a meta-device skeleton of the model
+(only the routers are loaded, for the fingerprint), then every stored tensor is read, sliced or
+dropped by the same rule as the in-memory pruner (``prune.pruned_name``) and appended to the
+output shards. The result is the same stock checkpoint ``prune_checkpoint`` writes from a loaded
+model: the config's expert count is the kept count and ``moetailor_pruning.json`` lists the kept ids.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from ..plans.plan import Plan
+from .artifacts import checkpoint_directory, copy_tokenizer, refuse_existing
+from .prune import kept_per_layer, pruned_config, pruned_name, write_sidecar
+
+COPIED = ("generation_config.json",)
+
+
+def prune_checkpoint_streamed(source: str | Path, plan: Plan | str | Path, out: str | Path, overwrite: bool = False,
+                              phase: str = "decode", command: str | None = None, shard_bytes: int = 1 << 30,
+                              progress: bool = True) -> Path:
+    """Write a stock checkpoint holding only the plan's kept experts of the checkpoint at ``source``,
+    reading and writing one tensor at a time (into a temporary directory renamed at the end)."""
+    from tqdm import tqdm
+    from transformers import AutoConfig
+
+    from ..models.architectures import arch_spec
+    from ..models.checkpoint import ShardWriter, skeleton, stored_dtype
+
+    inputs = (Path(source), None if isinstance(plan, Plan) else plan)
+    out = refuse_existing(out, overwrite, inputs)   # before any work; never over the source checkpoint
+    model, ckpt = skeleton(source, stored_dtype(source))
+    if not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    kept = kept_per_layer(plan, model, phase)
+    config = AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
+    spec = arch_spec(config)
+    original_E = spec.num_experts(config)
+    config = pruned_config(config, len(next(iter(kept.values()))))
+    names = ckpt.keys()
+    with checkpoint_directory(out, overwrite, inputs) as tmp:
+        writer = ShardWriter(tmp, shard_bytes)
+        bar = tqdm(total=len(names), unit="tensor", desc="pruning", disable=not progress, file=sys.stderr,
+                   mininterval=2)
+        for name in names:
+            action = pruned_name(name, kept)
+            bar.update(1)
+            if action is None:
+                continue                                # a dropped expert: never read
+            new, rows = action
+            tensor = ckpt.get(name)
+            writer.add(new, tensor if rows is None else tensor.index_select(0, rows))
+        writer.close()
+        bar.close()
+        ckpt.close()
+        config.save_pretrained(tmp)
+        for extra in COPIED:
+            if (ckpt.path / extra).is_file():
+                shutil.copy2(ckpt.path / extra, tmp / extra)
+        copy_tokenizer(ckpt.path, tmp)
+        write_sidecar(tmp, model, plan, kept, phase, original_E, command, streamed=True)
+    return out
