@@ -11,8 +11,10 @@ def register(sub) -> None:
     p = sub.add_parser("calibrate", help="one forward pass over calibration text -> per-expert statistics "
                        "(frequency, mass, EAN, REAP, co-selection, NAEE beta; ExFold tables with --fold)")
     p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
-    p.add_argument("--data", default="mix", help="tasks | text | text:DOMAIN[,DOMAIN] | mix | FILE.jsonl | FILE.txt "
-                   "(default: mix)")
+    p.add_argument("--data", default=None,
+                   help="the traffic to calibrate on: FILE.jsonl (\"text\", \"prompt\"+\"completion\" or chat "
+                   "\"messages\" per line) | FILE.txt | tasks | tasks:TASK[,TASK] | text | text:DOMAIN[,DOMAIN] | mix | "
+                   "mixture:tasks=0.7,text=0.3 (default for 'reference': tasks, its workload; required otherwise)")
     p.add_argument("--tokens", type=int, default=200_000, help="calibration tokens (default 200000)")
     p.add_argument("--out", required=True, help="statistics file to write (.safetensors)")
     p.add_argument("--seed", type=int, default=0)
@@ -28,8 +30,12 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..calibration import calibrate
+    from ..calibration.calibrate import calibration_record, describe_calibration
+    from ..calibration.data import default_data_spec, parse_data_spec
     from ..models import load_model, load_tokenizer
 
+    args.data = default_data_spec(args.model, args.data)
+    parse_data_spec(args.data)  # bad input fails before the model loads
     model = load_model(args.model)
     tokenizer = load_tokenizer(args.model)
     command = command_line(args, positional=("model",))
@@ -43,6 +49,7 @@ def run(args) -> int:
         beta = layer.beta
         rows.append((i, f"{used}/{layer.num_experts}", int(layer.frequency.max()), int(layer.frequency.min()),
                      f"{float(layer.mean_norm[layer.frequency > 0].mean()):.3f}", "-" if beta is None else f"{beta:.3f}"))
+    print(f"calibrated on: {describe_calibration(calibration_record(stats.meta))}")
     print_table(f"calibrated {stats.meta['tokens']:,} tokens of {stats.meta['data']} in {stats.meta['seconds']:.1f}s "
                 f"-> {args.out}", ["layer", "experts used", "max freq", "min freq", "mean ||E(x)||", "beta"], rows)
     return 0

@@ -10,6 +10,7 @@ Layout of OUT::
 
     stats.safetensors  calibration statistics (once per model)
     plans/          <criterion>-<keep>.json
+    stats-<data>.safetensors, plans/<data>/   the same per calibration domain, for a sweep with a data= axis
     cells/          one JSON per completed cell
     results.json    everything, with model, plans, seeds, versions and the command
     results.md      the tables;  *.png  the plots
@@ -48,17 +49,39 @@ def available_criteria() -> tuple[str, ...]:
     return tuple(CRITERIA)
 
 
+DOMAINS_SHORTHAND = "domains"   # data=domains: the whole task suite, each task alone, the bundled text, mix
+
+
+def sweep_data(spec: str) -> tuple[str, ...] | None:
+    """The calibration-data axis of a sweep (``data=tasks|text|tasks:addition``, ``|``-separated since a
+    spec may hold commas; ``data=domains`` = tasks, each task, text and mix), or None when absent."""
+    parts = dict(p.split("=", 1) for p in spec.split(";") if "=" in p)
+    if "data" not in parts:
+        return None
+    from ..calibration.data import parse_data_spec
+    values = [v.strip() for v in parts["data"].split("|") if v.strip()]
+    if values == [DOMAINS_SHORTHAND]:
+        values = ["tasks", *[f"tasks:{t}" for t in TASKS], "text", "mix"]
+    if not values:
+        raise ValueError(f"sweep {spec!r}: data= lists no calibration data; e.g. data=tasks|text|mix or data=domains")
+    for v in values:
+        parse_data_spec(v)
+    return tuple(dict.fromkeys(values))
+
+
 def parse_sweep(spec: str) -> tuple[tuple[str, ...], tuple[float, ...]]:
-    """A named sweep ('paper', 'full') or 'criteria=frequency,reap;keep=0.5,0.25' -> (criteria, keeps)."""
+    """A named sweep ('paper', 'full') or 'criteria=frequency,reap;keep=0.5,0.25' -> (criteria, keeps).
+    An optional ``data=...`` part (see ``sweep_data``) adds calibration domains as a third axis."""
     valid = available_criteria()
     if spec in SWEEPS:
         criteria, keeps = SWEEPS[spec]
         criteria = criteria or valid
     else:
         parts = dict(p.split("=", 1) for p in spec.split(";") if "=" in p)
-        if not parts or set(parts) - {"criteria", "keep"} or len(parts) != len(spec.split(";")):
+        if not parts or set(parts) - {"criteria", "keep", "data"} or len(parts) != len(spec.split(";")):
             raise ValueError(f"cannot read sweep {spec!r}; use a named sweep ({', '.join(SWEEPS)}) or "
-                             "'criteria=frequency,reap;keep=0.5,0.25'")
+                             "'criteria=frequency,reap;keep=0.5,0.25' (optionally ';data=tasks|text|mix')")
+        sweep_data(spec)
         criteria = tuple(c.strip() for c in parts.get("criteria", ",".join(valid)).split(",") if c.strip())
         try:
             keeps = tuple(float(k) for k in parts.get("keep", ",".join(map(str, DEFAULT_KEEPS))).split(","))
@@ -87,7 +110,8 @@ class EvalSettings:
     kl_docs: int = 2                   # held-out documents per text domain
     kl_window: int = 256               # tokens per held-out window (KL measured on its second half)
     calib_tokens: int = 32768
-    calib_data: str = "mix"            # calibration data spec (see moetailor.calibration.data)
+    calib_data: str | None = None      # calibration data spec (moetailor.calibration.data); None = the
+                                       # bundled model's task domain (required for other models)
     max_num_seqs: int = 64
     temperature: float = 1.0
     top_p: float = 0.95
@@ -110,6 +134,9 @@ class EvalSettings:
             needing = [c.label for c in self.configs if c.definition.uses_plan]
             raise ValueError(f"configurations {needing} need a plan; pass --plan PLAN or --sweep SPEC "
                              "(or --configs baseline)")
+        if self.sweep and parse_sweep(self.sweep) and sweep_data(self.sweep) is None:
+            from ..calibration.data import default_data_spec, parse_data_spec
+            parse_data_spec(default_data_spec(self.model, self.calib_data, "--calib-data"))
         if self.kl_window < 4:
             raise ValueError(f"--kl-window must be at least 4 tokens, got {self.kl_window}")
         return resolve_tasks(self.tasks)
@@ -157,43 +184,74 @@ class Variant:
     criterion: str | None
     keep: float | None
     plan: Plan
+    calibration: dict | None = None   # the base plan's calibration record (data, tokens, sha256)
 
 
-def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log) -> list[tuple[str | None, float | None, Plan | None]]:
-    """(criterion, keep, plan) per base plan: the given plan, the sweep's plans, or none."""
+@dataclass(frozen=True)
+class PlanSource:
+    """One base plan of an evaluation: ``label`` prefixes its variants (``reap-0.5``, or
+    ``reap-0.5@tasks:addition`` when the sweep has a calibration-data axis)."""
+
+    label: str | None
+    criterion: str | None
+    keep: float | None
+    plan: Plan | None
+    data: str | None = None       # the calibration data's name (from the plan's record)
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log) -> list[PlanSource]:
+    """The base plans: the given plan, the sweep's plans (per calibration domain), or none."""
     if settings.plan:
         plan = Plan.load(settings.plan)
         plan.check_model(model)
-        return [(plan.meta.get("criterion", Path(settings.plan).stem), plan.meta.get("keep_ratio"), plan)]
+        criterion = plan.meta.get("criterion", Path(settings.plan).stem)
+        keep = plan.meta.get("keep_ratio")
+        label = f"{criterion}-{keep:g}" if keep is not None else str(criterion)
+        return [PlanSource(label, criterion, keep, plan, (plan.meta.get("calibration") or {}).get("data"))]
     if not settings.sweep:
-        return [(None, None, None)]
-    criteria, keeps = parse_sweep(settings.sweep)
-    stats_path = out / "stats.safetensors"
-    stats = calibrated_stats(model, tokenizer, stats_path, settings.calib_data, settings.calib_tokens, log)
+        return [PlanSource(None, None, None, None)]
+    from ..calibration.data import default_data_spec
     from ..plans.criteria import make_plan
+    criteria, keeps = parse_sweep(settings.sweep)
+    datas = sweep_data(settings.sweep)
+    axis = datas is not None
     sources = []
-    for criterion in criteria:
-        for keep in keeps:
-            path = out / "plans" / f"{criterion}-{keep:g}.json"
-            plan = Plan.load(path) if path.exists() else None
-            if plan is None or plan.model.get("router_hash") != stats.model.get("router_hash"):
-                plan = make_plan(stats, model, criterion, keep=keep, stats_path=str(stats_path))
-                plan.save(path)
-            plan.check_model(model)
-            sources.append((criterion, keep, plan))
+    for data in datas or (default_data_spec(settings.model, settings.calib_data, "--calib-data"),):
+        stats_path = out / (f"stats-{_slug(data)}.safetensors" if axis else "stats.safetensors")
+        stats = calibrated_stats(model, tokenizer, stats_path, data, settings.calib_tokens, log)
+        for criterion in criteria:
+            for keep in keeps:
+                path = out / "plans" / (_slug(data) if axis else "") / f"{criterion}-{keep:g}.json"
+                plan = Plan.load(path) if path.exists() else None
+                if plan is None or plan.model.get("router_hash") != stats.model.get("router_hash") or \
+                        plan.meta.get("calibration", {}).get("sha256") != stats.meta.get("data_sha256"):
+                    plan = make_plan(stats, model, criterion, keep=keep, stats_path=str(stats_path))
+                    plan.save(path)
+                plan.check_model(model)
+                label = f"{criterion}-{keep:g}" + (f"@{data}" if axis else "")
+                sources.append(PlanSource(label, criterion, keep, plan, stats.meta.get("data")))
     return sources
 
 
 def calibrated_stats(model, tokenizer, path: Path, data: str, tokens: int, log):
     """Calibration statistics for this model: loaded from ``path`` when an earlier run cached them
-    (and they match the model), else computed once and cached there."""
+    (and they match the model, the data and the token count), else computed once and cached there."""
     from ..calibration import ExpertStats, StatsMismatch, calibrate
+    from ..calibration.data import parse_data_spec
 
     if path.exists():
         stats = ExpertStats.load(path)
         try:
             stats.check_model(model)
-            return stats
+            if stats.meta.get("data") == parse_data_spec(data).name and stats.meta.get("tokens") == tokens \
+                    and stats.meta.get("data_sha256"):
+                return stats
+            log(f"cached statistics in {path} are for other data ({stats.meta.get('data')!r}, "
+                f"{stats.meta.get('tokens')} tokens); recalibrating")
         except StatsMismatch as e:
             log(f"cached statistics are for another model ({e}); recalibrating")
     log(f"calibrating on {tokens:,} tokens of {data!r} (once per model) ...")
@@ -204,17 +262,17 @@ def calibrated_stats(model, tokenizer, path: Path, data: str, tokens: int, log):
     return stats
 
 
-def variants(settings: EvalSettings, sources, model) -> list[Variant]:
+def variants(settings: EvalSettings, sources: list[PlanSource], model) -> list[Variant]:
     out, seen = [], set()
-    for criterion, keep, plan in sources:
+    for src in sources:
+        calibration = src.plan.meta.get("calibration") if src.plan is not None else None
         for spec in settings.configs:
             if spec.definition.uses_plan:
-                prefix = f"{criterion}-{keep:g}" if keep is not None else str(criterion)
-                key = f"{prefix}/{spec.label}"
-                v = Variant(key, spec.label, criterion, keep, spec.build(model, plan))
+                key = f"{src.label}/{spec.label}"
+                v = Variant(key, spec.label, src.criterion, src.keep, spec.build(model, src.plan), calibration)
             else:
                 key = spec.label
-                v = Variant(key, spec.label, None, None, spec.build(model, plan))
+                v = Variant(key, spec.label, None, None, spec.build(model, src.plan))
             if key not in seen:
                 seen.add(key)
                 out.append(v)
@@ -240,7 +298,15 @@ def _guard_summary(snapshots: list[dict | None]) -> dict | None:
 
 
 def _cell_file(out: Path, key: str) -> Path:
-    return out / "cells" / (key.replace("/", "__").replace(":", "_") + ".json")
+    return out / "cells" / (key.replace("/", "__").replace(":", "_").replace("|", "_") + ".json")
+
+
+def plan_digest(plan: Plan) -> str:
+    """What a cell's numbers depend on in a plan: its phase policies, fold tables and decoder."""
+    import hashlib
+    body = {"prefill": plan.prefill.to_json(), "decode": plan.decode.to_json(), "fold_stats": plan.fold_stats,
+            "decode_model": plan.meta.get("decode_model"), "guard": plan.meta.get("guard")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class Sweep:
@@ -284,7 +350,7 @@ class Sweep:
         return self._scorer
 
     # -- cells -----------------------------------------------------------------------------------
-    def _load_cell(self, key: str):
+    def _load_cell(self, key: str, variant: Variant):
         path = _cell_file(self.out, key)
         if not path.exists():
             return None
@@ -292,7 +358,8 @@ class Sweep:
             data = json.loads(path.read_text())
         except json.JSONDecodeError:
             return None
-        return data if data.get("signature") == self.signature else None
+        same = data.get("signature") == self.signature and data.get("plan_digest") == plan_digest(variant.plan)
+        return data if same else None
 
     def _sampling_params(self, mode: str, seed: int, task: str, index: int):
         from ..engine import SamplingParams
@@ -365,7 +432,7 @@ class Sweep:
         todo = []
         for v, mode, seed in jobs:
             key = f"{v.key}/{mode}" + ("" if seed is None else f"/seed{seed}")
-            cached = self._load_cell(key)
+            cached = self._load_cell(key, v)
             if cached is not None:
                 cells[key] = cached
             else:
@@ -380,6 +447,7 @@ class Sweep:
                 data = self.heldout_cell(v) if mode == "heldout" else self.generation_cell(v, mode, seed)
                 compute_s += time.time() - t0
                 data["signature"] = self.signature
+                data["plan_digest"] = plan_digest(v.plan)
                 _write_json(_cell_file(self.out, key), data)
                 cells[key] = data
                 bar.update(1)
@@ -415,7 +483,7 @@ class Sweep:
                     acc_mean, acc_std = mean_std([accuracy(g) for g in chosen])
                     lengths = length_stats([g for gens in chosen for g in gens])
                     rows.append({"variant": v.key, "configuration": v.config, "criterion": v.criterion,
-                                 "keep": v.keep, "sampling": mode, "task": task,
+                                 "keep": v.keep, "calibration": v.calibration, "sampling": mode, "task": task,
                                  "accuracy": acc_mean, "accuracy_std": acc_std,
                                  "accuracy_per_seed": [accuracy(g) for g in chosen], **lengths.to_json(),
                                  "max_tokens": self.budgets.get(task), "kl": held["kl"],
@@ -432,9 +500,9 @@ class Sweep:
                          f"{BUDGET_FACTOR:g}x the longest reference completion (+EOS) at the trained difficulties",
                          "heldout": {"docs_per_domain": self.settings.kl_docs, "window": self.settings.kl_window,
                                      "tokens_scored": cells[f"{self.variants[0].key}/heldout"]["tokens"]},
-                         "calibration": {"data": self.settings.calib_data, "tokens": self.settings.calib_tokens}
-                         if self.settings.sweep else None},
-            "plans": {f"{c}-{k:g}" if k is not None else str(c): p.to_json() for c, k, p in sources if p is not None},
+                         "calibration": [src.plan.meta.get("calibration") for src in sources
+                                         if src.plan is not None and src.plan.meta.get("calibration")] or None},
+            "plans": {src.label: src.plan.to_json() for src in sources if src.plan is not None},
             "versions": _versions(),
             "rows": rows,
             "histograms": histograms,
