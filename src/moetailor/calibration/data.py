@@ -74,7 +74,7 @@ def default_data_spec(model: str, data: str | None, flag: str = "--data") -> str
 
 def _component_names() -> tuple[list[str], list[str]]:
     from ..data.corpus import DOMAIN_NAMES
-    from ..eval.tasks import TASKS
+    from ..data.tasks import TASKS
     return list(TASKS), list(DOMAIN_NAMES)
 
 
@@ -125,7 +125,7 @@ def parse_data_spec(spec: str | DataSpec) -> DataSpec:
 
 
 def _task_documents(seed: int, names: tuple[str, ...] = ()) -> Iterator[str]:
-    from ..eval.tasks import TASKS, training_rng
+    from ..data.tasks import TASKS, training_rng
 
     rng = training_rng(TASK_SEED_OFFSET + seed)
     tasks = [TASKS[n] for n in names] if names else list(TASKS.values())

@@ -2,7 +2,7 @@
 `moetailor info PLAN.json`: what a plan keeps, per phase, and what it was calibrated on."""
 from __future__ import annotations
 
-from .common import print_table
+from ..tables import print_table
 
 
 def register(sub) -> None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .calibrate import command_line
-from .common import print_table
+from ..tables import print_table
 
 
 def register(sub) -> None:
@@ -57,7 +57,7 @@ def run(args) -> int:
 def run_search(args, stats, model, command: str) -> int:
     from ..calibration.data import default_data_spec
     from ..models import load_tokenizer
-    from ..plans.search_k import search_pool
+    from ..eval.search_k import search_pool
 
     if model is None or args.keep is None:
         raise ValueError("--layers search needs --model (to measure each layer's sensitivity) and --keep (the total)")

@@ -29,9 +29,9 @@ from pathlib import Path
 
 from ..models.loading import model_fingerprint
 from ..plans import Plan
-from .configurations import ConfigSpec
+from .configurations import ConfigSpec, Serving
 from .metrics import Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output
-from .tasks import TASKS, Task, eval_examples, eval_rng, resolve_tasks
+from ..data.tasks import TASKS, Task, eval_examples, eval_rng, resolve_tasks
 
 SAMPLING_MODES = ("greedy", "sample")
 DEFAULT_KEEPS = (0.75, 0.5, 0.25)
@@ -183,8 +183,12 @@ class Variant:
     config: str              # configuration label
     criterion: str | None
     keep: float | None
-    plan: Plan
+    serving: Serving
     calibration: dict | None = None   # the base plan's calibration record (data, tokens, sha256)
+
+    @property
+    def plan(self) -> Plan:
+        return self.serving.plan
 
 
 @dataclass(frozen=True)
@@ -301,11 +305,12 @@ def _cell_file(out: Path, key: str) -> Path:
     return out / "cells" / (key.replace("/", "__").replace(":", "_").replace("|", "_") + ".json")
 
 
-def plan_digest(plan: Plan) -> str:
-    """What a cell's numbers depend on in a plan: its phase policies, fold tables and decoder."""
+def plan_digest(serving: Serving) -> str:
+    """What a cell's numbers depend on in what it serves: phase policies, fold tables, decoder, guard."""
     import hashlib
+    plan = serving.plan
     body = {"prefill": plan.prefill.to_json(), "decode": plan.decode.to_json(), "fold_stats": plan.fold_stats,
-            "decode_model": plan.meta.get("decode_model"), "guard": plan.meta.get("guard")}
+            "decode_model": serving.decode_model, "guard": serving.guard}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -358,7 +363,7 @@ class Sweep:
             data = json.loads(path.read_text())
         except json.JSONDecodeError:
             return None
-        same = data.get("signature") == self.signature and data.get("plan_digest") == plan_digest(variant.plan)
+        same = data.get("signature") == self.signature and data.get("plan_digest") == plan_digest(variant.serving)
         return data if same else None
 
     def _sampling_params(self, mode: str, seed: int, task: str, index: int):
@@ -374,7 +379,7 @@ class Sweep:
         params = [self._sampling_params(mode, seed, ex.task, i) for i, ex in enumerate(examples)]
         prompts = [ex.prompt for ex in examples]
         t0 = time.time()
-        if variant.plan.meta.get("decode_model"):
+        if variant.serving.decode_model:
             outputs, extra = self._generate_disaggregated(variant, prompts, params), {}
         else:
             outputs, extra = self._generate(variant, prompts, params)
@@ -384,7 +389,7 @@ class Sweep:
                 "tokens": sum(g.length for g in gens), "prompts": len(examples), **extra}
 
     def _generate(self, variant: Variant, prompts: list[str], params) -> tuple[list, dict]:
-        guarded = bool(variant.plan.meta.get("guard"))   # the guarded:CONFIG configurations
+        guarded = variant.serving.guard   # the guarded:CONFIG configurations
         self.llm.guard = None
         if guarded:
             self.llm.enable_guard()
@@ -403,14 +408,14 @@ class Sweep:
         the disaggregated engine: the decoder continues the KV cache the original model wrote."""
         from ..engine.disagg import DisaggregatedLLM
 
-        with DisaggregatedLLM(self.settings.model, decode_model=variant.plan.meta["decode_model"],
+        with DisaggregatedLLM(self.settings.model, decode_model=variant.serving.decode_model,
                               tokenizer=self.tokenizer,                 # the decoder brings its own plan
                               max_num_seqs=self.settings.max_num_seqs) as llm:
             return llm.generate(prompts, params)
 
     def heldout_cell(self, variant: Variant) -> dict:
         t0 = time.time()
-        path = variant.plan.meta.get("decode_model")
+        path = variant.serving.decode_model
         decode_model = None
         if path:
             from ..models import load_model
@@ -447,7 +452,7 @@ class Sweep:
                 data = self.heldout_cell(v) if mode == "heldout" else self.generation_cell(v, mode, seed)
                 compute_s += time.time() - t0
                 data["signature"] = self.signature
-                data["plan_digest"] = plan_digest(v.plan)
+                data["plan_digest"] = plan_digest(v.serving)
                 _write_json(_cell_file(self.out, key), data)
                 cells[key] = data
                 bar.update(1)
