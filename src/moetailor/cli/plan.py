@@ -20,8 +20,9 @@ def register(sub) -> None:
                    "total, moved between layers by measured sensitivity (next-token KL on --search-data; needs --model)")
     p.add_argument("--search-data", default=None, help="with --layers search: text to score on (default for "
                    "'reference': tasks; required otherwise)")
-    p.add_argument("--search-tokens", type=int, default=4096, help="with --layers search: tokens scored per allocation")
-    p.add_argument("--step", type=int, default=4, help="with --layers search: experts moved per transfer (default 4)")
+    p.add_argument("--search-tokens", type=int, default=None,
+                   help="with --layers search: tokens scored per allocation (default 4096)")
+    p.add_argument("--step", type=int, default=None, help="with --layers search: experts moved per transfer (default 4)")
     p.add_argument("--phase", choices=PLAN_PHASES, default="decode",
                    help="phase the pruning applies to (default decode: full pool for prefill)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random criterion")
@@ -63,11 +64,11 @@ def run_search(args, stats, model, command: str) -> int:
         raise ValueError("--layers search needs --model (to measure each layer's sensitivity) and --keep (the total)")
     data = default_data_spec(args.model, args.search_data, "--search-data")
     plan, summary = search_pool(model, load_tokenizer(args.model), stats, args.criterion, args.keep, data=data,
-                                tokens=args.search_tokens, step=args.step, phase=args.phase, seed=args.seed,
+                                tokens=args.search_tokens or 4096, step=args.step or 4, phase=args.phase, seed=args.seed,
                                 stats_path=str(args.stats), command=command)
     plan.save(args.out)
     s = summary["search"]
-    print_table(f"per-layer pool sizes ({args.criterion}, {args.keep:g} of experts on average, step {args.step}) "
+    print_table(f"per-layer pool sizes ({args.criterion}, {args.keep:g} of experts on average, step {summary['step']}) "
                 f"-> {args.out}", ["MoE layer", "uniform", "searched"],
                 [(i, u, k) for i, u, k in zip(stats.model["moe_layers"], s["uniform"], s["ks"])])
     print(f"next-token KL to the full model on {summary['tokens']:,} tokens of {summary['data']}: "
