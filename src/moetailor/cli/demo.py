@@ -49,7 +49,8 @@ def run(args) -> int:
     plan = Plan.load(args.plan)
     plan.check_model(llm.model)
     kept = plan.kept_experts("decode")
-    print(f"decode plan: {args.plan} ({plan.meta.get('criterion', '?')}, keeps "
+    shown = f"bundled {BUNDLED_PLAN.name}" if Path(args.plan).resolve() == BUNDLED_PLAN else args.plan
+    print(f"decode plan: {shown} ({plan.meta.get('criterion', '?')}, keeps "
           f"{sum(map(len, kept.values())) / max(1, len(kept)):.0f} of {facts['routed_experts_per_layer']} experts per layer)")
     calibration = plan.meta.get("calibration") or ({"data": plan.meta["stats_data"], "tokens": plan.meta.get("stats_tokens")}
                                                    if plan.meta.get("stats_data") else None)
