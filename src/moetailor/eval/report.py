@@ -285,7 +285,7 @@ def write_docs(results: dict, out: Path, docs: Path, elapsed_s: float) -> Path:
         f"This run took {elapsed_s / 60:.1f} minutes on this 2-core CPU machine ({t['computed_cells']} cells computed, "
         f"{t['cached_cells']} reused from an earlier interrupted run); generation produced "
         f"{t['generated_tokens_all_cells']:,} tokens in {t['generation_s_all_cells']:.0f} s of engine time "
-        f"({tok_s:.0f} tok/s). {s['n']} prompts per task keeps the sweep well under 30 minutes here; the "
+        f"({tok_s:.0f} tok/s); on a machine shared with other jobs the time is an upper bound. The "
         "numbers move by several points between seeds at this size, so read differences of a few points as noise.",
         "",
         f"Versions: moetailor {v['moetailor']}, torch {v['torch']}, transformers {v['transformers']}. "
