@@ -140,16 +140,24 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, block_manager) -> torch.Tensor:
-        """Next-token logits [B, V] (float32) for the step's sequences."""
+    def run(self, seqs: list[Sequence], is_prefill: bool, block_manager,
+            every_position: list[bool] | None = None) -> torch.Tensor:
+        """Next-token logits [B, V] (float32) for the step's sequences. In a prefill step,
+        ``every_position[i]`` keeps all of sequence i's rows instead of its last one (prompt
+        logprobs): then the result is [sum of kept rows, V], in sequence order."""
         prepare = self.prepare_prefill if is_prefill else self.prepare_decode
         ids, positions, ctx = prepare(seqs, block_manager)
         input_ids = self._tensor(ids)[None]                                           # [1, T]
         position_ids = self._tensor(positions)[None]                                  # [1, T]
-        keep = self._tensor([end - 1 for end in ctx.cu_seqlens[1:]]) if is_prefill else 0
+        keep = 0
+        if is_prefill:
+            every = every_position or [False] * len(seqs)
+            cu = ctx.cu_seqlens
+            keep = self._tensor([p for i, all_rows in enumerate(every)
+                                 for p in (range(cu[i], cu[i + 1]) if all_rows else [cu[i + 1] - 1])])  # [K]
         cast = self.config.prefill_dtype if is_prefill else None
         autocast = torch.autocast(self.device.type, dtype=cast) if cast is not None and cast != self.config.dtype \
             else nullcontext()
         with paged_mode(self.model), experts.experts_mode(self.model, self.experts_impl), step_context(ctx), autocast:
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
-        return out.logits[0].float()                                                  # [B, V]
+        return out.logits[0].float()                                                  # [B or K, V]

@@ -38,6 +38,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""                      # completion text (stop strings already cut)
+        self.logprobs: list | None = [] if sampling.logprobs is not None else None   # TokenLogprob per completion token
+        self.prompt_logprobs: list | None = None   # TokenLogprob per prompt token (first None), once prefilled
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         if sampling.seed is not None:
