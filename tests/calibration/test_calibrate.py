@@ -239,3 +239,71 @@ def test_data_specs(tmp_path):
         parse_data_spec("wikipedia")
     with pytest.raises(ValueError, match="at least 1"):
         next(iter_token_windows(tok, "text", 0))
+
+
+def test_user_traffic_formats(tmp_path):
+    """JSONL with text, prompt/completion or chat messages; chat without a template is a clear error."""
+    tok = char_tokenizer()
+    f = tmp_path / "traffic.jsonl"
+    f.write_text('{"text": "plain"}\n{"prompt": "Q: 1+1\\n", "completion": "A: 2"}\n'
+                 '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    with pytest.raises(ValueError, match="chat template"):
+        [next(d) for d in [iter_documents(str(f), tokenizer=tok)] for _ in range(3)]
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    docs = iter_documents(str(f), tokenizer=tok)
+    assert [next(docs) for _ in range(4)] == ["plain", "Q: 1+1\nA: 2", "<user>hi\n<assistant>yo\n", "plain"]
+    (tmp_path / "bad.jsonl").write_text('{"messages": "hi"}\n')
+    with pytest.raises(ValueError, match="list of"):
+        next(iter_documents(str(tmp_path / "bad.jsonl"), tokenizer=tok))
+
+
+def test_task_domains_mixture_and_provenance(tmp_path):
+    from moetailor.calibration.calibrate import calibration_record, describe_calibration
+    from moetailor.calibration.data import default_data_spec, iter_document_tokens
+
+    docs = iter_documents("tasks:sorting", seed=0)
+    assert all(next(docs).startswith("sort") for _ in range(20))
+    with pytest.raises(ValueError, match="valid tasks"):
+        parse_data_spec("tasks:juggling")
+    # a mixture meets its token shares (tasks documents are short, text documents long)
+    tok = char_tokenizer()
+    spec = parse_data_spec("mixture:tasks=3,text=1")
+    assert spec.shares == (("tasks", 0.75), ("text", 0.25)) and str(spec) == "mixture:tasks=0.75,text=0.25"
+    got = {"tasks": 0, "text": 0}
+    task_docs = iter_documents("tasks", seed=0)
+    first_tasks = {tuple(tok(next(task_docs), add_special_tokens=False)["input_ids"]) for _ in range(2000)}
+    total = 0
+    for ids in iter_document_tokens(tok, spec):
+        got["tasks" if tuple(ids[:-1]) in first_tasks else "text"] += len(ids)
+        total += len(ids)
+        if total > 60_000:
+            break
+    assert 0.70 < got["tasks"] / total < 0.80
+    with pytest.raises(ValueError, match="COMPONENT=SHARE"):
+        parse_data_spec("mixture:tasks=0.5,poetry=0.5")
+    # defaults: the bundled model calibrates on its workload; any other model must name its data
+    assert default_data_spec("reference", None) == "tasks"
+    assert default_data_spec("ckpt/", "x.jsonl") == "x.jsonl"
+    with pytest.raises(ValueError, match="--data is required"):
+        default_data_spec("ckpt/", None)
+    # statistics record name, tokens and a content hash that follows the tokens
+    model = tiny_model("mixtral")
+    (tmp_path / "a.txt").write_text("alpha beta gamma\n" * 50)
+    a = calibrate(model, tok, str(tmp_path / "a.txt"), 300, batch_tokens=128, seq_len=64, progress=False)
+    b = calibrate(model, tok, str(tmp_path / "a.txt"), 300, batch_tokens=128, seq_len=64, progress=False)
+    c = calibrate(model, tok, "text:fortunes", 300, batch_tokens=128, seq_len=64, progress=False)
+    rec = calibration_record(a.meta)
+    assert rec["data"] == "a.txt" and rec["tokens"] == 300 and len(rec["sha256"]) == 16
+    assert rec["sha256"] == b.meta["data_sha256"] != c.meta["data_sha256"]
+    assert describe_calibration(rec) == f"a.txt (300 tokens, sha256 {rec['sha256']})"
+
+
+def test_fingerprint_names_the_checkpoint_without_a_machine_path(tmp_path):
+    from moetailor.models.loading import REFERENCE_DIR, model_fingerprint, source_name
+
+    assert source_name(REFERENCE_DIR) == "reference"
+    assert source_name(tmp_path / "my-ckpt") == "my-ckpt"
+    assert source_name(None) is None
+    model = tiny_model("mixtral")
+    model.moetailor_source = str(tmp_path / "ckpts" / "pruned-50")
+    assert model_fingerprint(model)["source"] == "pruned-50"

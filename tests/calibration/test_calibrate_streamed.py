@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from moetailor.calibration import calibrate
+from moetailor.calibration.calibrate import calibration_record
 from moetailor.calibration.streaming import calibrate_streamed
 from moetailor.models.tiny import TINY_ARCHITECTURES, char_tokenizer, tiny_model
 
@@ -34,6 +35,7 @@ def test_streamed_calibration_equals_in_memory(arch, tmp_path):
     want = calibrate(model, tok, "text", 1024, **kw)
     got = calibrate_streamed(path, tok, "text", 1024, dtype=torch.float32, **kw)
     assert got.meta["streamed"] is True
+    assert calibration_record(got.meta) == calibration_record(want.meta)   # same data name, tokens, content hash
     assert_same_stats(got, want, rtol=1e-5)
     assert got.layers[0].frequency.sum() == 1024 * 2
 

@@ -65,18 +65,18 @@ def test_calibrate_refuses_an_existing_file_before_loading_the_model(work, tmp_p
     plan = tmp_path / "existing_plan.json"
     shutil.copy(work / "plan.json", plan)
     capsys.readouterr()
-    assert main(["calibrate", str(work / "weightless"), "--tokens", "64", "--out", str(plan)]) == 2
+    assert main(["calibrate", str(work / "weightless"), "--data", "tasks", "--tokens", "64", "--out", str(plan)]) == 2
     _one_line_error(capsys, "already exists", "--overwrite")
     assert plan.read_bytes() == (work / "plan.json").read_bytes()
-    assert main(["calibrate", str(work / "model"), "--tokens", "64", "--overwrite", "--out",
+    assert main(["calibrate", str(work / "model"), "--data", "tasks", "--tokens", "64", "--overwrite", "--out",
                  str(work / "model" / "model.safetensors")]) == 2
     _one_line_error(capsys, "is a file of the input")
 
 
 @pytest.mark.parametrize("verb", [
-    lambda w, out: ["calibrate", str(w / "weightless"), "--tokens", "64", "--out", out],
+    lambda w, out: ["calibrate", str(w / "weightless"), "--data", "tasks", "--tokens", "64", "--out", out],
     lambda w, out: ["plan", str(w / "stats.safetensors"), "--criterion", "reap", "--keep", "0.5", "--out", out],
-    lambda w, out: ["search-k", str(w / "weightless"), "--budget", "6", "--out", out],
+    lambda w, out: ["search-k", str(w / "weightless"), "--data", "tasks", "--budget", "6", "--out", out],
 ])
 def test_a_folder_where_a_file_goes_is_one_line_before_any_work(verb, work, tmp_path, capsys):
     capsys.readouterr()
@@ -107,7 +107,7 @@ def test_written_files_get_normal_permissions_and_no_temp_file(work, tmp_path, c
 @pytest.mark.parametrize("verb", [
     lambda w, out: ["prune", str(w / "model"), str(w / "plan.json"), "--out", out],
     lambda w, out: ["split", str(w / "model"), "--parts", "2", "--tokens", "64", "--out", out],
-    lambda w, out: ["distill", str(w / "model"), str(w / "plan.json"), "--steps", "1", "--out", out],
+    lambda w, out: ["distill", str(w / "model"), str(w / "plan.json"), "--data", "tasks", "--steps", "1", "--out", out],
 ])
 def test_checkpoint_verbs_never_replace_their_source(verb, work, tmp_path, capsys):
     config = (work / "model" / "config.json").read_bytes()

@@ -55,7 +55,7 @@ def test_disaggregated_distilled_decoder_generates_like_the_masked_model(setup):
 def test_a_trained_decoder_with_its_own_router_is_evaluated(setup, tmp_path):
     root = setup
     student = tmp_path / "trained"
-    assert main(["distill", str(root / "model"), str(root / "plan.json"), "--steps", "1", "--batch-size", "2",
+    assert main(["distill", str(root / "model"), str(root / "plan.json"), "--data", "tasks", "--steps", "1", "--batch-size", "2",
                  "--seq-len", "16", "--lr", "0.05", "--out", str(student)]) == 0
     out = tmp_path / "eval"
     assert main(["eval", str(root / "model"), "--plan", str(root / "plan.json"), "--configs", f"distilled:{student}",

@@ -175,3 +175,38 @@ def test_sampled_generation_is_reproducible_per_seed(model, char_tok, tmp_path):
     b = Sweep(settings, tmp_path / "b", model=model, tokenizer=char_tok).run()
     assert a["rows"] == b["rows"]
     assert all(r["sampling"] == "sample" for r in a["rows"])
+
+
+def test_calibration_data_axis_gives_the_cross_domain_matrix(model, char_tok, tmp_path):
+    """data=... calibrates once per domain, makes each domain's plan, evaluates it on every task,
+    records what each plan was calibrated on, and writes the cross-domain table."""
+    from moetailor.eval.runner import sweep_data
+
+    assert sweep_data("criteria=reap;keep=0.5") is None
+    assert sweep_data("keep=0.5;data=domains")[:2] == ("tasks", "tasks:addition")
+    with pytest.raises(ValueError, match="valid tasks"):
+        parse_sweep("keep=0.5;data=tasks:juggling")
+    settings = small_settings(sweep="criteria=frequency;keep=0.5;data=tasks:reverse|tasks:sorting|text:fortunes",
+                              configs=parse_configs("baseline,phase-aware"), seeds=1)
+    out = tmp_path / "cross"
+    results = Sweep(settings, out, model=model, tokenizer=char_tok, command="x").run()
+    labels = {"frequency-0.5@tasks:reverse", "frequency-0.5@tasks:sorting", "frequency-0.5@text:fortunes"}
+    assert set(results["plans"]) == labels
+    assert {r["variant"] for r in results["rows"]} == {"baseline", *(f"{l}/phase-aware" for l in labels)}
+    records = {c["data"]: c for c in results["settings"]["calibration"]}
+    assert set(records) == {"tasks:reverse", "tasks:sorting", "text:fortunes"}
+    assert len({c["sha256"] for c in records.values()}) == 3 and all(c["tokens"] == 512 for c in records.values())
+    keeps = {l: results["plans"][l]["decode"]["0"]["keep"] for l in labels}
+    assert len({tuple(k) for k in keeps.values()}) > 1   # different domains choose different experts
+    md = (out / "results.md").read_text()
+    assert "Cross-domain" in md and "| frequency 50% phase-aware | tasks:sorting |" in md
+    assert "Plans calibrated on: tasks:reverse (512 tokens, sha256" in md
+    # a rerun reuses every cell; a plan from other data does not reuse the cells of the old one
+    again = Sweep(settings, out, model=model, tokenizer=char_tok, command="x").run()
+    assert again["timing"]["computed_cells"] == 0
+    other = small_settings(sweep="criteria=frequency;keep=0.5;data=tasks:reverse|tasks:sorting|text:fortunes",
+                           configs=parse_configs("baseline,phase-aware"), seeds=1, calib_tokens=256)
+    with pytest.raises(ValueError, match="--overwrite"):
+        Sweep(other, out, model=model, tokenizer=char_tok, command="x").run()
+    third = Sweep(other, out, model=model, tokenizer=char_tok, command="x", overwrite=True).run()
+    assert third["timing"]["computed_cells"] > 0

@@ -82,3 +82,32 @@ def test_cli_writes_a_plan_with_the_search_record(tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
     assert main(argv[:2] + ["--budget", "99", "--out", str(tmp_path / "b.json")] + argv[6:]) == 2
     assert "choose a budget in [3, 12]" in capsys.readouterr().err
+
+
+def test_pool_search_moves_pool_slots_to_the_layer_that_needs_them(tmp_path, capsys):
+    """Layer 1's experts are silenced, so its pool cannot matter: the search moves pool slots out of
+    it into layers whose pool changes the output; the total and the bounds [k, E] hold."""
+    from moetailor.calibration import calibrate
+    from moetailor.cli.main import main
+
+    model = silenced({1})
+    tok = char_tokenizer()
+    model_dir = tmp_path / "tiny"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    stats = calibrate(model, tok, "text", 512, batch_tokens=128, seq_len=64, progress=False)
+    stats.save(tmp_path / "stats.safetensors")
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(tmp_path / "stats.safetensors"), "--criterion", "frequency", "--keep", "0.75",
+                 "--layers", "search", "--model", str(model_dir), "--search-data", "text", "--search-tokens", "256",
+                 "--step", "1", "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    sizes = [len(plan.decode.for_layer(i).keep) for i in (0, 1, 2)]
+    assert sum(sizes) == 18 and all(K <= s <= 8 for s in sizes) and not plan.prefill.layers
+    assert sizes[1] < 6 and sizes != [6, 6, 6]
+    search = plan.meta["pool_search"]["search"]
+    assert search["ks"] == sizes and search["kl"] < search["uniform_kl"]
+    assert "searched" in capsys.readouterr().out
+    assert main(["plan", str(tmp_path / "stats.safetensors"), "--criterion", "frequency", "--keep", "0.75",
+                 "--layers", "search", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--model" in capsys.readouterr().err

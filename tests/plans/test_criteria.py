@@ -117,3 +117,33 @@ def test_stats_from_another_model(model):
     plan = make_plan(stats, model, "reap", keep=0.5)
     with pytest.raises(ValueError, match="does not match the model"):
         plan.check_model(tiny_model("qwen3_moe", num_experts=8, top_k=4))
+
+
+def test_bundled_plans_carry_no_machine_path_and_say_what_they_were_calibrated_on():
+    import json
+    from pathlib import Path
+
+    import moetailor
+    plans = sorted((Path(moetailor.__file__).parent / "assets" / "plans").glob("*.json"))
+    assert plans
+    for path in plans:
+        data = json.loads(path.read_text())
+        assert data["model"]["source"] == "reference", path
+        assert "/work/" not in path.read_text() and not str(data["meta"].get("stats", "")).startswith("/")
+        calibration = data["meta"]["calibration"]
+        assert calibration["data"] == "tasks" and calibration["tokens"] > 0 and len(calibration["sha256"]) == 16
+
+
+def test_info_on_a_plan_shows_its_calibration(tmp_path, capsys):
+    from moetailor.calibration import calibrate
+    from moetailor.cli.main import main
+    from moetailor.models.tiny import char_tokenizer, tiny_model
+    from moetailor.plans.criteria import make_plan
+
+    model = tiny_model("qwen2_moe")
+    stats = calibrate(model, char_tokenizer(), "tasks:sorting", 256, batch_tokens=128, seq_len=64, progress=False)
+    make_plan(stats, model, "reap", keep=0.5).save(tmp_path / "p.json")
+    assert main(["info", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"tasks:sorting (256 tokens, sha256 {stats.meta['data_sha256']})" in out and "reap" in out
+    assert main(["info", str(tmp_path / "missing.json")]) == 2

@@ -180,6 +180,7 @@ def test_cli_refuses_bad_input_with_clear_errors(tmp_path, capsys):
     own = uniform_plan(model, decode=LayerPolicy(keep=KEEP)).save(tmp_path / "own.json")
     base = ["distill", str(tmp_path / "m")]
     cases = [
+        (base + [str(own), "--steps", "2", "--out", str(tmp_path / "o")], "--data is required"),
         (base + [str(other), "--steps", "2", "--out", str(tmp_path / "o")], "does not match"),
         (base + [str(own), "--steps", "0", "--out", str(tmp_path / "o")], "--steps"),
         (base + [str(own), "--steps", "2", "--alpha", "-0.5", "--out", str(tmp_path / "o")], "--alpha"),
@@ -188,6 +189,8 @@ def test_cli_refuses_bad_input_with_clear_errors(tmp_path, capsys):
         (base + [str(own), "--steps", "2", "--out", str(tmp_path)], "--overwrite"),
     ]
     for argv, message in cases:
+        if message != "--data is required":
+            argv = argv + ["--data", "tasks"]
         assert main(argv) == 2, argv
         assert message in capsys.readouterr().err, argv
 
@@ -240,7 +243,7 @@ def test_resume_refuses_a_planted_pickle_without_running_it(tmp_path, capsys):
     (tmp_path / "o.partial").mkdir()
     torch.save({"step": 1, "payload": _Planted(marker)}, tmp_path / "o.partial" / "state.pt")
     capsys.readouterr()
-    assert main(["distill", str(tmp_path / "m"), str(plan), "--steps", "2", "--resume", "--out",
+    assert main(["distill", str(tmp_path / "m"), str(plan), "--data", "tasks", "--steps", "2", "--resume", "--out",
                  str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "not a readable distillation checkpoint (it refers to" in err and "could run code" in err

@@ -12,6 +12,7 @@ Gate weight g (``gate``):
 """
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 
@@ -172,8 +173,34 @@ def calibrate(model, tokenizer, data_spec: str, tokens: int, *, seed: int = 0, b
     if gate not in GATES:
         raise ValueError(f"unknown gate definition {gate!r}; choose from {', '.join(GATES)}")
     torch.manual_seed(seed)
-    batches = iter_token_batches(tokenizer, spec, tokens, batch_tokens, seq_len, seed)
-    meta = {"data": str(spec), "seed": seed, "seq_len": min(seq_len, batch_tokens), "batch_tokens": batch_tokens,
+    digest = hashlib.sha256()
+
+    def hashed(batches):   # the content hash covers exactly the token ids the statistics saw
+        for batch in batches:
+            digest.update(batch.numpy().astype("<i8").tobytes())
+            yield batch
+
+    batches = hashed(iter_token_batches(tokenizer, spec, tokens, batch_tokens, seq_len, seed))
+    meta = {"data": spec.name, "seed": seed, "seq_len": min(seq_len, batch_tokens), "batch_tokens": batch_tokens,
             "command": command}
-    return calibrate_batches(model, batches, gate=gate, fold=fold, all_experts=all_experts, total_tokens=tokens,
-                             progress=progress, meta=meta)
+    stats = calibrate_batches(model, batches, gate=gate, fold=fold, all_experts=all_experts, total_tokens=tokens,
+                              progress=progress, meta=meta)
+    stats.meta["data_sha256"] = digest.hexdigest()[:16]
+    return stats
+
+
+def calibration_record(meta: dict) -> dict:
+    """What a plan or a report says about the calibration data behind statistics ``meta``:
+    name, token count and content hash (sha256 of the token ids, first 16 hex digits)."""
+    return {"data": meta.get("data"), "tokens": meta.get("tokens"), "sha256": meta.get("data_sha256")}
+
+
+def describe_calibration(record: dict | None) -> str:
+    """One line for people: 'tasks (200,000 tokens, sha256 1a2b...)'."""
+    if not record or not record.get("data"):
+        return "unknown calibration data"
+    tokens = record.get("tokens")
+    parts = [f"{tokens:,} tokens" if isinstance(tokens, int) else None,
+             f"sha256 {record['sha256']}" if record.get("sha256") else None]
+    parts = [p for p in parts if p]
+    return f"{record['data']}" + (f" ({', '.join(parts)})" if parts else "")

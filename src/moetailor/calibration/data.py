@@ -1,13 +1,23 @@
 """Calibration text: a data spec -> a deterministic stream of token windows.
 
-Specs (``--data``):
-  ``tasks``                 the task-suite mixture, drawn from the TRAINING rng stream with a seed offset
+Calibrate on the traffic the pruned model will serve: the calibration set decides which experts
+survive. Specs (``--data``):
+  ``tasks``                 the task-suite mixture (the bundled reference model's workload, and its default),
+                            drawn from the TRAINING rng stream with a seed offset
                             (``training_rng(TASK_SEED_OFFSET + seed)``), so it is neither the evaluation
                             stream nor the exact sequences the reference model was trained on;
+  ``tasks:t1,t2``           the same, only the named tasks (one task = one calibration domain);
   ``text``                  the bundled calibration documents of every text domain;
   ``text:dom1,dom2``        the bundled calibration documents of the named domains;
-  ``mix``                   tasks and text, alternating by a seeded coin (half each);
-  ``path/to/file.jsonl``    one JSON object per line with a "text" field;
+  ``mix``                   tasks and text documents, alternating by a seeded coin (half the documents
+                            each; text documents are longer, so most of the tokens are text);
+  ``mixture:C=S,C=S,...``   token shares per component (``tasks``, ``text``, a task name or a text domain
+                            name), e.g. ``mixture:tasks=0.7,text=0.3``: each component gets at least its
+                            share of the tokens (shares are normalised to sum to 1);
+  ``path/to/file.jsonl``    the user's own traffic, one JSON object per line with either
+                            ``"text"``, ``"prompt"`` + ``"completion"`` (joined), or chat ``"messages"``
+                            (``[{"role": ..., "content": ...}]``, rendered with the tokenizer's chat
+                            template; a tokenizer without one is an error naming the fix);
   ``path/to/file.txt``      plain text, cut into ~3 KB documents at line boundaries.
 
 Documents are tokenized without special tokens, joined with EOS and packed into windows of
@@ -17,6 +27,7 @@ Reused by distillation and evaluation (next-token KL on calibration text).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -24,43 +35,93 @@ from pathlib import Path
 from typing import Iterator
 
 TASK_SEED_OFFSET = 7_000_003  # training stream, but far from the seeds training and the tokenizer used
+REFERENCE_DEFAULT_DATA = "tasks"  # the bundled model's workload: its default calibration data
 
 
 @dataclass(frozen=True)
 class DataSpec:
-    kind: str                       # "tasks" | "text" | "mix" | "file"
-    domains: tuple[str, ...] = ()   # for "text"/"mix": empty = all domains
+    kind: str                       # "tasks" | "text" | "mix" | "mixture" | "file"
+    domains: tuple[str, ...] = ()   # "tasks": task names; "text"/"mix": text domains; empty = all
     path: Path | None = None        # for "file"
+    shares: tuple[tuple[str, float], ...] = ()   # for "mixture": (component, token share), shares sum to 1
 
     def __str__(self) -> str:
         if self.kind == "file":
             return str(self.path)
+        if self.kind == "mixture":
+            return "mixture:" + ",".join(f"{c}={s:g}" for c, s in self.shares)
         if self.domains:
             return f"{self.kind}:{','.join(self.domains)}"
         return self.kind
 
+    @property
+    def name(self) -> str:
+        """A short name for reports and plans: the spec, or the file's name (never a machine path)."""
+        return self.path.name if self.kind == "file" else str(self)
+
+
+def default_data_spec(model: str, data: str | None, flag: str = "--data") -> str:
+    """``data`` if given; for the bundled ``reference`` model its task domain; otherwise an error:
+    any other model must be calibrated on data the user names (its own traffic)."""
+    if data:
+        return data
+    if str(model) == "reference":
+        return REFERENCE_DEFAULT_DATA
+    raise ValueError(f"{flag} is required for {model!r}: calibrate on the traffic the model will serve, e.g. "
+                     f"{flag} my-traffic.jsonl (lines with \"text\", \"prompt\"+\"completion\" or chat "
+                     f"\"messages\"), {flag} notes.txt, or a bundled domain (tasks, text, text:DOMAIN, mix)")
+
+
+def _component_names() -> tuple[list[str], list[str]]:
+    from ..data.corpus import DOMAIN_NAMES
+    from ..data.tasks import TASKS
+    return list(TASKS), list(DOMAIN_NAMES)
+
+
+def _parse_shares(tail: str, spec: str) -> tuple[tuple[str, float], ...]:
+    tasks, domains = _component_names()
+    valid = ["tasks", "text", *tasks, *domains]
+    shares = []
+    for part in [p.strip() for p in tail.split(",") if p.strip()]:
+        name, eq, value = part.partition("=")
+        try:
+            share = float(value) if eq else float("nan")
+        except ValueError:
+            share = float("nan")
+        if name not in valid or not share > 0:
+            raise ValueError(f"--data {spec!r}: {part!r} is not COMPONENT=SHARE with a positive share; components: "
+                             f"{', '.join(valid)}")
+        shares.append((name, share))
+    if len(shares) < 2:
+        raise ValueError(f"--data {spec!r}: a mixture needs at least two components, e.g. mixture:tasks=0.7,text=0.3")
+    total = sum(s for _, s in shares)
+    return tuple((n, s / total) for n, s in shares)
+
 
 def parse_data_spec(spec: str | DataSpec) -> DataSpec:
     """Validate a ``--data`` spec (see the module docstring) and return it parsed."""
-    from ..data.corpus import DOMAIN_NAMES
-
     if isinstance(spec, DataSpec):
         return spec
+    tasks, domain_names = _component_names()
     head, _, tail = str(spec).partition(":")
-    if head in ("tasks", "text", "mix") and not (head == "tasks" and tail):
-        domains = tuple(d.strip() for d in tail.split(",") if d.strip()) if tail else ()
-        unknown = [d for d in domains if d not in DOMAIN_NAMES]
+    if head == "mixture":
+        return DataSpec("mixture", shares=_parse_shares(tail, str(spec)))
+    if head in ("tasks", "text", "mix"):
+        names = tuple(d.strip() for d in tail.split(",") if d.strip()) if tail else ()
+        valid = tasks if head == "tasks" else domain_names
+        unknown = [d for d in names if d not in valid]
         if unknown:
-            raise ValueError(f"unknown text domain(s) {unknown} in --data {spec!r}; valid domains: "
-                             f"{', '.join(DOMAIN_NAMES)}")
-        return DataSpec(head, domains)
+            what, kinds = ("task", "tasks") if head == "tasks" else ("text domain", "domains")
+            raise ValueError(f"unknown {what}(s) {unknown} in --data {spec!r}; valid {kinds}: {', '.join(valid)}")
+        return DataSpec(head, names)
     path = Path(spec)
     if path.suffix in (".jsonl", ".txt"):
         if not path.is_file():
             raise FileNotFoundError(f"calibration data file {path} does not exist")
         return DataSpec("file", (), path)
-    raise ValueError(f"--data {spec!r} is not understood; use 'tasks', 'text', 'text:DOMAIN[,DOMAIN]', 'mix', "
-                     "or a path to a .jsonl (one {\"text\": ...} per line) or .txt file")
+    raise ValueError(f"--data {spec!r} is not understood; use 'tasks', 'tasks:TASK[,TASK]', 'text', "
+                     "'text:DOMAIN[,DOMAIN]', 'mix', 'mixture:tasks=0.7,text=0.3', or a path to a .jsonl "
+                     "(\"text\", \"prompt\"+\"completion\" or chat \"messages\" per line) or .txt file")
 
 
 def data_file(spec: str | DataSpec) -> Path | None:
@@ -69,11 +130,11 @@ def data_file(spec: str | DataSpec) -> Path | None:
     return spec.path if spec.kind == "file" else None
 
 
-def _task_documents(seed: int) -> Iterator[str]:
+def _task_documents(seed: int, names: tuple[str, ...] = ()) -> Iterator[str]:
     from ..data.tasks import TASKS, training_rng
 
     rng = training_rng(TASK_SEED_OFFSET + seed)
-    tasks = list(TASKS.values())
+    tasks = [TASKS[n] for n in names] if names else list(TASKS.values())
     while True:
         task = rng.choice(tasks)
         ex = task.generate(rng, rng.choice(task.difficulties))
@@ -104,7 +165,36 @@ def _text_documents(domains: tuple[str, ...], seed: int) -> Iterator[str]:
     return _cycle(docs, "the bundled calibration text")
 
 
-def _file_documents(path: Path) -> Iterator[str]:
+def render_chat(messages, tokenizer, where: str) -> str:
+    """Chat ``messages`` as the model sees them: the tokenizer's chat template, rendered to text."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                  and isinstance(m.get("role"), str) for m in messages):
+        raise ValueError(f"{where}: \"messages\" must be a list of {{\"role\": ..., \"content\": \"...\"}} objects")
+    if tokenizer is None:
+        raise ValueError(f"{where}: chat \"messages\" need the model's tokenizer to render them")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{where}: chat \"messages\" need a chat template, and this model's tokenizer has none; "
+                         "render the conversations yourself and pass them as {\"text\": \"...\"} lines")
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def jsonl_document(row, tokenizer, where: str) -> str:
+    """One line of a user JSONL file as calibration text: "text", "prompt"+"completion" or "messages"."""
+    if isinstance(row, dict):
+        if isinstance(row.get("text"), str):
+            return row["text"]
+        if isinstance(row.get("prompt"), str):
+            completion = row.get("completion", "")
+            if not isinstance(completion, str):
+                raise ValueError(f"{where}: \"completion\" must be a string")
+            return row["prompt"] + completion
+        if "messages" in row:
+            return render_chat(row["messages"], tokenizer, where)
+    raise ValueError(f"{where} has none of the fields \"text\", \"prompt\" (+ \"completion\") or \"messages\"; "
+                     "each line must be one JSON object with one of them")
+
+
+def _file_documents(path: Path, tokenizer=None) -> Iterator[str]:
     if path.suffix == ".jsonl":
         docs = []
         for n, line in enumerate(path.read_text("utf-8").splitlines(), 1):
@@ -113,33 +203,65 @@ def _file_documents(path: Path) -> Iterator[str]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {n} is not valid JSON ({e}); a .jsonl file needs one "
-                                 "{\"text\": ...} object per line") from None
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise ValueError(f"{path} line {n} has no string field \"text\"; each line must be "
-                                 "{\"text\": \"...\"}")
-            docs.append(row["text"])
+                raise ValueError(f"{path} line {n} is not valid JSON ({e}); a .jsonl file needs one JSON object "
+                                 "per line") from None
+            docs.append(jsonl_document(row, tokenizer, f"{path} line {n}"))
     else:
         from ..data.corpus import _chunks
         docs = list(_chunks(path.read_text("utf-8", "replace")))
     return _cycle([d for d in docs if d.strip()], f"calibration file {path}")
 
 
-def iter_documents(spec: str | DataSpec, seed: int = 0) -> Iterator[str]:
-    """An endless, deterministic stream of documents for ``spec``."""
+def iter_documents(spec: str | DataSpec, seed: int = 0, tokenizer=None) -> Iterator[str]:
+    """An endless, deterministic stream of documents for ``spec`` (``tokenizer`` renders chat files).
+    A ``mixture`` is balanced by tokens, so it is streamed by ``iter_token_windows`` only."""
     spec = parse_data_spec(spec)
     if spec.kind == "tasks":
-        return _task_documents(seed)
+        return _task_documents(seed, spec.domains)
     if spec.kind == "text":
         return _text_documents(spec.domains, seed)
     if spec.kind == "file":
-        return _file_documents(spec.path)
+        return _file_documents(spec.path, tokenizer)
+    if spec.kind == "mixture":
+        raise ValueError("a mixture is balanced by tokens: stream it with iter_token_windows")
     return _mix(_task_documents(seed), _text_documents(spec.domains, seed), random.Random(f"mix:{seed}"))
 
 
 def _mix(tasks: Iterator[str], text: Iterator[str], rng: random.Random) -> Iterator[str]:
     while True:
         yield next(tasks) if rng.random() < 0.5 else next(text)
+
+
+def _component_documents(name: str, seed: int) -> Iterator[str]:
+    tasks, _ = _component_names()
+    if name == "tasks":
+        return _task_documents(seed)
+    if name == "text":
+        return _text_documents((), seed)
+    return _task_documents(seed, (name,)) if name in tasks else _text_documents((name,), seed)
+
+
+def iter_document_tokens(tokenizer, spec: str | DataSpec, seed: int = 0) -> Iterator[list[int]]:
+    """Each document's token ids followed by EOS. A ``mixture`` takes its next document from the
+    component furthest below its token share, so every component gets at least its share."""
+    spec = parse_data_spec(spec)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def encode(doc: str) -> list[int]:
+        return tokenizer(doc, add_special_tokens=False)["input_ids"] + eos
+
+    if spec.kind != "mixture":
+        for doc in iter_documents(spec, seed, tokenizer):
+            yield encode(doc)
+        return
+    streams = [(name, share, _component_documents(name, seed)) for name, share in spec.shares]
+    got = [0] * len(streams)
+    while True:
+        total = sum(got) + 1
+        i = max(range(len(streams)), key=lambda j: streams[j][1] * total - got[j])
+        ids = encode(next(streams[i][2]))
+        got[i] += len(ids)
+        yield ids
 
 
 def iter_token_windows(tokenizer, spec: str | DataSpec, tokens: int, seq_len: int = 512,
@@ -149,13 +271,10 @@ def iter_token_windows(tokenizer, spec: str | DataSpec, tokens: int, seq_len: in
         raise ValueError(f"--tokens must be at least 1 (got {tokens})")
     if seq_len < 1:
         raise ValueError(f"sequence length must be at least 1 (got {seq_len})")
-    eos = tokenizer.eos_token_id
     buf: list[int] = []
     left = tokens
-    for doc in iter_documents(spec, seed):
-        buf += tokenizer(doc, add_special_tokens=False)["input_ids"]
-        if eos is not None:
-            buf.append(eos)
+    for ids in iter_document_tokens(tokenizer, spec, seed):
+        buf += ids
         while len(buf) >= min(seq_len, left):
             n = min(seq_len, left)
             yield buf[:n]

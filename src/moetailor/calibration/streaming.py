@@ -9,6 +9,7 @@ all batches ([tokens, H] in the working dtype; spilled to disk above ``spill_byt
 """
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -61,7 +62,10 @@ def calibrate_streamed(source: str | Path, tokenizer, data_spec: str, tokens: in
         bar.close()
         ctl.remove()
         stream.close()
-    meta = {"data": str(spec), "seed": seed, "seq_len": min(seq_len, batch_tokens), "batch_tokens": batch_tokens,
+    digest = hashlib.sha256()   # the same content hash as in-memory calibration: the token ids seen
+    for b in batches:
+        digest.update(b.numpy().astype("<i8").tobytes())
+    meta = {"data": spec.name, "data_sha256": digest.hexdigest()[:16], "seed": seed, "seq_len": min(seq_len, batch_tokens), "batch_tokens": batch_tokens,
             "command": command, "dtype": str(stream.dtype).replace("torch.", ""), "streamed": True,
             "peak_rss_gib": round(peak_rss_gib(), 2)}
     return stats_of(collector, fingerprint, seen, all_experts, t0, meta)

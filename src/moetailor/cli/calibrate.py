@@ -11,8 +11,10 @@ def register(sub) -> None:
     p = sub.add_parser("calibrate", help="one forward pass over calibration text -> per-expert statistics "
                        "(frequency, mass, EAN, REAP, co-selection, NAEE beta; ExFold tables with --fold)")
     p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
-    p.add_argument("--data", default="mix", help="tasks | text | text:DOMAIN[,DOMAIN] | mix | FILE.jsonl | FILE.txt "
-                   "(default: mix)")
+    p.add_argument("--data", default=None,
+                   help="the traffic to calibrate on: FILE.jsonl (\"text\", \"prompt\"+\"completion\" or chat "
+                   "\"messages\" per line) | FILE.txt | tasks | tasks:TASK[,TASK] | text | text:DOMAIN[,DOMAIN] | mix | "
+                   "mixture:tasks=0.7,text=0.3 (default for 'reference': tasks, its workload; required otherwise)")
     p.add_argument("--tokens", type=int, default=200_000, help="calibration tokens (default 200000)")
     p.add_argument("--out", required=True, help="statistics file to write (.safetensors)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
@@ -36,13 +38,16 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..calibration import calibrate
-    from ..calibration.data import data_file
+    from ..calibration.calibrate import calibration_record, describe_calibration
+    from ..calibration.data import data_file, default_data_spec, parse_data_spec
     from ..models import load_model, load_tokenizer, resolve_model_path
     from ..outputs import check_output
 
     from ..memory import peak_rss_gib
     from ..models.checkpoint import should_stream, working_dtype
 
+    args.data = default_data_spec(args.model, args.data)
+    parse_data_spec(args.data)  # bad input fails before the model loads
     path = resolve_model_path(args.model)
     check_output(args.out, overwrite=args.overwrite, inputs=(path, data_file(args.data)))
     dtype = working_dtype(args.dtype, path)
@@ -64,6 +69,7 @@ def run(args) -> int:
         rows.append((i, f"{used}/{layer.num_experts}", int(layer.frequency.max()), int(layer.frequency.min()),
                      f"{float(layer.mean_norm[layer.frequency > 0].mean()):.3f}", "-" if beta is None else f"{beta:.3f}"))
     mode = "layer-streamed" if stats.meta.get("streamed") else "in memory"
+    print(f"calibrated on: {describe_calibration(calibration_record(stats.meta))}")
     print_table(f"calibrated {stats.meta['tokens']:,} tokens of {stats.meta['data']} in {stats.meta['seconds']:.1f}s "
                 f"({stats.meta['tokens'] / max(stats.meta['seconds'], 1e-9):,.0f} tok/s, {mode}, {stats.meta['dtype']}, "
                 f"peak RSS {peak_rss_gib():.2f} GiB) -> {args.out}",

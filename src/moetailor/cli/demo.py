@@ -1,8 +1,10 @@
 """`moetailor demo`: the main job on the bundled model, end to end in about a minute.
 
-Runs task prompts through the engine twice — the full model, then phase-aware (full prefill,
-a 50% decode pool from the bundled REAP plan) — and prints the outputs, their correctness and
-length, and decode throughput with the expert traffic each decode step read.
+Runs task prompts (10 per task by default: 60, so a 5-point difference means something) through
+the engine twice — the full model, then phase-aware (full prefill, a 50% decode pool from the
+bundled REAP plan, calibrated on the model's workload: the task domain) — and prints what the plan
+was calibrated on, sample outputs, accuracy and length per task, and decode throughput with the
+expert traffic each decode step read.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ def register(sub) -> None:
     p = sub.add_parser("demo", help="run the bundled model: full vs phase-aware decode, outputs and throughput")
     p.add_argument("--model", default="reference", help="checkpoint directory or 'reference'")
     p.add_argument("--plan", default=str(BUNDLED_PLAN), help="decode plan (default: bundled 50%% REAP plan)")
-    p.add_argument("--per-task", type=int, default=2, help="prompts per task")
+    p.add_argument("--per-task", type=int, default=10, help="prompts per task (default 10: 60 prompts)")
     p.set_defaults(func=run)
 
 
@@ -33,6 +35,7 @@ def _decode_summary(llm, since: int) -> dict:
 
 
 def run(args) -> int:
+    from ..calibration.calibrate import describe_calibration
     from ..engine import LLM, SamplingParams
     from ..data.tasks import TASKS, eval_examples, extract_answer, score
     from ..models import describe
@@ -46,8 +49,12 @@ def run(args) -> int:
     plan = Plan.load(args.plan)
     plan.check_model(llm.model)
     kept = plan.kept_experts("decode")
-    print(f"decode plan: {args.plan} ({plan.meta.get('criterion', '?')}, keeps "
+    shown = f"bundled {BUNDLED_PLAN.name}" if Path(args.plan).resolve() == BUNDLED_PLAN else args.plan
+    print(f"decode plan: {shown} ({plan.meta.get('criterion', '?')}, keeps "
           f"{sum(map(len, kept.values())) / max(1, len(kept)):.0f} of {facts['routed_experts_per_layer']} experts per layer)")
+    calibration = plan.meta.get("calibration") or ({"data": plan.meta["stats_data"], "tokens": plan.meta.get("stats_tokens")}
+                                                   if plan.meta.get("stats_data") else None)
+    print(f"plan calibrated on: {describe_calibration(calibration) if calibration else 'not recorded in the plan'}")
 
     examples = [ex for task in TASKS.values() for ex in eval_examples(task, args.per_task, seed=0)]
     sampling = SamplingParams(max_tokens=160, temperature=0.0)
@@ -59,15 +66,30 @@ def run(args) -> int:
         results[name] = (outputs, _decode_summary(llm, since))
 
     rows = []
-    for i, ex in enumerate(examples):
+    shown = set()
+    for i, ex in enumerate(examples):   # the first two prompts of each task, as examples
+        if sum(1 for t in shown if t[0] == ex.task) >= 2:
+            continue
+        shown.add((ex.task, i))
         row = [ex.task, ex.prompt.strip().replace("\n", " ")[:34]]
         for name in results:
             out = results[name][0][i]
             answer = extract_answer(out.text)
             row += [(answer or "—")[:18], "yes" if score(ex, out.text) else "no", len(out.token_ids)]
         rows.append(tuple(row))
-    print_table("task prompts: full model vs phase-aware (full prefill, 50% decode pool)",
+    print_table("sample prompts: full model vs phase-aware (full prefill, 50% decode pool)",
                 ["task", "prompt", "full answer", "ok", "len", "phase-aware answer", "ok", "len"], rows)
+    per_task = []
+    for task in TASKS:
+        idx = [i for i, ex in enumerate(examples) if ex.task == task]
+        row = [task, len(idx)]
+        for name, (outputs, _) in results.items():
+            ok = sum(score(examples[i], outputs[i].text) for i in idx)
+            lengths = sorted(len(outputs[i].token_ids) for i in idx)
+            row += [f"{ok}/{len(idx)}", lengths[min(len(lengths) - 1, int(0.9 * len(lengths)))]]
+        per_task.append(tuple(row))
+    print_table("per task: correct answers and p90 output length",
+                ["task", "prompts", "full correct", "full p90", "phase-aware correct", "phase-aware p90"], per_task)
     summary = []
     for name, (outputs, dec) in results.items():
         acc = sum(score(ex, o.text) for ex, o in zip(examples, outputs)) / len(examples)

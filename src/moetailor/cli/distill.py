@@ -14,8 +14,9 @@ def register(sub) -> None:
                        "from the full model's KV cache; export a stock checkpoint")
     p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
     p.add_argument("plan", help="plan file from `moetailor plan` (its decode policy is the student)")
-    p.add_argument("--data", default="mix", help="training text: tasks | text | text:DOMAIN[,DOMAIN] | mix | FILE.jsonl "
-                   "| FILE.txt (default mix: task training stream + calibration text, never evaluation seeds)")
+    p.add_argument("--data", default=None, help="training text, the traffic to serve: FILE.jsonl | FILE.txt | tasks | "
+                   "tasks:TASK | text | text:DOMAIN[,DOMAIN] | mix | mixture:... (default for 'reference': tasks, its "
+                   "workload, from the training stream, never evaluation seeds; required otherwise)")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps")
     p.add_argument("--out", required=True, help="output checkpoint directory (state for --resume: OUT.partial)")
     p.add_argument("--split-point", default="uniform",
@@ -46,7 +47,8 @@ def run(args) -> int:
                         checkpoint_every=args.checkpoint_every, seed=args.seed, se2=not args.no_se2, bf16=args.bf16)
     cfg.validate()
     command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
-    out, result = distill_checkpoint(args.model, args.plan, args.data, cfg, args.out, overwrite=args.overwrite,
+    from ..calibration.data import default_data_spec
+    out, result = distill_checkpoint(args.model, args.plan, default_data_spec(args.model, args.data), cfg, args.out, overwrite=args.overwrite,
                                      resume=args.resume, command=command)
     counts = result.student.counts()
     first, last = result.log[0], result.log[-1]

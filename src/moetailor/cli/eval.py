@@ -35,7 +35,10 @@ def register(sub) -> None:
     p.add_argument("--kl-docs", type=int, default=2, help="held-out documents per text domain for KL/perplexity")
     p.add_argument("--kl-window", type=int, default=256, help="tokens per held-out window")
     p.add_argument("--calib-tokens", type=int, default=32768, help="calibration tokens for --sweep")
-    p.add_argument("--calib-data", default="mix", help="calibration data spec for --sweep (tasks, text, mix, a file)")
+    p.add_argument("--calib-data", default=None,
+                   help="calibration data for --sweep: the traffic to serve (FILE.jsonl, FILE.txt, tasks, tasks:TASK, "
+                   "text, mix, mixture:...; default for 'reference': tasks, required otherwise). A sweep axis "
+                   "'data=tasks|text|mix' (or data=domains) calibrates per domain for the cross-domain matrix")
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch size")
     p.add_argument("--out", required=True, help="output directory (an interrupted run resumes from its cells; cells "
                    "another plan, model or setting wrote there are an error)")

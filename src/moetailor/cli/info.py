@@ -1,18 +1,22 @@
-"""`moetailor info MODEL`: the architecture and expert layout of a checkpoint."""
+"""`moetailor info MODEL`: the architecture and expert layout of a checkpoint.
+`moetailor info PLAN.json`: what a plan keeps, per phase, and what it was calibrated on."""
 from __future__ import annotations
 
 from ..tables import print_table
 
 
 def register(sub) -> None:
-    p = sub.add_parser("info", help="print architecture, MoE layers, experts, top-k, gating, parameters")
-    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    p = sub.add_parser("info", help="print architecture, MoE layers, experts, top-k, gating, parameters "
+                       "(or, for a plan file, what it keeps and what it was calibrated on)")
+    p.add_argument("model", help="local checkpoint directory, 'reference' (the bundled model), or a plan .json")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from ..models import describe, load_model
 
+    if str(args.model).endswith(".json"):
+        return run_plan(args.model)
     facts = describe(load_model(args.model))
     rows = []
     for key, value in facts.items():
@@ -22,4 +26,37 @@ def run(args) -> int:
             value = f"{len(value)} ({', '.join(map(str, value))})" if len(value) < 12 else f"{len(value)} layers"
         rows.append((key.replace("_", " "), str(value)))
     print_table(f"moetailor info {args.model}", ["property", "value"], rows)
+    return 0
+
+
+def run_plan(path: str) -> int:
+    from ..calibration.calibrate import describe_calibration
+    from ..plans import Plan
+
+    plan = Plan.load(path)
+    meta, model = plan.meta, plan.model
+    calibration = meta.get("calibration") or ({"data": meta["stats_data"], "tokens": meta.get("stats_tokens")}
+                                              if meta.get("stats_data") else None)
+    rows = [("model", f"{model.get('source') or '?'} ({model.get('model_type')}, {model.get('num_experts')} experts "
+                      f"top-{model.get('top_k')}, router hash {model.get('router_hash')})"),
+            ("calibrated on", describe_calibration(calibration) if calibration else "not recorded"),
+            ("criterion", str(meta.get("criterion", "-"))),
+            ("keep ratio", "-" if meta.get("keep_ratio") is None else f"{meta['keep_ratio']:g}")]
+    E = model.get("num_experts") or 0
+    for name in ("prefill", "decode"):
+        phase = plan.phase(name)
+        if not phase.layers:
+            rows.append((name, "full router"))
+            continue
+        kept = [len(p.keep) for p in phase.layers.values() if p.keep is not None]
+        other = [k for k, p in sorted(phase.layers.items()) if p.keep is None]
+        desc = f"keeps {', '.join(map(str, kept))} of {E} experts in layers {', '.join(map(str, sorted(phase.layers)))}" \
+            if kept else f"{len(phase.layers)} layer policies"
+        if kept and other:
+            desc += f" (+{len(other)} other layer policies)"
+        rows.append((name, desc))
+    for key in ("command", "created"):
+        if meta.get(key):
+            rows.append((key, str(meta[key])))
+    print_table(f"moetailor info {path} (plan)", ["property", "value"], rows)
     return 0

@@ -16,7 +16,13 @@ def register(sub) -> None:
     budget.add_argument("--keep", type=float, help="ratio of experts kept per layer (e.g. 0.5)")
     budget.add_argument("--keep-experts", type=int, help="experts kept per layer (e.g. 32)")
     p.add_argument("--layers", help="per-layer budgets: '0-2:48,3-5:24' (decoder layer ranges) or a JSON list with "
-                   "one count per MoE layer; overrides --keep/--keep-experts where given")
+                   "one count per MoE layer; overrides --keep/--keep-experts where given. 'search': the --keep "
+                   "total, moved between layers by measured sensitivity (next-token KL on --search-data; needs --model)")
+    p.add_argument("--search-data", default=None, help="with --layers search: text to score on (default for "
+                   "'reference': tasks; required otherwise)")
+    p.add_argument("--search-tokens", type=int, default=None,
+                   help="with --layers search: tokens scored per allocation (default 4096)")
+    p.add_argument("--step", type=int, default=None, help="with --layers search: experts moved per transfer (default 4)")
     p.add_argument("--phase", choices=PLAN_PHASES, default="decode",
                    help="phase the pruning applies to (default decode: full pool for prefill)")
     p.add_argument("--groups", choices=GROUP_MODES, default="balanced",
@@ -44,6 +50,8 @@ def run(args) -> int:
         from ..models.checkpoint import skeleton
         model, _ = skeleton(args.model)
     command = command_line(args, positional=("stats",))
+    if args.layers == "search":
+        return run_search(args, stats, model, command)
     plan = make_plan(stats, model, args.criterion, keep=args.keep, keep_experts=args.keep_experts, layers=args.layers,
                      phase=args.phase, seed=args.seed, stats_path=str(args.stats), command=command,
                      groups=args.groups)
@@ -68,3 +76,25 @@ def run(args) -> int:
         print(note)
     return 0
 
+
+
+def run_search(args, stats, model, command: str) -> int:
+    from ..calibration.data import default_data_spec
+    from ..models import load_tokenizer
+    from ..eval.search_k import search_pool
+
+    if model is None or args.keep is None:
+        raise ValueError("--layers search needs --model (to measure each layer's sensitivity) and --keep (the total)")
+    data = default_data_spec(args.model, args.search_data, "--search-data")
+    plan, summary = search_pool(model, load_tokenizer(args.model), stats, args.criterion, args.keep, data=data,
+                                tokens=args.search_tokens or 4096, step=args.step or 4, phase=args.phase, seed=args.seed,
+                                stats_path=str(args.stats), command=command)
+    plan.save(args.out)
+    s = summary["search"]
+    print_table(f"per-layer pool sizes ({args.criterion}, {args.keep:g} of experts on average, step {summary['step']}) "
+                f"-> {args.out}", ["MoE layer", "uniform", "searched"],
+                [(i, u, k) for i, u, k in zip(stats.model["moe_layers"], s["uniform"], s["ks"])])
+    print(f"next-token KL to the full model on {summary['tokens']:,} tokens of {summary['data']}: "
+          f"{s['uniform_kl']:.4f} uniform -> {s['kl']:.4f} searched ({s['evaluations']} allocations scored, "
+          f"{summary['seconds']:.0f} s)")
+    return 0

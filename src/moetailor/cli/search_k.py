@@ -20,7 +20,8 @@ def register(sub) -> None:
     p.add_argument("--overwrite", "--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--phase", choices=("both", "decode", "prefill"), default="both",
                    help="phases the allocation applies to (default both)")
-    p.add_argument("--data", default="mix", help="calibration text spec, as for `moetailor calibrate` (default mix)")
+    p.add_argument("--data", default=None, help="calibration text spec, as for `moetailor calibrate` (default for "
+                   "'reference': tasks, its workload; required otherwise)")
     p.add_argument("--tokens", type=int, default=4096, help="calibration tokens scored per allocation (default 4096)")
     p.add_argument("--window", type=int, default=128, help="tokens per window; KL is scored on each second half")
     p.add_argument("--max-rounds", type=int, default=20, help="at most this many accepted transfers")
@@ -51,7 +52,8 @@ def run(args) -> int:
     shape = Shape.of(model)
     budget = args.budget if args.budget is not None else int(round(args.mean_k * len(shape.layers)))
     command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["search-k"] else None
-    plan, summary = search_plan(model, tokenizer, budget, data=args.data, tokens=args.tokens, window=args.window,
+    from ..calibration.data import default_data_spec
+    plan, summary = search_plan(model, tokenizer, budget, data=default_data_spec(args.model, args.data), tokens=args.tokens, window=args.window,
                                 phase=args.phase, max_rounds=args.max_rounds, tol=args.tol,
                                 heldout_docs=args.heldout_docs, accuracy_n=args.accuracy_n, tasks=args.tasks,
                                 seed=args.seed, command=command)

@@ -31,7 +31,8 @@ def _num(x: float, digits: int = 1) -> str:
 def _order(row: dict) -> tuple:
     config = row["configuration"]
     rank = PHASE_CONFIGURATIONS.index(config) if config in PHASE_CONFIGURATIONS else len(PHASE_CONFIGURATIONS)
-    return (row["keep"] is not None, -(row["keep"] or 0), str(row["criterion"] or ""), rank, config)
+    data = (row.get("calibration") or {}).get("data") or ""
+    return (row["keep"] is not None, -(row["keep"] or 0), str(row["criterion"] or ""), rank, config, data)
 
 
 def _rows(results: dict, sampling: str, task: str = "all") -> list[dict]:
@@ -59,6 +60,33 @@ def per_task_table(results: dict, sampling: str) -> str:
         out.append((r["variant"], *cells))
     budgets = results["settings"]["max_tokens"]
     return markdown_table(["variant", *[f"{t} (max {budgets[t]})" for t in tasks]], out)
+
+
+def calibrations(results: dict) -> list[dict]:
+    """The distinct calibration records behind an evaluation's plans, in row order."""
+    seen = {}
+    for r in results["rows"]:
+        c = r.get("calibration")
+        if c and c.get("data") is not None:
+            seen.setdefault((c.get("data"), c.get("sha256")), c)
+    return list(seen.values())
+
+
+def cross_domain_table(results: dict, sampling: str) -> str | None:
+    """Rows: plans (criterion, keep, configuration) per calibration data; columns: accuracy % on each
+    evaluation task, all tasks, and held-out text KL. None when all plans share one calibration."""
+    if len({c["data"] for c in calibrations(results)}) < 2:
+        return None
+    tasks = results["settings"]["tasks"]
+    by = {(r["variant"], r["task"]): r for r in results["rows"] if r["sampling"] == sampling}
+    rows = []
+    for r in sorted(_rows(results, sampling), key=lambda r: (r["keep"] is not None, -(r["keep"] or 0),
+                                                             str(r["criterion"] or ""), r["configuration"])):
+        data = (r.get("calibration") or {}).get("data") or "–"
+        name = r["configuration"] if r["criterion"] is None else f"{r['criterion']} {r['keep']:.0%} {r['configuration']}"
+        rows.append((name, data, *[_pct(by[r["variant"], t]["accuracy"]) for t in tasks], _pct(r["accuracy"]),
+                     _num(r["kl"], 4)))
+    return markdown_table(["plan", "calibrated on", *tasks, "all tasks", "held-out text KL"], rows)
 
 
 def findings(results: dict, sampling: str) -> list[str]:
@@ -212,8 +240,16 @@ def markdown(results: dict, plot_dir: str = ".") -> str:
              f"experts top-{results['model']['top_k']}, router hash `{results['model']['router_hash']}`); "
              f"tasks {', '.join(s['tasks'])}; {s['n']} prompts per task and seed; seeds {s['seeds']}; "
              f"held-out KL/perplexity on {s['heldout']['tokens_scored']} tokens.", ""]
+    from ..calibration.calibrate import describe_calibration
+    cals = calibrations(results)
+    if cals:
+        parts += ["Plans calibrated on: " + "; ".join(describe_calibration(c) for c in cals) + ".", ""]
     for mode in s["sampling"]:
         label = "greedy" if mode == "greedy" else f"sampling T={s['temperature']}, top-p={s['top_p']}"
+        matrix = cross_domain_table(results, mode)
+        if matrix:
+            parts += [f"### Cross-domain, {label}: accuracy % per evaluation task, by calibration data", "",
+                      matrix, ""]
         parts += [f"### All tasks, {label}", "", summary_table(results, mode), "",
                   f"### Per task, {label}: accuracy % · p90 length / budget-hit %", "",
                   per_task_table(results, mode), "", "Findings:", ""]
@@ -250,7 +286,7 @@ def write_docs(results: dict, out: Path, docs: Path, elapsed_s: float) -> Path:
         f"This run took {elapsed_s / 60:.1f} minutes on this 2-core CPU machine ({t['computed_cells']} cells computed, "
         f"{t['cached_cells']} reused from an earlier interrupted run); generation produced "
         f"{t['generated_tokens_all_cells']:,} tokens in {t['generation_s_all_cells']:.0f} s of engine time "
-        f"({tok_s:.0f} tok/s). {s['n']} prompts per task keeps the sweep well under 30 minutes here; the "
+        f"({tok_s:.0f} tok/s); on a machine shared with other jobs the time is an upper bound. The "
         "numbers move by several points between seeds at this size, so read differences of a few points as noise.",
         "",
         f"Versions: moetailor {v['moetailor']}, torch {v['torch']}, transformers {v['transformers']}. "

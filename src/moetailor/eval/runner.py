@@ -57,17 +57,39 @@ def available_criteria() -> tuple[str, ...]:
     return tuple(CRITERIA)
 
 
+DOMAINS_SHORTHAND = "domains"   # data=domains: the whole task suite, each task alone, the bundled text, mix
+
+
+def sweep_data(spec: str) -> tuple[str, ...] | None:
+    """The calibration-data axis of a sweep (``data=tasks|text|tasks:addition``, ``|``-separated since a
+    spec may hold commas; ``data=domains`` = tasks, each task, text and mix), or None when absent."""
+    parts = dict(p.split("=", 1) for p in spec.split(";") if "=" in p)
+    if "data" not in parts:
+        return None
+    from ..calibration.data import parse_data_spec
+    values = [v.strip() for v in parts["data"].split("|") if v.strip()]
+    if values == [DOMAINS_SHORTHAND]:
+        values = ["tasks", *[f"tasks:{t}" for t in TASKS], "text", "mix"]
+    if not values:
+        raise ValueError(f"sweep {spec!r}: data= lists no calibration data; e.g. data=tasks|text|mix or data=domains")
+    for v in values:
+        parse_data_spec(v)
+    return tuple(dict.fromkeys(values))
+
+
 def parse_sweep(spec: str) -> tuple[tuple[str, ...], tuple[float, ...]]:
-    """A named sweep ('paper', 'full') or 'criteria=frequency,reap;keep=0.5,0.25' -> (criteria, keeps)."""
+    """A named sweep ('paper', 'full') or 'criteria=frequency,reap;keep=0.5,0.25' -> (criteria, keeps).
+    An optional ``data=...`` part (see ``sweep_data``) adds calibration domains as a third axis."""
     valid = available_criteria()
     if spec in SWEEPS:
         criteria, keeps = SWEEPS[spec]
         criteria = criteria or valid
     else:
         parts = dict(p.split("=", 1) for p in spec.split(";") if "=" in p)
-        if not parts or set(parts) - {"criteria", "keep"} or len(parts) != len(spec.split(";")):
+        if not parts or set(parts) - {"criteria", "keep", "data"} or len(parts) != len(spec.split(";")):
             raise ValueError(f"cannot read sweep {spec!r}; use a named sweep ({', '.join(SWEEPS)}) or "
-                             "'criteria=frequency,reap;keep=0.5,0.25'")
+                             "'criteria=frequency,reap;keep=0.5,0.25' (optionally ';data=tasks|text|mix')")
+        sweep_data(spec)
         criteria = tuple(c.strip() for c in parts.get("criteria", ",".join(valid)).split(",") if c.strip())
         try:
             keeps = tuple(float(k) for k in parts.get("keep", ",".join(map(str, DEFAULT_KEEPS))).split(","))
@@ -96,7 +118,8 @@ class EvalSettings:
     kl_docs: int = 2                   # held-out documents per text domain
     kl_window: int = 256               # tokens per held-out window (KL measured on its second half)
     calib_tokens: int = 32768
-    calib_data: str = "mix"            # calibration data spec (see moetailor.calibration.data)
+    calib_data: str | None = None      # calibration data spec (moetailor.calibration.data); None = the
+                                       # bundled model's task domain (required for other models)
     max_num_seqs: int = 64
     temperature: float = 1.0
     top_p: float = 0.95
@@ -120,6 +143,9 @@ class EvalSettings:
             needing = [c.label for c in self.configs if c.definition.uses_plan]
             raise ValueError(f"configurations {needing} need a plan; pass --plan PLAN or --sweep SPEC "
                              "(or --configs baseline)")
+        if self.sweep and parse_sweep(self.sweep) and sweep_data(self.sweep) is None:
+            from ..calibration.data import default_data_spec, parse_data_spec
+            parse_data_spec(default_data_spec(self.model, self.calib_data, "--calib-data"))
         if self.kl_window < 4:
             raise ValueError(f"--kl-window must be at least 4 tokens, got {self.kl_window}")
         return tasks
@@ -210,38 +236,60 @@ class Variant:
     criterion: str | None
     keep: float | None
     serving: Serving
+    calibration: dict | None = None   # the base plan's calibration record (data, tokens, sha256)
 
     @property
     def plan(self) -> Plan:
         return self.serving.plan
 
 
+@dataclass(frozen=True)
+class PlanSource:
+    """One base plan of an evaluation: ``label`` prefixes its variants (``reap-0.5``, or
+    ``reap-0.5@tasks:addition`` when the sweep has a calibration-data axis)."""
+
+    label: str | None
+    criterion: str | None
+    keep: float | None
+    plan: Plan | None
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
 def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log,
-                  overwrite: bool = False) -> list[tuple[str | None, float | None, Plan | None]]:
-    """(criterion, keep, plan) per base plan: the given plan, the sweep's plans, or none."""
+                  overwrite: bool = False) -> list[PlanSource]:
+    """The base plans: the given plan, the sweep's plans (per calibration domain), or none."""
     if settings.plan:
         plan = Plan.load(settings.plan)
         plan.check_model(model)
-        return [(plan.meta.get("criterion", Path(settings.plan).stem), plan.meta.get("keep_ratio"), plan)]
+        criterion = plan.meta.get("criterion", Path(settings.plan).stem)
+        keep = plan.meta.get("keep_ratio")
+        return [PlanSource(f"{criterion}-{keep:g}" if keep is not None else str(criterion), criterion, keep, plan)]
     if not settings.sweep:
-        return [(None, None, None)]
-    criteria, keeps = parse_sweep(settings.sweep)
-    stats_path = out / "stats.safetensors"
-    stats = calibrated_stats(model, tokenizer, stats_path, settings.calib_data, settings.calib_tokens, log,
-                             overwrite=overwrite)
+        return [PlanSource(None, None, None, None)]
+    from ..calibration.data import default_data_spec
     from ..plans.criteria import make_plan
+    criteria, keeps = parse_sweep(settings.sweep)
+    datas = sweep_data(settings.sweep)
+    axis = datas is not None
     sources = []
-    for criterion in criteria:
-        for keep in keeps:
-            path = out / "plans" / f"{criterion}-{keep:g}.json"
-            plan = make_plan(stats, model, criterion, keep=keep, stats_path=str(stats_path))   # cheap: from stats
-            cached = Plan.load(path) if path.exists() else None
-            if cached is not None and plan_hash(cached) == plan_hash(plan):
-                plan = cached                      # unchanged: keep the file (and its creation time)
-            else:
-                plan.save(path)
-            plan.check_model(model)
-            sources.append((criterion, keep, plan))
+    for data in datas or (default_data_spec(settings.model, settings.calib_data, "--calib-data"),):
+        stats_path = out / (f"stats-{_slug(data)}.safetensors" if axis else "stats.safetensors")
+        stats = calibrated_stats(model, tokenizer, stats_path, data, settings.calib_tokens, log, overwrite=overwrite)
+        for criterion in criteria:
+            for keep in keeps:
+                path = out / "plans" / (_slug(data) if axis else "") / f"{criterion}-{keep:g}.json"
+                plan = make_plan(stats, model, criterion, keep=keep, stats_path=str(stats_path))  # cheap: from stats
+                cached = Plan.load(path) if path.exists() else None
+                if cached is not None and plan_hash(cached) == plan_hash(plan):
+                    plan = cached                      # unchanged: keep the file (and its creation time)
+                else:
+                    plan.save(path)
+                plan.check_model(model)
+                sources.append(PlanSource(f"{criterion}-{keep:g}" + (f"@{data}" if axis else ""), criterion, keep,
+                                          plan))
     return sources
 
 
@@ -260,7 +308,7 @@ def calibrated_stats(model, tokenizer, path: Path, data: str, tokens: int, log, 
         except StatsMismatch as e:
             problem = str(e).split(";")[0]
         made = (stats.meta.get("data"), stats.meta.get("tokens"))
-        if problem is None and made != (str(parse_data_spec(data)), tokens):
+        if problem is None and made != (parse_data_spec(data).name, tokens):
             problem = f"calibrated on {made[1]} tokens of {made[0]!r}, this run asks for {tokens} of {data!r}"
         if problem is None:
             return stats
@@ -276,17 +324,17 @@ def calibrated_stats(model, tokenizer, path: Path, data: str, tokens: int, log, 
     return stats
 
 
-def variants(settings: EvalSettings, sources, model) -> list[Variant]:
+def variants(settings: EvalSettings, sources: list[PlanSource], model) -> list[Variant]:
     out, seen = [], set()
-    for criterion, keep, plan in sources:
+    for src in sources:
+        calibration = src.plan.meta.get("calibration") if src.plan is not None else None
         for spec in settings.configs:
             if spec.definition.uses_plan:
-                prefix = f"{criterion}-{keep:g}" if keep is not None else str(criterion)
-                key = f"{prefix}/{spec.label}"
-                v = Variant(key, spec.label, criterion, keep, spec.build(model, plan))
+                key = f"{src.label}/{spec.label}"
+                v = Variant(key, spec.label, src.criterion, src.keep, spec.build(model, src.plan), calibration)
             else:
                 key = spec.label
-                v = Variant(key, spec.label, None, None, spec.build(model, plan))
+                v = Variant(key, spec.label, None, None, spec.build(model, src.plan))
             if key not in seen:
                 seen.add(key)
                 out.append(v)
@@ -312,7 +360,7 @@ def _guard_summary(snapshots: list[dict | None]) -> dict | None:
 
 
 def _cell_file(out: Path, key: str) -> Path:
-    return out / "cells" / (key.replace("/", "__").replace(":", "_") + ".json")
+    return out / "cells" / (key.replace("/", "__").replace(":", "_").replace("|", "_") + ".json")
 
 
 class Sweep:
@@ -520,6 +568,7 @@ class Sweep:
                     acc_mean, acc_std = mean_std([accuracy(g) for g in chosen])
                     lengths = length_stats([g for gens in chosen for g in gens])
                     rows.append({"variant": v.key, "configuration": v.config, "criterion": v.criterion,
+                                 "calibration": v.calibration,
                                  "keep": v.keep, "sampling": mode, "task": task,
                                  "accuracy": acc_mean, "accuracy_std": acc_std,
                                  "accuracy_per_seed": [accuracy(g) for g in chosen], **lengths.to_json(),
@@ -537,9 +586,10 @@ class Sweep:
                          f"{BUDGET_FACTOR:g}x the longest reference completion (+EOS) at the trained difficulties",
                          "heldout": {"docs_per_domain": self.settings.kl_docs, "window": self.settings.kl_window,
                                      "tokens_scored": cells[f"{self.variants[0].key}/heldout"]["tokens"]},
-                         "calibration": {"data": self.settings.calib_data, "tokens": self.settings.calib_tokens}
+                         "calibration": [src.plan.meta.get("calibration") for src in sources
+                                         if src.plan is not None and src.plan.meta.get("calibration")] or None
                          if self.settings.sweep else None},
-            "plans": {f"{c}-{k:g}" if k is not None else str(c): p.to_json() for c, k, p in sources if p is not None},
+            "plans": {src.label: src.plan.to_json() for src in sources if src.plan is not None},
             "versions": _versions(),
             "rows": rows,
             "histograms": histograms,

@@ -65,8 +65,12 @@ def phase_policies(policy: PhasePolicy, phase: str) -> tuple[PhasePolicy | None,
 
 
 def search_k(model, windows: list[list[int]], budget: int, *, phase: str = "both", max_rounds: int = 20,
-             tol: float = 1e-4, start: list[int] | None = None, progress: bool = True, log=None) -> SearchResult:
-    """Coordinate descent (see the module docstring) on ``windows`` of calibration token ids."""
+             tol: float = 1e-4, start: list[int] | None = None, progress: bool = True, log=None,
+             policy_of=None, low: int = 1, high: int | None = None, step: int = 1) -> SearchResult:
+    """Coordinate descent (see the module docstring) on ``windows`` of calibration token ids.
+    By default the per-layer count is the active experts per token (``top_k``, in [1, k]); with
+    ``policy_of`` (counts -> PhasePolicy) it can be any per-layer budget in [low, high], moved
+    ``step`` at a time — e.g. the size of each layer's static expert pool (``search_pool``)."""
     from tqdm import tqdm
 
     from .metrics import HeldoutScorer
@@ -76,8 +80,9 @@ def search_k(model, windows: list[list[int]], budget: int, *, phase: str = "both
     phase_policies(PhasePolicy(), phase)   # validate before any work
     if max_rounds < 0:
         raise ValueError(f"--max-rounds must be >= 0, got {max_rounds}")
+    policy_of = policy_of or (lambda ks: layer_k_policy(shape, ks))
     current = list(start) if start is not None else uniform_allocation(shape, budget)
-    layer_k_policy(shape, current)
+    policy_of(current)
     if sum(current) != budget:
         raise ValueError(f"the start allocation {current} spends {sum(current)} experts, not the budget {budget}")
     scorer = HeldoutScorer(model, windows)
@@ -86,20 +91,21 @@ def search_k(model, windows: list[list[int]], budget: int, *, phase: str = "both
     def kl(ks: list[int]) -> float:
         key = tuple(ks)
         if key not in scored:
-            scored[key] = scorer.score(*phase_policies(layer_k_policy(shape, ks), phase)).kl
+            scored[key] = scorer.score(*phase_policies(policy_of(ks), phase)).kl
         return scored[key]
 
-    n, k = len(current), shape.top_k
+    n, k = len(current), high if high is not None else shape.top_k
     uniform, current_kl = list(current), kl(current)
     history, rounds = [], 0
     for rounds in range(1, max_rounds + 1):
-        moves = [(i, j) for i in range(n) for j in range(n) if i != j and current[i] > 1 and current[j] < k]
+        moves = [(i, j) for i in range(n) for j in range(n)
+                 if i != j and current[i] - step >= low and current[j] + step <= k]
         best = None
         for i, j in tqdm(moves, desc=f"search-k round {rounds}", unit="move", disable=not progress, file=sys.stderr,
                          leave=False):
             cand = list(current)
-            cand[i] -= 1
-            cand[j] += 1
+            cand[i] -= step
+            cand[j] += step
             value = kl(cand)
             if best is None or value < best[0]:
                 best = (value, cand, i, j)
@@ -107,7 +113,7 @@ def search_k(model, windows: list[list[int]], budget: int, *, phase: str = "both
             rounds -= 1
             break
         history.append({"round": rounds, "from_layer": best[2], "to_layer": best[3], "ks": best[1], "kl": best[0]})
-        log(f"round {rounds}: move one expert from MoE layer {best[2]} to {best[3]} -> {best[1]}, "
+        log(f"round {rounds}: move {step} expert(s) from MoE layer {best[2]} to {best[3]} -> {best[1]}, "
             f"KL {current_kl:.4f} -> {best[0]:.4f}")
         current, current_kl = best[1], best[0]
     return SearchResult(current, current_kl, uniform, scored[tuple(uniform)], rounds, len(scored), history)
@@ -180,4 +186,48 @@ def search_plan(model, tokenizer, budget: int, *, data: str = "mix", tokens: int
                                                                "searched": plan}, accuracy_n, tasks, seed)
         summary["accuracy_n"] = accuracy_n
     summary["seconds"] = round(time.time() - t0, 1)
+    return plan, summary
+
+
+POOL_METHOD = ("coordinate descent over transfers of STEP pool slots between MoE layers (total fixed), from the "
+               "uniform pool; each pool keeps a layer's top experts by the criterion; each round takes the transfer "
+               "that lowers next-token KL to the full model most (scored as served: prefill full, decode pooled)")
+
+
+def search_pool(model, tokenizer, stats, criterion: str, keep: float, *, data: str = "tasks", tokens: int = 4096,
+                window: int = 128, step: int = 4, phase: str = "decode", max_rounds: int = 20, tol: float = 1e-4,
+                seed: int = 0, progress: bool = True, stats_path: str | None = None, command: str | None = None,
+                log=None) -> tuple[Plan, dict]:
+    """Per-layer static pool sizes from measured sensitivity: the same total as a uniform ``keep``
+    plan, moved between layers ``step`` experts at a time where next-token KL on ``data`` says the
+    layer needs them. Returns a pruning plan (``--layers`` budgets) and a summary."""
+    from ..plans.criteria import make_plan
+
+    t0 = time.time()
+    shape = Shape.of(model)
+    E, n = stats.model["num_experts"], len(shape.layers)
+    uniform = max(shape.top_k, round(keep * E))
+    plans: dict[tuple[int, ...], Plan] = {}
+
+    def plan_of(sizes: list[int]) -> Plan:
+        key = tuple(sizes)
+        if key not in plans:
+            plans[key] = make_plan(stats, model, criterion, layers=dict(zip(shape.layers, sizes)), phase=phase,
+                                   stats_path=stats_path, command=command)
+        return plans[key]
+
+    def policy_of(sizes: list[int]) -> PhasePolicy:
+        p = plan_of(sizes)
+        return p.decode if phase == "decode" else p.prefill
+
+    windows = calibration_windows(tokenizer, data, tokens, window, seed)
+    search_phase = "decode" if phase == "decode" else "prefill" if phase == "prefill" else "both"
+    result = search_k(model, windows, uniform * n, phase=search_phase, max_rounds=max_rounds, tol=tol,
+                      start=[uniform] * n, progress=progress, log=log, policy_of=policy_of, low=shape.top_k,
+                      high=E, step=step)
+    plan = plan_of(result.ks)
+    summary = {"criterion": criterion, "keep": keep, "step": step, "phase": phase, "method": POOL_METHOD,
+               "data": data, "tokens": len(windows) * window, "window": window, "search": result.to_json(),
+               "seconds": round(time.time() - t0, 1)}
+    plan.meta["pool_search"] = summary
     return plan, summary

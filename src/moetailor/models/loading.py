@@ -75,6 +75,21 @@ def load_tokenizer(name: str | Path):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def source_name(path: str | Path | None) -> str | None:
+    """How a plan or statistics file names the checkpoint it was made from: ``reference`` for the
+    bundled model, otherwise the checkpoint's directory name — never a machine path, so a plan can
+    ship and move between machines (the router hash, not the name, is what identifies the model)."""
+    if path is None:
+        return None
+    path = Path(path)
+    try:
+        if path.resolve() == REFERENCE_DIR:
+            return "reference"
+    except OSError:
+        pass
+    return path.name or str(path)
+
+
 def model_fingerprint(model) -> dict:
     """Identity of a model for plans and statistics: shape facts plus a hash of the router weights."""
     from .adapters import moe_layers
@@ -89,7 +104,7 @@ def model_fingerprint(model) -> dict:
         "num_experts": layers[0].num_experts,
         "top_k": layers[0].top_k,
         "router_hash": h.hexdigest()[:16],
-        "source": getattr(model, "moetailor_source", None),
+        "source": source_name(getattr(model, "moetailor_source", None)),
     }
     sem = layers[0].semantics
     if sem.n_group > 1:  # grouped routing (DeepSeek): plans choose kept experts per group

@@ -24,9 +24,10 @@ import time
 
 import torch
 
+from ..calibration.calibrate import calibration_record
 from ..calibration.stats import ExpertStats
 from ..models.groups import balanced_keep, fingerprint_semantics, per_group_counts, unreachable
-from ..models.loading import model_fingerprint
+from ..models.loading import model_fingerprint, source_name
 from ..routing.policy import FULL_PHASE, LayerPolicy, PhasePolicy
 from .plan import Plan
 
@@ -190,13 +191,14 @@ def make_plan(stats: ExpertStats, model=None, criterion: str = "reap", keep: flo
             "layers": layers if isinstance(layers, str) or layers is None else {str(i): n for i, n in layers.items()},
             "budgets": {str(i): n for i, n in sorted(budgets.items())}, "phase": phase, "seed": seed,
             "stats": stats_path, "stats_data": stats.meta.get("data"), "stats_tokens": stats.meta.get("tokens"),
+            "calibration": calibration_record(stats.meta),
             "gate": stats.meta.get("gate", {}).get("name"), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "command": command}
     if group_record is not None:
         meta["groups"] = group_record
     model_fp = dict(stats.model)
     if model is not None and getattr(model, "moetailor_source", None):
-        model_fp["source"] = model.moetailor_source
+        model_fp["source"] = source_name(model.moetailor_source)
     return Plan(model=model_fp, prefill=policy if phase in ("prefill", "both") else FULL_PHASE,
                 decode=policy if phase in ("decode", "both") else FULL_PHASE, meta=meta,
                 fold_stats=stats_path if stats.has_fold else None)
