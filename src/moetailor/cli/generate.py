@@ -36,6 +36,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="how requests with different expert_top_k budgets share steps: mixed (one step, each "
                         "token at its own k), max (each step at its largest k), lanes (online low/high-k "
                         "decode lanes), tiers (offline k tiers; generate only)")
+    p.add_argument("--decode-pools-by-load", metavar="PLAN", nargs="+", default=None,
+                   help="decode pools that follow the load: plans (smaller expert pools) that decode steps switch "
+                        "to as the decode batch grows; the full pool runs while its estimated step time meets "
+                        "--step-slo-ms")
+    p.add_argument("--step-slo-ms", type=float, default=None,
+                   help="per-step decode time target (ms) that sets the --decode-pools-by-load thresholds")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     from .techniques import add_policy_arguments
@@ -70,6 +76,13 @@ def build_engine(args):
     llm = LLM(args.model, plan, **kwargs)
     from .techniques import apply_policy_arguments
     apply_policy_arguments(llm, args)
+    if getattr(args, "decode_pools_by_load", None):
+        from ..engine.load_pools import PoolsByLoad
+        if args.step_slo_ms is None:
+            raise ValueError("--decode-pools-by-load needs --step-slo-ms (the decode step time the full pool must meet)")
+        pools = [None] + [Plan.load(path) for path in args.decode_pools_by_load]
+        llm.set_decode_pools(PoolsByLoad.from_slo(pools, llm.k_cost, args.step_slo_ms / 1e3, llm.full_k,
+                                                  args.max_num_seqs))
     return llm
 
 

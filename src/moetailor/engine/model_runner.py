@@ -1,5 +1,7 @@
-"""Runs one engine step on the model: packs the step's tokens, sets the paged-attention context,
-holds the KV block pool, and returns the next-token logits of each sequence."""
+"""Runs one engine step on the model: packs the step's tokens, builds the step context (KV slots,
+block tables, the phase's expert policy and budgets) once, holds the KV block pool, and returns the
+next-token logits of each sequence. Paged attention and the experts implementation are installed
+on the model once, here; nothing about the model changes per step."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -7,8 +9,8 @@ from contextlib import nullcontext
 import torch
 
 from . import attention
+from ..models.step_context import StepContext, reset_context, set_context
 from ..routing import experts
-from .attention import Context, paged_mode, step_context
 from .config import EngineConfig
 from .sequence import Sequence
 
@@ -26,9 +28,13 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.device = torch.device(config.device)
-        attention.register()
+        attention.install(model)
         experts.register()
-        self.experts_impl = experts.GROUPED_IMPLEMENTATION if config.experts_impl == "grouped" else None
+        self.grouped_experts = config.experts_impl == "grouped"
+        # a 4-D attention mask tells transformers the mask is built (engine steps need none: paged
+        # attention reads the step context), so it skips mask preparation in every step
+        self._mask_built = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self._kv_buffers: dict = {}     # decode gather buffers, reused by every layer and step
         limit = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
         if config.max_model_len is None:
             config.max_model_len = min(limit, 4096)
@@ -56,10 +62,15 @@ class ModelRunner:
     def _probe_kv_shapes(self) -> dict:
         """Run one token through the model to learn each layer's k/v head shapes (works for MLA too)."""
         probe: dict = {}
-        ctx = Context(is_prefill=True, slot_mapping=torch.zeros(1, dtype=torch.long, device=self.device), probe=probe)
+        ctx = StepContext(is_prefill=True, slot_mapping=torch.zeros(1, dtype=torch.long, device=self.device),
+                          probe=probe)
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        with paged_mode(self.model), step_context(ctx), torch.inference_mode():
-            self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+        set_context(ctx)
+        try:
+            with torch.inference_mode():
+                self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+        finally:
+            reset_context()
         if not probe:
             raise ValueError(f"{type(self.model).__name__} did not call transformers' attention interface; "
                              "the paged engine needs a model whose attention uses AttentionInterface")
@@ -110,7 +121,7 @@ class ModelRunner:
                 kv[0][slots] = new[0].to(kv[0].device, kv[0].dtype)
                 kv[1][slots] = new[1].to(kv[1].device, kv[1].dtype)
 
-    def prepare_prefill(self, seqs: list[Sequence], block_manager) -> tuple[list[int], list[int], Context]:
+    def prepare_prefill(self, seqs: list[Sequence], block_manager) -> tuple[torch.Tensor, StepContext]:
         ids, positions, slots, cu = [], [], [], [0]
         for seq in seqs:
             n = len(seq)
@@ -118,38 +129,59 @@ class ModelRunner:
             positions += range(n)
             slots += block_manager.slots(seq, 0, n)
             cu.append(cu[-1] + n)
-        ctx = Context(is_prefill=True, slot_mapping=self._tensor(slots), cu_seqlens=cu,
-                      kv_cache=self.kv_cache, block_size=self.config.block_size)
-        return ids, positions, ctx
+        packed = self._tensor([ids, positions, slots])                               # [3, T]
+        ctx = StepContext(is_prefill=True, slot_mapping=packed[2], cu_seqlens=cu, kv_cache=self.kv_cache,
+                          block_size=self.config.block_size, grouped_experts=self.grouped_experts)
+        return packed, ctx
 
-    def prepare_decode(self, seqs: list[Sequence], block_manager) -> tuple[list[int], list[int], Context]:
+    def prepare_decode(self, seqs: list[Sequence], block_manager) -> tuple[torch.Tensor, StepContext]:
+        """Inputs [3, B] (ids, positions, slots) and the context. Attention reads each sequence's
+        first S = max length cached positions: a slice of the pool for a lone sequence whose blocks
+        are contiguous, else the pool slots of its blocks ``kv_slots`` [B*S] (masked past its length
+        unless every sequence has the same length)."""
         bs = self.config.block_size
+        lens = [len(seq) for seq in seqs]
+        tables = [seq.block_table for seq in seqs]
         ids = [seq.token_ids[-1] for seq in seqs]
-        positions = [len(seq) - 1 for seq in seqs]
-        slots = [block_manager.slots(seq, len(seq) - 1, len(seq))[0] for seq in seqs]
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs],
-                              dtype=torch.long, device=self.device)                   # [B, nb]
-        lens = torch.tensor([len(seq) for seq in seqs], device=self.device)           # [B]
-        mask = torch.arange(width * bs, device=self.device)[None, :] < lens[:, None]  # [B, S]
-        ctx = Context(is_prefill=False, slot_mapping=self._tensor(slots), block_tables=tables,
-                      kv_mask=mask[:, None, None, :], kv_cache=self.kv_cache, block_size=bs)
-        return ids, positions, ctx
+        positions = [n - 1 for n in lens]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        packed = self._tensor([ids, positions, slots])                               # [3, B]
+        longest = max(lens)
+        ctx = StepContext(is_prefill=False, slot_mapping=packed[2], kv_cache=self.kv_cache, block_size=bs,
+                          kv_len=longest, kv_buffers=self._kv_buffers, grouped_experts=self.grouped_experts)
+        first = tables[0][0]
+        if len(seqs) == 1 and tables[0] == list(range(first, first + len(tables[0]))):
+            ctx.kv_slots = slice(first * bs, first * bs + longest)
+            return packed, ctx
+        width = (longest + bs - 1) // bs
+        table = self._tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables])   # [B, nb]
+        kv_slots = (table[:, :, None] * bs + torch.arange(bs, device=self.device)).view(len(seqs), -1)  # [B, nb*bs]
+        ctx.kv_slots = kv_slots[:, :longest].flatten()                               # [B*S]
+        if min(lens) != longest:
+            length = self._tensor(lens)                                               # [B]
+            ctx.kv_mask = (torch.arange(longest, device=self.device) < length[:, None])[:, None, None, :]  # [B,1,1,S]
+        return packed, ctx
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
+    def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, block_manager) -> torch.Tensor:
-        """Next-token logits [B, V] (float32) for the step's sequences."""
+    def run(self, seqs: list[Sequence], is_prefill: bool, block_manager, policy: dict | None = None,
+            token_top_k: torch.Tensor | None = None, k_max: int | None = None) -> torch.Tensor:
+        """Next-token logits [B, V] (float32) for the step's sequences. ``policy`` (MoE layer ->
+        CompiledPolicy), ``token_top_k`` [T] and its max ``k_max`` are the step's routing."""
         prepare = self.prepare_prefill if is_prefill else self.prepare_decode
-        ids, positions, ctx = prepare(seqs, block_manager)
-        input_ids = self._tensor(ids)[None]                                           # [1, T]
-        position_ids = self._tensor(positions)[None]                                  # [1, T]
+        packed, ctx = prepare(seqs, block_manager)
+        ctx.policy, ctx.token_top_k, ctx.k_max = policy or {}, token_top_k, k_max
         keep = self._tensor([end - 1 for end in ctx.cu_seqlens[1:]]) if is_prefill else 0
         cast = self.config.prefill_dtype if is_prefill else None
         autocast = torch.autocast(self.device.type, dtype=cast) if cast is not None and cast != self.config.dtype \
             else nullcontext()
-        with paged_mode(self.model), experts.experts_mode(self.model, self.experts_impl), step_context(ctx), autocast:
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
+        set_context(ctx)
+        try:
+            with autocast:
+                out = self.model(input_ids=packed[0][None], position_ids=packed[1][None],      # [1, T] each
+                                 attention_mask=self._mask_built, use_cache=False, logits_to_keep=keep)
+        finally:
+            reset_context()
         return out.logits[0].float()                                                  # [B, V]

@@ -38,6 +38,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""                      # completion text (stop strings already cut)
+        self.detok_prefix = 0               # incremental detokenization window: completion tokens
+        self.detok_read = 0                 # [prefix, read) are context, [read, ...) not yet in text
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         if sampling.seed is not None:
