@@ -106,3 +106,18 @@ def test_decode_pools_by_load_switch_per_step_on_one_kv_cache():
     decode = [r for r in llm.step_log if r.phase == "decode"]
     assert {r.pool_size for r in decode} == {len(keep), 8}
     assert all(max(r.distinct_experts.values()) <= len(keep) for r in decode if r.pool_size == len(keep))
+
+
+def test_bf16_decode_experts_read_half_the_bytes_and_prefill_keeps_fp32():
+    model = tiny_model("qwen2_moe", seed=2)
+    prompts = random_prompts([6, 10], seed=2)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    fp32 = LLM(model, block_size=4)
+    half = LLM(model, block_size=4, decode_expert_dtype=torch.bfloat16)
+    a, b = fp32.generate(prompts, params), half.generate(prompts, params)
+    assert [o.token_ids[0] for o in a] == [o.token_ids[0] for o in b]     # the prefill token: model weights
+    for phase, ratio in (("prefill", 1.0), ("decode", 0.5)):
+        per = [[r.expert_bytes / sum(r.distinct_experts.values()) for r in llm.step_log if r.phase == phase]
+               for llm in (fp32, half)]
+        assert per[1][0] == per[0][0] * ratio
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32

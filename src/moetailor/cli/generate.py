@@ -30,6 +30,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and KV cache")
     p.add_argument("--prefill-dtype", choices=sorted(DTYPES), default=None,
                    help="autocast dtype for prefill steps (bf16 pays for long prompts on AMX CPUs)")
+    p.add_argument("--decode-expert-dtype", choices=sorted(DTYPES), default=None,
+                   help="expert weights of decode steps in this dtype (a copy; bf16 streams faster than fp32 on "
+                        "AVX-512 BF16 CPUs: measure with `python -m moetailor.bench.kernels`)")
     p.add_argument("--experts-impl", choices=("grouped", "loop"), default="grouped",
                    help="expert execution: one grouped GEMM per projection, or a loop over the routed experts")
     p.add_argument("--k-schedule", choices=("mixed", "max", "lanes", "tiers"), default="mixed",
@@ -63,7 +66,9 @@ def build_engine(args):
                   max_model_len=args.max_model_len, experts_impl=args.experts_impl,
                   k_schedule=getattr(args, "k_schedule", "mixed"),
                   memory_budget=int(args.memory_budget_mb * 2**20) if args.memory_budget_mb else None,
-                  prefill_dtype=getattr(torch, DTYPES[args.prefill_dtype]) if args.prefill_dtype else None)
+                  prefill_dtype=getattr(torch, DTYPES[args.prefill_dtype]) if args.prefill_dtype else None,
+                  decode_expert_dtype=getattr(torch, DTYPES[args.decode_expert_dtype])
+                  if getattr(args, "decode_expert_dtype", None) else None)
     if args.decode_model:
         from ..engine.disagg import DisaggregatedLLM
         return DisaggregatedLLM(args.model, decode_model=args.decode_model, **kwargs)

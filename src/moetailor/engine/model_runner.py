@@ -35,6 +35,7 @@ class ModelRunner:
         # attention reads the step context), so it skips mask preparation in every step
         self._mask_built = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self._kv_buffers: dict = {}     # decode gather buffers, reused by every layer and step
+        self.decode_expert_weights = self._expert_copies(config.decode_expert_dtype)
         limit = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
         if config.max_model_len is None:
             config.max_model_len = min(limit, 4096)
@@ -47,6 +48,16 @@ class ModelRunner:
         self.weight_bytes = model_bytes(model)
         self.num_blocks = self._num_blocks()
         self.kv_cache = self._allocate()
+
+    def _expert_copies(self, dtype: torch.dtype | None) -> dict | None:
+        """MoE layer -> its experts' (gate_up, down) in ``dtype``, for decode steps; None = the model's."""
+        from ..models.adapters import moe_layers
+
+        layers = moe_layers(self.model)
+        if dtype is None or all(l.experts.gate_up_proj.dtype == dtype for l in layers):
+            return None
+        return {l.index: (l.experts.gate_up_proj.detach().to(dtype), l.experts.down_proj.detach().to(dtype))
+                for l in layers}
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -148,7 +159,8 @@ class ModelRunner:
         packed = self._tensor([ids, positions, slots])                               # [3, B]
         longest = max(lens)
         ctx = StepContext(is_prefill=False, slot_mapping=packed[2], kv_cache=self.kv_cache, block_size=bs,
-                          kv_len=longest, kv_buffers=self._kv_buffers, grouped_experts=self.grouped_experts)
+                          kv_len=longest, kv_buffers=self._kv_buffers, grouped_experts=self.grouped_experts,
+                          expert_weights=self.decode_expert_weights)
         first = tables[0][0]
         if len(seqs) == 1 and tables[0] == list(range(first, first + len(tables[0]))):
             ctx.kv_slots = slice(first * bs, first * bs + longest)

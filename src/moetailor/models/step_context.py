@@ -32,6 +32,7 @@ class StepContext:
     k_max: int | None = None                    # max of token_top_k (one Python int per step)
     # experts
     grouped_experts: bool = True                # grouped GEMM over the routed union (else a per-expert loop)
+    expert_weights: dict | None = None          # MoE layer -> (gate_up, down) to use instead of the model's
 
 
 _CONTEXT: StepContext | None = None

@@ -56,10 +56,10 @@ class TrafficMeter:
         return sum(n * self._bytes_per_expert[layer] for layer, n in self.distinct.items())
 
 
-def _record(self, n_distinct: int | torch.Tensor) -> None:
+def _record(self, n_distinct: int | torch.Tensor, gu: torch.Tensor | None = None, down: torch.Tensor | None = None) -> None:
     meter = getattr(self, "_moetailor_meter", None)
     if meter is not None and meter.enabled:
-        gu, down = self.gate_up_proj, self.down_proj
+        gu, down = (self.gate_up_proj, self.down_proj) if gu is None else (gu, down)
         per_expert = (gu.shape[1] * gu.shape[2] + down.shape[1] * down.shape[2]) * gu.element_size()
         meter.record(getattr(self, "_moetailor_layer", -1), n_distinct, per_expert)
 
@@ -96,23 +96,28 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The routes sorted by expert through one ``grouped_mm`` per projection, without a host sync:
     dropped routes (index E) sort last, past the last offset, so the kernel never computes them
-    and their rows are masked out."""
+    and their rows are masked out. Decode steps use the decode copy of the weights when the engine
+    made one (``StepContext.expert_weights``: e.g. bf16, which streams faster than fp32)."""
     from transformers.integrations.moe import _grouped_mm
 
+    gu, down = self.gate_up_proj, self.down_proj                            # [E, 2I, H], [E, H, I]
+    ctx = get_context()
+    if ctx is not None and ctx.expert_weights:
+        gu, down = ctx.expert_weights.get(getattr(self, "_moetailor_layer", -1), (gu, down))
     E, k = self.num_experts, top_k_index.shape[1]                           # top_k_index [T, K]
     flat = top_k_index.reshape(-1)                                          # [T*K]
     experts, order = torch.sort(flat, stable=True)                          # [T*K], sentinels last
     counts = torch.bincount(flat, minlength=E + 1)[:E]                      # [E]
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)                    # [E]
     rows = order // k                                                       # [T*K] token of each route
-    x = hidden_states[rows]                                                 # [T*K, H]
-    gate, up = _grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)  # [T*K, I]
-    y = _grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)        # [T*K, H]
+    x = hidden_states[rows].to(gu.dtype)                                    # [T*K, H]
+    gate, up = _grouped_mm(x, gu.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)  # [T*K, I]
+    y = _grouped_mm(self.act_fn(gate) * up, down.transpose(-2, -1), offs=offsets)   # [T*K, H]
     w = top_k_weights.reshape(-1)[order, None]                              # [T*K, 1]
     y = torch.where(experts[:, None] < E, y * w, 0.0)                      # rows past the offsets are garbage
     out = torch.zeros_like(hidden_states)                                   # [T, H]
     out.index_add_(0, rows, y.to(out.dtype))
-    _record(self, (counts > 0).sum())
+    _record(self, (counts > 0).sum(), gu, down)
     return out
 
 
