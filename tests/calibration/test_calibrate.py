@@ -210,7 +210,7 @@ def test_calibrate_text_is_deterministic_and_bounded():
 
 
 def test_data_specs(tmp_path):
-    from moetailor.eval.tasks import TASKS, eval_examples, training_rng
+    from moetailor.data.tasks import TASKS, eval_examples, training_rng
 
     tok = char_tokenizer()
     windows = list(iter_token_windows(tok, "mix", 1000, seq_len=300, seed=0))

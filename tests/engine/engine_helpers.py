@@ -3,18 +3,7 @@ from __future__ import annotations
 
 import torch
 
-
-def char_tokenizer():
-    """Printable ASCII, one token per character; id 0 = <eos>, 1 = <pad>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<eos>": 0, "<pad>": 1}
-    vocab.update({chr(c): c - 30 for c in range(32, 127)})
-    t = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    t.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    t.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", pad_token="<pad>")
+from moetailor.models.tiny import char_tokenizer  # noqa: F401  (the tests import it from here)
 
 
 def random_prompts(lengths, vocab=96, seed=0) -> list[list[int]]:

@@ -199,8 +199,9 @@ def test_guarded_eval_configuration(model):
     from moetailor.eval.configurations import parse_configs
 
     spec = parse_configs("guarded:phase-aware")[0]
-    plan = spec.build(model, decode_plan(model, DEGENERATE))
-    assert plan.meta["guard"] is True and plan.meta["configuration"] == "guarded:phase-aware"
+    served = spec.build(model, decode_plan(model, DEGENERATE))
+    plan = served.plan
+    assert served.guard is True and plan.meta["configuration"] == "guarded:phase-aware"
     assert plan.prefill.is_identity and not plan.decode.is_identity
     with pytest.raises(ValueError, match="unknown configuration"):
         parse_configs("guarded:nope")[0].build(model, decode_plan(model, DEGENERATE))

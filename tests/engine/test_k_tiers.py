@@ -5,8 +5,9 @@ import random
 
 import pytest
 
-from moetailor.engine.k_tiers import (KRequest, OnlineLanes, StepCost, expected_union, estimated_seconds,
+from moetailor.engine.k_tiers import (KRequest, OnlineLanes, StepCost, estimated_seconds,
                                       plan_fcfs_max_k, plan_offline, validate_expert_top_k, wait_bound)
+from moetailor.routing.traffic import expected_distinct
 
 # a memory-bound-ish model: touching an expert dominates, compute per route is small
 COST = StepCost(num_layers=6, num_experts=256, per_expert=1e-4, per_route=2e-6, per_token=1e-4, fixed=1e-3)
@@ -24,11 +25,11 @@ def check_budgets(requests, batches):
         assert set(b.upgraded) == {i for i in b.request_ids if k_of[i] < b.k}
 
 
-def test_expected_union():
-    assert expected_union(8, 1, 64) == pytest.approx(8)
-    assert expected_union(64, 3, 64) == pytest.approx(64)
-    assert expected_union(8, 0, 64) == 0
-    assert expected_union(4, 16, 256) < expected_union(32, 16, 256)
+def test_expected_distinct():
+    assert expected_distinct(64, 8, 1) == pytest.approx(8)
+    assert expected_distinct(64, 64, 3) == pytest.approx(64)
+    assert expected_distinct(64, 8, 0) == 0
+    assert expected_distinct(256, 4, 16) < expected_distinct(256, 32, 16)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -113,7 +114,7 @@ def test_cost_fit_recovers_coefficients():
     samples = []
     for b in (1, 2, 4, 8, 16):
         for k in (4, 16, 32):
-            u = expected_union(k, b, 256)
+            u = expected_distinct(256, k, b)
             samples.append((b, k, u, truth.seconds(k, b)))
     fit = StepCost.fit(samples, 6, 256)
     for name in ("per_expert", "per_route", "per_token", "fixed"):

@@ -1,7 +1,7 @@
 import pytest
 
 from moetailor.eval.configurations import (CONFIGURATIONS, PHASE_CONFIGURATIONS, ConfigSpec, configuration,
-                                           parse_configs, pruning_policy)
+                                           parse_configs)
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import PlanMismatch, uniform_plan
 from moetailor.routing import FULL_PHASE, LayerPolicy
@@ -15,7 +15,7 @@ def model():
 def test_four_phase_configurations_from_a_decode_plan(model):
     keep = LayerPolicy(keep=(0, 2, 4, 6))
     plan = uniform_plan(model, decode=keep, criterion="reap", keep_ratio=0.5)
-    built = {name: ConfigSpec(name).build(model, plan) for name in PHASE_CONFIGURATIONS}
+    built = {name: ConfigSpec(name).build(model, plan).plan for name in PHASE_CONFIGURATIONS}
     p = plan.decode
     assert (built["baseline"].prefill, built["baseline"].decode) == (FULL_PHASE, FULL_PHASE)
     assert (built["pruned"].prefill, built["pruned"].decode) == (p, p)
@@ -27,13 +27,13 @@ def test_four_phase_configurations_from_a_decode_plan(model):
 
 def test_a_prefill_only_plan_prunes_with_its_prefill_policy(model):
     plan = uniform_plan(model, prefill=LayerPolicy(keep=(1, 3, 5)))
-    assert pruning_policy(plan) == plan.prefill
+    assert plan.pruning_policy() == plan.prefill
     with pytest.raises(ValueError, match="full router in both phases"):
-        pruning_policy(uniform_plan(model))
+        uniform_plan(model).pruning_policy()
 
 
 def test_baseline_needs_no_plan_and_the_others_do(model):
-    assert ConfigSpec("baseline").build(model, None).decode.is_identity
+    assert ConfigSpec("baseline").build(model, None).plan.decode.is_identity
     with pytest.raises(ValueError, match="needs a plan"):
         ConfigSpec("phase-aware").build(model, None)
 
@@ -59,7 +59,7 @@ def test_parse_configs_validates_names_and_arguments():
 
 
 def test_topk_configuration_runs_on_the_model(model):
-    plan = parse_configs("topk:1")[0].build(model, None)
+    plan = parse_configs("topk:1")[0].build(model, None).plan
     assert plan.decode.for_layer(0).top_k == 1 and plan.prefill.for_layer(1).top_k == 1
     with pytest.raises(ValueError, match="top_k=3"):
         parse_configs("topk:3")[0].build(model, None)  # more than the model's k=2
@@ -72,7 +72,7 @@ def test_a_new_technique_registers_without_touching_the_runner(model):
 
     try:
         spec = parse_configs("test-decode-keep:4")[0]
-        assert spec.build(model, None).decode.for_layer(0).keep == (0, 1, 2, 3)
+        assert spec.build(model, None).plan.decode.for_layer(0).keep == (0, 1, 2, 3)
         with pytest.raises(ValueError, match="already registered"):
             configuration("test-decode-keep", uses_plan=False, help="")(_first_n)
     finally:

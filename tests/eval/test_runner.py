@@ -6,7 +6,7 @@ import pytest
 from moetailor.cli.main import main
 from moetailor.eval.configurations import parse_configs
 from moetailor.eval.runner import EvalSettings, Sweep, parse_sweep, task_budget
-from moetailor.eval.tasks import TASKS, eval_examples
+from moetailor.data.tasks import TASKS, eval_examples
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import PlanMismatch, uniform_plan
 from moetailor.routing import LayerPolicy

@@ -29,7 +29,7 @@ def stats_path(model, tmp_path_factory):
 
 
 def build(spec, model, plan=None):
-    return parse_configs(spec)[0].build(model, plan)
+    return parse_configs(spec)[0].build(model, plan).plan
 
 
 def test_every_technique_configuration_is_registered():

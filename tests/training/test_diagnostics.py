@@ -29,7 +29,7 @@ def test_repeat_gap_measures_both_copies(reference):
 
 
 def test_progress_check_reports_accuracy_and_probes_and_leaves_the_model_training(reference):
-    from moetailor.eval.tasks import TASKS
+    from moetailor.data.tasks import TASKS
     from moetailor.training.reference import progress_check
 
     model, tok = reference

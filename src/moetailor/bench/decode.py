@@ -40,7 +40,7 @@ class DecodeConfig:
         return DecodeConfig(self.model, self.batches, self.keeps, self.top_ks, self.steps or 12, False,
                             self.synthetic_layers, self.hf, self.pruned, self.plans, self.prompt_len)
 
-    plans: list[str] = field(default_factory=list)   # extra decode pools from plan files (e.g. folding, issue 7)
+    plans: list[str] = field(default_factory=list)   # extra decode pools from plan files (e.g. folding)
     prompt_len: int = 16
 
 
@@ -127,7 +127,7 @@ def run_decode(cfg: DecodeConfig, out: Path, command: str = "") -> Report:
         _plots(rep, name, measured, read_bw, gemv_bw)
         rep.data["models"][name] = _json(measured, hf)
         goals += _goals(name, measured, hf, read_bw)
-    rep.table("Goals (issue 6) against this run", ["goal", "model", "measured", "met"], goals)
+    rep.table("Goals against this run", ["goal", "model", "measured", "met"], goals)
     return rep
 
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from ..models.adapters import moe_layers
-from .traffic import expected_distinct
 
 
 @dataclass
@@ -118,7 +117,3 @@ def engine_prefill(llm, batch: int, prompt_len: int, repeats: int = 3, seed: int
             if rec.phase == "prefill":
                 best = max(best, rec.num_tokens / rec.seconds)
     return best
-
-
-def formula_distinct(experts: int, top_k: int, batch: int) -> float:
-    return expected_distinct(experts, top_k, batch)

@@ -95,7 +95,7 @@ def make_pools(model, keeps: list[float], pruned: bool, top_ks: list[int] = ()) 
 def plan_pool(model, path: str) -> Pool:
     """A decode pool from a plan file (any policy: masking, folding, skipping), labelled by file name.
 
-    This is the hook for comparing, e.g., a folding plan's step cost with a masking plan's (issue 7).
+    This is the hook for comparing, e.g., a folding plan's step cost with a masking plan's.
     """
     from pathlib import Path
 

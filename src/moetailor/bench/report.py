@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..cli.common import markdown_table, print_table
+from ..tables import markdown_table, print_table
 
 
 @dataclass

@@ -64,7 +64,7 @@ def parse_data_spec(spec: str | DataSpec) -> DataSpec:
 
 
 def _task_documents(seed: int) -> Iterator[str]:
-    from ..eval.tasks import TASKS, training_rng
+    from ..data.tasks import TASKS, training_rng
 
     rng = training_rng(TASK_SEED_OFFSET + seed)
     tasks = list(TASKS.values())

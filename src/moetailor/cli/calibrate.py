@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import shlex
 
-from .common import print_table
+from ..tables import print_table
 
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .common import print_table
+from ..tables import print_table
 
 BUNDLED_PLAN = Path(__file__).resolve().parent.parent / "assets" / "plans" / "reference-reap-50.json"
 
@@ -34,7 +34,7 @@ def _decode_summary(llm) -> dict:
 
 def run(args) -> int:
     from ..engine import LLM, SamplingParams
-    from ..eval.tasks import TASKS, eval_examples, extract_answer, score
+    from ..data.tasks import TASKS, eval_examples, extract_answer, score
     from ..models import describe
     from ..plans import Plan
 
@@ -52,7 +52,7 @@ def run(args) -> int:
     examples = [ex for task in TASKS.values() for ex in eval_examples(task, args.per_task, seed=0)]
     sampling = SamplingParams(max_tokens=160, temperature=0.0)
     results = {}
-    for name, config in (("full", None), ("phase-aware", plan.with_phases(decode=plan.decode))):
+    for name, config in (("full", None), ("phase-aware", plan.phase_aware())):
         llm.set_plan(config)
         llm.step_log.clear()
         outputs = llm.generate([ex.prompt for ex in examples], sampling)

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import print_table
+from ..tables import print_table
 
 
 def register(sub) -> None:
@@ -49,7 +49,7 @@ def run(args) -> int:
     from ..eval.configurations import parse_configs
     from ..eval.report import write_docs
     from ..eval.runner import EvalSettings, Sweep
-    from ..eval.tasks import resolve_tasks
+    from ..data.tasks import resolve_tasks
 
     t0 = time.time()
     settings = EvalSettings(

@@ -75,7 +75,7 @@ def build_engine(args):
     plan = None
     if args.decode_plan:
         plan = Plan.load(args.decode_plan)
-        plan = plan.with_phases(prefill=None, decode=plan.decode)
+        plan = plan.phase_aware()
     elif args.plan:
         plan = Plan.load(args.plan)
     llm = LLM(args.model, plan, **kwargs)
@@ -110,7 +110,7 @@ def run(args) -> int:
     import time
 
     from ..engine import SamplingParams
-    from .common import print_table
+    from ..tables import print_table
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,

@@ -1,7 +1,7 @@
 """`moetailor info MODEL`: the architecture and expert layout of a checkpoint."""
 from __future__ import annotations
 
-from .common import print_table
+from ..tables import print_table
 
 
 def register(sub) -> None:

@@ -14,7 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     package = importlib.import_module(__package__)
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        if info.name.startswith("_") or info.name in ("main", "common"):
+        if info.name.startswith("_") or info.name in ("main",):
             continue
         module = importlib.import_module(f"{__package__}.{info.name}")
         if hasattr(module, "register"):

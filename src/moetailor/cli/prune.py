@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .calibrate import command_line
-from .common import print_table
+from ..tables import print_table
 
 
 def register(sub) -> None:

@@ -1,5 +1,5 @@
 """`moetailor search-k MODEL --budget N --out PLAN`: a per-layer active-expert allocation that keeps
-next-token KL to the full model low under a total budget (coordinate descent; see plans/search_k.py)."""
+next-token KL to the full model low under a total budget (coordinate descent; see eval/search_k.py)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .common import print_table
+from ..tables import print_table
 
 
 def register(sub) -> None:
@@ -38,7 +38,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from ..models import load_model, load_tokenizer
     from ..models.loading import resolve_model_path
-    from ..plans.search_k import search_plan
+    from ..eval.search_k import search_plan
     from ..plans.techniques import Shape
 
     out = Path(args.out)

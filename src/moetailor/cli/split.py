@@ -8,7 +8,7 @@ from __future__ import annotations
 import shlex
 import sys
 
-from .common import print_table
+from ..tables import print_table
 
 
 def register(sub) -> None:

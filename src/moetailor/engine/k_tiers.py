@@ -42,6 +42,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..routing.traffic import expected_distinct
+
 
 @dataclass(frozen=True)
 class KRequest:
@@ -89,14 +91,6 @@ def model_max_k(model) -> tuple[int, int | None]:
 # cost model
 # ---------------------------------------------------------------------------------------------
 
-def expected_union(k: int, batch: int, num_experts: int) -> float:
-    """Expected distinct experts touched by ``batch`` tokens each routed to ``k`` of ``num_experts``
-    (uniform, independent routing): m (1 - (1 - k/m)^B)."""
-    if batch <= 0:
-        return 0.0
-    return num_experts * (1.0 - (1.0 - min(k, num_experts) / num_experts) ** batch)
-
-
 @dataclass(frozen=True)
 class StepCost:
     num_layers: int
@@ -109,7 +103,8 @@ class StepCost:
     def seconds(self, k: int, batch: int) -> float:
         if batch <= 0:
             return 0.0
-        moe = self.per_expert * expected_union(k, batch, self.num_experts) + self.per_route * batch * k
+        union = expected_distinct(self.num_experts, min(k, self.num_experts), batch) if k > 0 else 0.0
+        moe = self.per_expert * union + self.per_route * batch * k
         return self.fixed + self.per_token * batch + self.num_layers * moe
 
     def throughput(self, k: int, batch: int) -> float:
@@ -135,10 +130,7 @@ class StepCost:
         from ..models.adapters import moe_layers
 
         layers = moe_layers(model)
-        experts = layers[0].experts
-        expert_bytes = sum(w.numel() * w.element_size() for w in (experts.gate_up_proj, experts.down_proj))
-        num_experts = layers[0].num_experts
-        return cls.from_bandwidth(len(layers), num_experts, expert_bytes // num_experts, bandwidth, per_call,
+        return cls.from_bandwidth(len(layers), layers[0].num_experts, layers[0].expert_bytes(), bandwidth, per_call,
                                   per_token=per_token, fixed=fixed)
 
     @classmethod

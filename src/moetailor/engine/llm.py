@@ -143,9 +143,9 @@ class LLM:
         """Use ``plan`` from the next step on (None = the full router in both phases)."""
         plan = resolve_plan(plan, self.model)
         needs_tables = plan is not None and (plan.prefill.needs_fold_statistics or plan.decode.needs_fold_statistics)
-        if needs_tables and plan.fold_stats and not self.controller.fold_tables:
-            from ..calibration import load_fold_tables
-            self.controller.fold_tables.update(load_fold_tables(plan.fold_stats, self.model))
+        if needs_tables and plan.fold_stats:
+            from ..plans.techniques import attach_fold_tables
+            attach_fold_tables(self.model, plan.fold_stats)
         if plan is not None:   # compile now so a bad plan fails here, not inside a step
             self.controller.compile(plan.prefill)
             self.controller.compile(plan.decode)

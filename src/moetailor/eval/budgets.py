@@ -14,7 +14,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from ..cli.common import markdown_table
+from ..tables import markdown_table
 
 
 def parse_budgets(spec: str, max_budget: int) -> list[int]:

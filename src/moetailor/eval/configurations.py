@@ -17,14 +17,24 @@ A spec string names one configuration, with an optional argument after a colon
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..plans import Plan, uniform_plan
-from ..routing.policy import LayerPolicy, PhasePolicy
+from ..routing.policy import LayerPolicy
 
-# builder(model, base_plan or None, argument or None) -> the plan the engine runs
-Builder = Callable[[object, Plan | None, str | None], Plan]
+@dataclass(frozen=True)
+class Serving:
+    """What the engine is told to run for one configuration: a plan, and how to serve it."""
+
+    plan: Plan
+    guard: bool = False               # the collapse guard watches decode (engine/guard.py)
+    decode_model: str | None = None   # decode on this checkpoint in a separate worker (disaggregated)
+
+
+# builder(model, base_plan or None, argument or None) -> the plan the engine runs (served plainly),
+# or a Serving when the configuration also says how to serve it
+Builder = Callable[[object, Plan | None, str | None], "Plan | Serving"]
 
 
 @dataclass(frozen=True)
@@ -50,19 +60,8 @@ def configuration(name: str, *, uses_plan: bool, help: str, takes_arg: bool = Fa
     return register
 
 
-def pruning_policy(plan: Plan) -> PhasePolicy:
-    """The policy a plan prunes with: its decode policy, or its prefill policy when decode is full."""
-    if not plan.decode.is_identity:
-        return plan.decode
-    if not plan.prefill.is_identity:
-        return plan.prefill
-    raise ValueError("the plan runs the full router in both phases, so pruned/reverse/phase-aware would all equal "
-                     "the baseline; make a pruning plan with `moetailor plan`")
-
-
-def _tagged(plan: Plan, name: str, **extra) -> Plan:
-    from dataclasses import replace
-    return replace(plan, meta={**plan.meta, "configuration": name, **extra})
+def _tagged(plan: Plan, name: str) -> Plan:
+    return replace(plan, meta={**plan.meta, "configuration": name})
 
 
 @configuration("baseline", uses_plan=False, help="full prefill, full decode")
@@ -72,18 +71,18 @@ def _baseline(model, plan, arg):
 
 @configuration("pruned", uses_plan=True, help="the plan's pruning in both phases (a pruned checkpoint)")
 def _pruned(model, plan, arg):
-    p = pruning_policy(plan)
+    p = plan.pruning_policy()
     return _tagged(plan.with_phases(prefill=p, decode=p), "pruned")
 
 
 @configuration("reverse", uses_plan=True, help="pruned prefill, full decode")
 def _reverse(model, plan, arg):
-    return _tagged(plan.with_phases(prefill=pruning_policy(plan), decode=None), "reverse")
+    return _tagged(plan.with_phases(prefill=plan.pruning_policy(), decode=None), "reverse")
 
 
 @configuration("phase-aware", uses_plan=True, help="full prefill, pruned decode (SlimWise)")
 def _phase_aware(model, plan, arg):
-    return _tagged(plan.with_phases(prefill=None, decode=pruning_policy(plan)), "phase-aware")
+    return _tagged(plan.phase_aware(), "phase-aware")
 
 
 @configuration("plan", uses_plan=True, help="the plan exactly as written (its own prefill and decode policies)")
@@ -106,8 +105,8 @@ def _guarded(model, plan, arg):
     inner = parse_configs(arg)[0]
     if inner.name == "guarded":
         raise ValueError("guarded:guarded:... is redundant; name the configuration to guard once")
-    built = inner.build(model, plan)
-    return _tagged(built, f"guarded:{inner.label}", guard=True)
+    served = inner.build(model, plan)
+    return replace(served, plan=_tagged(served.plan, f"guarded:{inner.label}"), guard=True)
 
 
 @configuration("distilled", uses_plan=False, takes_arg=True,
@@ -124,10 +123,9 @@ def _distilled(model, plan, arg):
         raise ValueError(f"{arg} was distilled from another model ({problem}); evaluate it with its original model")
     # The plan is stated for the evaluated model (the prefill side, same expert layout); the decode
     # worker runs the distilled checkpoint under the plan saved with it (its own fingerprint).
-    from dataclasses import replace
     built = replace(distilled.plan.with_phases(prefill=None, decode=distilled.plan.decode),
                     model=model_fingerprint(model))
-    return _tagged(built, f"distilled:{arg}", decode_model=str(distilled.model_path))
+    return Serving(_tagged(built, f"distilled:{arg}"), decode_model=str(distilled.model_path))
 
 
 @dataclass(frozen=True)
@@ -143,12 +141,13 @@ class ConfigSpec:
     def definition(self) -> Configuration:
         return CONFIGURATIONS[self.name]
 
-    def build(self, model, plan: Plan | None) -> Plan:
+    def build(self, model, plan: Plan | None) -> Serving:
         if self.definition.uses_plan and plan is None:
             raise ValueError(f"configuration {self.label!r} needs a plan; pass --plan PLAN or --sweep SPEC")
         built = self.definition.build(model, plan, self.arg)
-        built.check_model(model)
-        return built
+        served = built if isinstance(built, Serving) else Serving(built)
+        served.plan.check_model(model)
+        return served
 
 
 def parse_configs(spec: str | list[str]) -> list[ConfigSpec]:
@@ -170,6 +169,3 @@ def parse_configs(spec: str | list[str]) -> list[ConfigSpec]:
     if len({s.label for s in out}) != len(out):
         raise ValueError(f"configuration list {items} names one configuration twice")
     return out
-
-
-from . import technique_configs  # noqa: E402,F401  (folding and skipping configurations, issues 7 and 8)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..routing import RoutingController
 from ..routing.policy import PhasePolicy
-from .tasks import Example, score
+from ..data.tasks import Example, score
 
 
 # ---------------------------------------------------------------------------------------------

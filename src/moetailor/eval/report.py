@@ -11,7 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
-from ..cli.common import markdown_table
+from ..tables import markdown_table
 from .configurations import PHASE_CONFIGURATIONS
 
 PLOTS = ("accuracy_vs_keep.png", "length_by_configuration.png", "length_distribution.png")

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from ..models.loading import model_fingerprint
 from ..plans import Plan
-from .configurations import ConfigSpec
+from .configurations import ConfigSpec, Serving
 from .metrics import Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output
-from .tasks import TASKS, Task, eval_examples, eval_rng, resolve_tasks
+from ..data.tasks import TASKS, Task, eval_examples, eval_rng, resolve_tasks
 
 SAMPLING_MODES = ("greedy", "sample")
 DEFAULT_KEEPS = (0.75, 0.5, 0.25)
@@ -156,7 +156,11 @@ class Variant:
     config: str              # configuration label
     criterion: str | None
     keep: float | None
-    plan: Plan
+    serving: Serving
+
+    @property
+    def plan(self) -> Plan:
+        return self.serving.plan
 
 
 def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log) -> list[tuple[str | None, float | None, Plan | None]]:
@@ -307,7 +311,7 @@ class Sweep:
         params = [self._sampling_params(mode, seed, ex.task, i) for i, ex in enumerate(examples)]
         prompts = [ex.prompt for ex in examples]
         t0 = time.time()
-        if variant.plan.meta.get("decode_model"):
+        if variant.serving.decode_model:
             outputs, extra = self._generate_disaggregated(variant, prompts, params), {}
         else:
             outputs, extra = self._generate(variant, prompts, params)
@@ -317,7 +321,7 @@ class Sweep:
                 "tokens": sum(g.length for g in gens), "prompts": len(examples), **extra}
 
     def _generate(self, variant: Variant, prompts: list[str], params) -> tuple[list, dict]:
-        guarded = bool(variant.plan.meta.get("guard"))   # the guarded:CONFIG configurations
+        guarded = variant.serving.guard   # the guarded:CONFIG configurations
         self.llm.guard = None
         if guarded:
             self.llm.enable_guard()
@@ -336,14 +340,14 @@ class Sweep:
         the disaggregated engine: the decoder continues the KV cache the original model wrote."""
         from ..engine.disagg import DisaggregatedLLM
 
-        with DisaggregatedLLM(self.settings.model, decode_model=variant.plan.meta["decode_model"],
+        with DisaggregatedLLM(self.settings.model, decode_model=variant.serving.decode_model,
                               tokenizer=self.tokenizer,                 # the decoder brings its own plan
                               max_num_seqs=self.settings.max_num_seqs) as llm:
             return llm.generate(prompts, params)
 
     def heldout_cell(self, variant: Variant) -> dict:
         t0 = time.time()
-        path = variant.plan.meta.get("decode_model")
+        path = variant.serving.decode_model
         decode_model = None
         if path:
             from ..models import load_model

@@ -1,4 +1,4 @@
-"""Evaluation configurations for folding (issue 7) and skipping (issue 8); see plans/techniques.py.
+"""Evaluation configurations for folding and skipping; see plans/techniques.py.
 
     fold-prefill:K    prefill tokens keep K of k routes, the rest folded; full decode
     drop-prefill:K    the same without folding (the rest dropped, not renormalised)
@@ -25,7 +25,7 @@ from pathlib import Path
 from ..plans.techniques import (Shape, bhep_policy, ensure_fold_stats, fold_decode, fold_prefill, layer_k_policy,
                                 load_checked_stats, parse_k_list, pool_with_fold, skip_policy, technique_plan,
                                 top_k_policy)
-from .configurations import configuration, pruning_policy
+from .configurations import configuration
 
 
 def _split(arg: str | None, example: str) -> tuple[str, str | None]:
@@ -87,7 +87,7 @@ def _pool(fold: bool):
     label = "plan+fold" if fold else "plan+drop"
 
     def build(model, plan, arg):
-        policy = pool_with_fold(pruning_policy(plan), fold)
+        policy = pool_with_fold(plan.pruning_policy(), fold)
         stats = _stats(model, plan, None) if fold else None
         return _plan(model, plan, label, decode=policy, stats=stats)
 

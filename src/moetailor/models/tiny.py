@@ -61,13 +61,16 @@ def tiny_model(model_type: str, seed: int = 0, **kwargs):
 
 
 def char_tokenizer(vocab: int = 96):
-    """A character-level tokenizer whose ids fit a tiny model's vocabulary (0 = eos, 1 = pad, 2 = unk),
-    so a tiny checkpoint directory is complete (text prompts, calibration text) without a hub."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    """One token per character, so a tiny checkpoint directory is complete (text prompts, task prompts,
+    calibration text) without a hub: 0 = <eos>, 1 = <pad> (also unknown characters), 2 = newline,
+    3.. = printable ASCII from the space on, as many as ``vocab`` holds (98 = all of them; 96, the
+    tiny models' default, leaves out "}" and "~")."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = [chr(c) for c in range(32, 32 + vocab - 3)]
-    ids = {"<eos>": 0, "<pad>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(ids, unk_token="<unk>"))
+    chars = [chr(c) for c in range(32, 127)][: vocab - 3]
+    ids = {"<eos>": 0, "<pad>": 1, "\n": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(ids, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")

@@ -73,17 +73,24 @@ def top_experts(scores: torch.Tensor, count: int) -> tuple[int, ...]:
     return tuple(sorted(order[:count].tolist()))
 
 
+def parse_json_int_list(text: str, what: str) -> list[int]:
+    """``[4, 4, 6, 8]`` -> [4, 4, 6, 8], with an error that names ``what`` was malformed."""
+    import json
+
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {text!r} is not a valid JSON list ({e})") from None
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{what} must be a JSON list of integers, got {text!r}")
+    return values
+
+
 def parse_layer_budgets(spec: str, moe_layers: list[int]) -> dict[int, int]:
     """``0-2:48,3-5:24`` (decoder layer ranges) or a JSON list with one count per MoE layer."""
     spec = spec.strip()
     if spec.startswith("["):
-        import json
-        try:
-            counts = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--layers {spec!r} is not a valid JSON list ({e})") from None
-        if not isinstance(counts, list) or not all(isinstance(c, int) for c in counts):
-            raise ValueError(f"--layers JSON must be a list of integers, got {spec!r}")
+        counts = parse_json_int_list(spec, "--layers")
         if len(counts) != len(moe_layers):
             raise ValueError(f"--layers lists {len(counts)} counts but the model has {len(moe_layers)} MoE layers "
                              f"({moe_layers}); give one count per MoE layer")

@@ -49,6 +49,20 @@ class Plan:
         """A copy with the given phase policies (None = full router for that phase)."""
         return replace(self, prefill=prefill or FULL_PHASE, decode=decode or FULL_PHASE)
 
+    def pruning_policy(self) -> PhasePolicy:
+        """The policy this plan prunes with: its decode policy, or its prefill policy when decode is full.
+        Pruned (both phases), reverse and phase-aware serving are all built from it."""
+        if not self.decode.is_identity:
+            return self.decode
+        if not self.prefill.is_identity:
+            return self.prefill
+        raise ValueError("the plan runs the full router in both phases, so pruned/reverse/phase-aware would all equal "
+                         "the baseline; make a pruning plan with `moetailor plan`")
+
+    def phase_aware(self) -> "Plan":
+        """Full router for prefill, the pruning policy for decode (one worker, one KV cache)."""
+        return self.with_phases(prefill=None, decode=self.pruning_policy())
+
     def kept_experts(self, phase: str = "decode") -> dict[int, tuple[int, ...]]:
         """Per layer, the experts a phase may use (only layers with a ``keep`` list)."""
         return {i: p.keep for i, p in self.phase(phase).layers.items() if p.keep is not None}

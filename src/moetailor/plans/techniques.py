@@ -1,8 +1,8 @@
-"""Plan builders for expert folding (ExFold, issue 7) and expert skipping / per-layer allocation
-(Faster MoE inference, issue 8). Every technique is a setting of the shared ``LayerPolicy``; this
+"""Plan builders for expert folding (ExFold) and expert skipping / per-layer allocation
+(Faster MoE inference). Every technique is a setting of the shared ``LayerPolicy``; this
 module only writes policies and plans, ``routing.router.route`` applies them.
 
-Folding (``../shared/papers/README.md`` §2):
+Folding (ExFold: token-level top-K for prefill, batch-level pool for decode):
   fold-prefill:K   each token keeps K of its top-k routes, the rest fold onto the kept expert with
                    the lowest loss L[src, dst] (weight S[src, dst] * g_src added)   token_keep=K
   fold-decode:D    each step keeps a pool of D experts by batch importance (sum of gate x mean
@@ -12,7 +12,7 @@ Folding (``../shared/papers/README.md`` §2):
   drop-*/plan+drop the same budgets without folding: excluded routes vanish, no renormalisation
                    (the pool of drop-decode is chosen with the same importance as fold-decode)
 
-Skipping (§4):
+Skipping (Faster MoE inference):
   topk:K           every token uses K < k experts (renormalised as the model's router does)
   layer-k:LIST     one K per MoE layer (in MoE-layer order)
   bhep:B/H/E/P     the four-tuple: B experts in the first MoE layer, H at MoE layer P, E in the
@@ -25,7 +25,6 @@ Layer positions (``P``, list entries) count MoE layers from 0, not decoder layer
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -36,6 +35,7 @@ from pathlib import Path
 
 from ..models.loading import model_fingerprint
 from ..routing.policy import FULL_PHASE, LayerPolicy, PhasePolicy
+from .criteria import parse_json_int_list
 from .plan import Plan
 
 FOLD_CALIB_TOKENS = 32768   # tokens of the default fold calibration (same as `moetailor eval --sweep`)
@@ -155,13 +155,7 @@ def parse_k_list(text: str) -> list[int]:
     """'4/4/6/8', '4-4-6-8', '4,4,6,8' or '[4, 4, 6, 8]' -> [4, 4, 6, 8]."""
     text = text.strip()
     if text.startswith("["):
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{text!r} is not a valid JSON list ({e})") from None
-        if not isinstance(values, list) or not all(isinstance(v, int) for v in values):
-            raise ValueError(f"{text!r} must be a JSON list of integers")
-        return values
+        return parse_json_int_list(text, "the per-layer list")
     parts = [p for p in re.split(r"[/,\- ]+", text) if p]
     if not parts:
         raise ValueError("the per-layer list is empty; write one k per MoE layer, e.g. 4/4/6/8")
@@ -217,13 +211,8 @@ def attach_fold_tables(model, stats_path: str | Path) -> None:
 
     ctl = RoutingController.of(model)
     path = str(stats_path)
-    if getattr(ctl, "_moetailor_fold_source", None) == path and ctl.fold_tables:
-        return
-    tables = load_fold_tables(path, model)
-    ctl.fold_tables.clear()
-    ctl.fold_tables.update(tables)
-    ctl._cache.clear()          # compiled policies hold the old tables
-    ctl._moetailor_fold_source = path
+    if ctl.fold_source != path or not ctl.fold_tables:
+        ctl.set_fold_tables(load_fold_tables(path, model), source=path)
 
 
 def default_stats_path(model) -> Path:
@@ -338,8 +327,7 @@ def policy_from_spec(model, spec: str, stats=None, phase: str = "decode") -> Pha
         plan.check_model(model)
         if name == "plan":
             return plan.phase(phase)
-        from ..eval.configurations import pruning_policy
-        return pool_with_fold(pruning_policy(plan), fold=name == "pool-fold")
+        return pool_with_fold(plan.pruning_policy(), fold=name == "pool-fold")
     raise ValueError(f"unknown policy {spec!r}; valid: {SPEC_HELP}")
 
 
@@ -352,21 +340,6 @@ def plan_from_specs(model, prefill: str | None, decode: str | None, stats_path: 
     needs = any(p.needs_fold_statistics for p in (pre, dec) if p is not None)
     path = ensure_fold_stats(model, tokenizer, stats_path) if needs else stats_path
     return technique_plan(model, pre, dec, path if needs else None, prefill_spec=prefill, decode_spec=decode)
-
-
-def active_experts_per_token(policy: PhasePolicy, shape: Shape) -> float | None:
-    """The static per-token budget of a policy, averaged over MoE layers (None when it depends on the
-    data, as for dynamic skipping and batch pools)."""
-    out = []
-    for i in shape.layers:
-        p = policy.for_layer(i)
-        if p.skip_beta is not None or p.batch_pool is not None:
-            return None
-        k = p.top_k or shape.top_k
-        if p.token_keep is not None:
-            k = min(k, p.token_keep)
-        out.append(k)
-    return sum(out) / len(out)
 
 
 def measured_active_experts(model, policy: PhasePolicy | None, windows: list[list[int]]) -> dict:

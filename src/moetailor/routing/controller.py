@@ -43,6 +43,7 @@ class RoutingController:
         self.spec = arch_spec(model.config)
         self.layers = moe_layers(model)
         self.fold_tables = fold_tables or {}
+        self.fold_source: str | None = None   # where fold_tables came from (a statistics file)
         self.meter = experts_impl.TrafficMeter(enabled=True)
         self.observers: list[Observer] = []
         self.token_top_k: torch.Tensor | None = None  # [T] per-token budget (per-request k), or None
@@ -87,6 +88,12 @@ class RoutingController:
                         raise ValueError(f"layer {layer.index}: {e}") from None
             self._cache[key] = (policy, compiled)
         return self._cache[key][1]
+
+    def set_fold_tables(self, tables: dict[int, FoldTables], source: str | None = None) -> None:
+        """Replace the ExFold tables folding policies compile with (compiled policies hold the old ones)."""
+        self.fold_tables = dict(tables)
+        self.fold_source = source
+        self._cache.clear()
 
     def use(self, policy: PhasePolicy | None) -> None:
         self._active = self.compile(policy)

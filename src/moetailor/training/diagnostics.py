@@ -82,7 +82,7 @@ def drill_model(kind: str, vocab_size: int, layers: int = 2):
     """A fresh model for the drill: the reference shape, or a cheap dense Qwen2 of the same width."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeForCausalLM
 
-    from .reference import model_config
+    from .config import model_config
 
     if kind == "reference":
         return Qwen2MoeForCausalLM(model_config(vocab_size))

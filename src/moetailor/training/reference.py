@@ -21,7 +21,8 @@ import torch
 from tqdm import tqdm
 
 from ..data.corpus import DOMAIN_NAMES, build_corpus
-from ..eval.tasks import TASKS, training_rng
+from ..data.tasks import TASKS, training_rng
+from .config import model_config
 from .diagnostics import drill_row, symbol_tokens
 
 EOS = "<|endoftext|>"
@@ -54,18 +55,6 @@ def train_tokenizer(corpus_dir: Path, out_dir: Path, vocab_size: int = 8192, see
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=None)
     fast.model_max_length = 1024
     fast.save_pretrained(out_dir)
-
-
-def model_config(vocab_size: int):
-    from transformers import Qwen2MoeConfig
-
-    return Qwen2MoeConfig(
-        vocab_size=vocab_size, hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=1024, moe_intermediate_size=48, shared_expert_intermediate_size=256,
-        num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=True, output_router_logits=False,
-        router_aux_loss_coef=0.01, bos_token_id=None, eos_token_id=0, pad_token_id=1,
-    )
 
 
 class Mixture:
@@ -270,7 +259,7 @@ def stage_accuracy(model, tokenizer, n_per_task: int = 12, seed: int = 7) -> dic
     from ..engine.llm import LLM
     from ..engine.sampling import SamplingParams
     from ..eval.runner import task_budget
-    from ..eval.tasks import eval_examples, score
+    from ..data.tasks import eval_examples, score
 
     engine = LLM(copy.deepcopy(model).float().eval(), tokenizer=tokenizer)
     accuracy = {}

@@ -43,6 +43,21 @@ def checkpoint_directory(out: str | Path, overwrite: bool = False) -> Iterator[P
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def model_from_state(config, state: dict, dtype, what: str):
+    """A stock model of ``config`` holding ``state`` (a rewritten state dict): every transform builds
+    its output this way. Fails loudly when the state and the config disagree (a slicing bug)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "rotary" not in k and k not in getattr(model, "_tied_weights_keys", {})]
+    if missing or unexpected:
+        raise RuntimeError(f"{what} state does not fit its config: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model.eval()
+
+
 def copy_tokenizer(source: str | Path | None, dest: Path) -> None:
     """Copy whatever tokenizer files ``source`` has (a checkpoint is only usable with its tokenizer)."""
     if source is None:

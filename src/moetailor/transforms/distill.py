@@ -49,7 +49,7 @@ from ..models.loading import model_fingerprint
 from ..plans.plan import Plan
 from ..routing.controller import RoutingController
 from ..routing.policy import PhasePolicy
-from .artifacts import checkpoint_directory, copy_tokenizer, refuse_existing
+from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
 
 SIDECAR = "moetailor_distill.json"
 PLAN_FILE = "plan.json"
@@ -225,8 +225,6 @@ class Student:
     def merged_model(self) -> nn.Module:
         """A stock model of the same architecture computing the student (without a routing policy):
         trained router/norms written in, SE1 and SE2 concatenated into one shared expert of twice the width."""
-        from transformers import AutoModelForCausalLM
-
         config = type(self.model.config).from_dict(self.model.config.to_dict())
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         for n, p in self.params.items():
@@ -244,15 +242,7 @@ class Student:
                 state[f"{prefix}.down_proj.weight"] = torch.cat(  # [H, I]: stack columns
                     [state[f"{prefix}.down_proj.weight"], se2.down_proj.weight.detach()], dim=1)
         dtype = next(self.model.parameters()).dtype
-        merged = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        missing, unexpected = merged.load_state_dict(state, strict=False)
-        missing = [k for k in missing if "rotary" not in k and k not in getattr(merged, "_tied_weights_keys", {})]
-        if missing or unexpected:
-            raise RuntimeError(f"merged state does not fit the doubled config: missing {missing[:4]}, "
-                               f"unexpected {unexpected[:4]}")
-        if getattr(config, "tie_word_embeddings", False):
-            merged.tie_weights()
-        merged.eval()
+        merged = model_from_state(config, state, dtype, "merged (doubled experts)")
         merged.moetailor_source = getattr(self.model, "moetailor_source", None)
         return merged
 

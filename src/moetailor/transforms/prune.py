@@ -18,7 +18,7 @@ from ..models.adapters import moe_layers
 from ..models.architectures import arch_spec
 from ..models.loading import model_fingerprint, resolve_model_path
 from ..plans.plan import Plan
-from .artifacts import checkpoint_directory, copy_tokenizer, refuse_existing
+from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
 
 SIDECAR = "moetailor_pruning.json"
 
@@ -89,8 +89,6 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
                      phase: str = "decode", command: str | None = None) -> Path:
     """Write a stock checkpoint with only the plan's kept experts (``model``: a path, "reference" or a
     loaded model). Written to a temporary directory and renamed: never half a checkpoint."""
-    from transformers import AutoModelForCausalLM
-
     from ..models.loading import load_model
 
     out = Path(out)
@@ -112,14 +110,7 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
 
     config = type(model.config).from_dict(model.config.to_dict())
     setattr(config, spec.experts_key, count)
-    pruned = AutoModelForCausalLM.from_config(config, dtype=next(model.parameters()).dtype)
-    missing, unexpected = pruned.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in getattr(pruned, "_tied_weights_keys", {}) and "rotary" not in k]
-    if missing or unexpected:
-        raise RuntimeError(f"pruned state does not fit the pruned config: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    if getattr(config, "tie_word_embeddings", False):
-        pruned.tie_weights()
-    pruned.eval()
+    pruned = model_from_state(config, state, next(model.parameters()).dtype, "pruned")
 
     with checkpoint_directory(out, overwrite) as tmp:
         pruned.save_pretrained(tmp)

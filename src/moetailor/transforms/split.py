@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .artifacts import checkpoint_directory, copy_tokenizer
+from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state
 from ..models.adapters import MoeLayer, moe_layers
 from ..models.architectures import arch_spec
 from ..models.loading import model_fingerprint, resolve_model_path
@@ -340,8 +340,6 @@ def _width_key(config, width: int) -> str:
 @torch.no_grad()
 def split_model(model, splits: dict[int, LayerSplit], parts: int, gate: str = "proxy"):
     """A new stock model of the same architecture with N*m experts of width I/N and top-(N*k)."""
-    from transformers import AutoModelForCausalLM
-
     _check_splittable(model, parts)
     spec = arch_spec(model.config)
     layers = moe_layers(model)
@@ -394,14 +392,7 @@ def split_model(model, splits: dict[int, LayerSplit], parts: int, gate: str = "p
                                      "gate_up_proj/down_proj experts and a weight (+ correction bias) router")
 
     dtype = next(model.parameters()).dtype
-    out = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    missing, unexpected = out.load_state_dict(state, strict=False)
-    missing = [m for m in missing if "rotary" not in m and m not in getattr(out, "_tied_weights_keys", {})]
-    if missing or unexpected:
-        raise RuntimeError(f"split state does not fit the split config: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    if getattr(config, "tie_word_embeddings", False):
-        out.tie_weights()
-    return out.eval()
+    return model_from_state(config, state, dtype, "split")
 
 
 def _down_scale(sem, gate: str, shares: torch.Tensor, parts: int) -> torch.Tensor:

@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from moetailor.eval.tasks import TASKS, eval_examples, extract_answer, get_task, resolve_tasks, score, training_rng
-from moetailor.eval.tasks import addition, brackets, expressions, sorting
+from moetailor.data.tasks import TASKS, eval_examples, extract_answer, get_task, resolve_tasks, score, training_rng
+from moetailor.data.tasks import addition, brackets, expressions, sorting
 
 
 @pytest.mark.parametrize("name", list(TASKS))

@@ -1,4 +1,4 @@
-"""Helpers shared by CLI verbs: result tables (rich when a terminal, plain otherwise)."""
+"""Result tables shared by every layer that prints or writes results: rich on a terminal, markdown in files."""
 from __future__ import annotations
 
 import sys

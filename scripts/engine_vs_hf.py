@@ -1,6 +1,6 @@
 """Decode throughput: the moetailor engine vs transformers `generate`, same prompts, one run.
 
-    nice -n 15 .venv/bin/python bench/engine_vs_hf.py --model reference --batch 1 8 32
+    nice -n 15 .venv/bin/python scripts/engine_vs_hf.py --model reference --batch 1 8 32
 
 For each batch size both sides get the same B prompts (held-out text, ``--prompt-len`` tokens) and
 generate ``--new-tokens`` tokens greedily with EOS ignored. transformers: a fresh model object,

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from moetailor.models import moe_layers
-from moetailor.models.tiny import tiny_model
+from moetailor.models.tiny import char_tokenizer, tiny_model
 from moetailor.plans import Plan
-from moetailor.plans.search_k import search_k, uniform_allocation
+from moetailor.eval.search_k import search_k, uniform_allocation
 from moetailor.plans.techniques import Shape, layer_ks
 
 K = 4
@@ -60,25 +60,13 @@ def test_search_never_worsens_and_respects_bounds():
         search_k(model, windows(), budget=5, phase="middle", progress=False)
 
 
-def char_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<eos>": 0, "<pad>": 1, "\n": 2}
-    vocab.update({chr(c): c - 29 for c in range(32, 127)})
-    t = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    t.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    t.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", pad_token="<pad>")
-
-
 def test_cli_writes_a_plan_with_the_search_record(tmp_path, capsys):
     from moetailor.cli.main import main
 
     model_dir = tmp_path / "tiny"
     model = tiny_model("qwen2_moe", seed=5, num_experts=8, top_k=K, layers=3, vocab=98)
     model.save_pretrained(model_dir)
-    char_tokenizer().save_pretrained(model_dir)
+    char_tokenizer(98).save_pretrained(model_dir)
     out = tmp_path / "plan.json"
     argv = ["search-k", str(model_dir), "--budget", "6", "--out", str(out), "--tokens", "96", "--window", "16",
             "--data", "text", "--max-rounds", "2"]

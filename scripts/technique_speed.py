@@ -1,6 +1,6 @@
 """Folding cost and skipping speed on the synthetic bandwidth-bound model (issues 7 and 8), one run.
 
-    nice -n 5 .venv/bin/python bench/technique_speed.py --out build/bench/techniques
+    nice -n 5 .venv/bin/python scripts/technique_speed.py --out build/bench/techniques
 
 1. Decode step cost at the same budget (D of m experts): plain masking (static pool, re-routed),
    static pool with dropped routes, static pool with folding (plan+fold), the batch pool of D

@@ -1,4 +1,4 @@
-"""`moetailor search-k`: a per-layer active-expert allocation under a total budget (issue 8).
+"""`moetailor search-k`: a per-layer active-expert allocation under a total budget.
 
 Quality is the next-token KL divergence from the full model on calibration text (teacher-forced,
 scored as the engine serves: first half of each window under the prefill policy, second half
@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..routing.policy import PhasePolicy
-from .plan import Plan
-from .techniques import Shape, layer_k_policy, technique_plan
+from ..plans.plan import Plan
+from ..plans.techniques import Shape, layer_k_policy, technique_plan
 
 SEARCH_PHASES = ("both", "decode", "prefill")
 METHOD = ("coordinate descent over single-expert transfers between MoE layers (total fixed), from the uniform "
@@ -69,7 +69,7 @@ def search_k(model, windows: list[list[int]], budget: int, *, phase: str = "both
     """Coordinate descent (see the module docstring) on ``windows`` of calibration token ids."""
     from tqdm import tqdm
 
-    from ..eval.metrics import HeldoutScorer
+    from .metrics import HeldoutScorer
 
     log = log or (lambda m: print(m, file=sys.stderr))
     shape = Shape.of(model)
@@ -129,9 +129,9 @@ def task_accuracy(model, tokenizer, plans: dict[str, Plan | None], n: int, tasks
                   seed: int = 0) -> dict[str, float]:
     """Greedy exact-match accuracy of each plan over ``n`` prompts per task, through the engine."""
     from ..engine import LLM, SamplingParams
-    from ..eval.metrics import accuracy, score_output
-    from ..eval.runner import task_budget
-    from ..eval.tasks import eval_examples, resolve_tasks
+    from .metrics import accuracy, score_output
+    from .runner import task_budget
+    from ..data.tasks import eval_examples, resolve_tasks
 
     chosen = resolve_tasks(tasks)
     examples = [ex for t in chosen for ex in eval_examples(t, n, seed)]
@@ -153,7 +153,7 @@ def search_plan(model, tokenizer, budget: int, *, data: str = "mix", tokens: int
                 command: str | None = None, log=None) -> tuple[Plan, dict]:
     """Search, check on held-out text (and tasks), and return the plan with a summary."""
     from ..data.corpus import bundled_documents
-    from ..eval.metrics import HeldoutScorer, heldout_windows
+    from .metrics import HeldoutScorer, heldout_windows
 
     t0 = time.time()
     shape = Shape.of(model)
