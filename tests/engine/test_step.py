@@ -121,3 +121,33 @@ def test_bf16_decode_experts_read_half_the_bytes_and_prefill_keeps_fp32():
                for llm in (fp32, half)]
         assert per[1][0] == per[0][0] * ratio
     assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
+
+
+def test_grouped_experts_never_read_the_device_and_drop_sentinels(monkeypatch):
+    from moetailor.models.adapters import moe_layers
+    from moetailor.models.step_context import StepContext, reset_context, set_context
+    from moetailor.routing.experts import TrafficMeter, grouped_experts_forward, loop_experts_forward
+
+    model = tiny_model("qwen2_moe", seed=3)
+    experts = moe_layers(model)[0].experts
+    E = experts.num_experts
+    hidden = torch.randn(5, model.config.hidden_size)                                  # [T, H]
+    index = torch.tensor([[0, 3], [E, 1], [3, E], [E, E], [2, 0]])                       # [T, K], E = dropped
+    weights = torch.rand(5, 2).masked_fill(index == E, 0.0)
+    meter = TrafficMeter()
+    experts._moetailor_meter, experts._moetailor_layer = meter, 0
+    expected = loop_experts_forward(experts, hidden, index, weights)
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("the grouped experts read a device value on the host")
+    set_context(StepContext(is_prefill=False, slot_mapping=torch.zeros(5, dtype=torch.long)))
+    try:
+        with monkeypatch.context() as m, torch.inference_mode():
+            for name in ("item", "tolist", "nonzero", "__bool__", "__int__"):
+                m.setattr(torch.Tensor, name, host_read)
+            out = grouped_experts_forward(experts, hidden, index, weights)
+    finally:
+        reset_context()
+        experts._moetailor_meter = None
+    torch.testing.assert_close(out, expected)
+    assert meter.distinct == {0: 4}                                                     # experts 0, 1, 2, 3

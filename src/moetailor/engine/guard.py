@@ -244,10 +244,8 @@ class Guard:
         twin = Sequence(seq.token_ids, replace(seq.sampling), request_id=f"{seq.request_id}~shadow",
                         prompt=seq.prompt, plan=self.full_plan, plan_key=FULL_KEY)
         twin.block_size = seq.block_size
-        if twin.request_id in self.llm._seqs:
+        if not self.llm.enqueue(twin):
             return
-        self.llm._seqs[twin.request_id] = twin
-        self.llm.scheduler.add(twin)
         self.watches[twin.seq_id] = Watch(key, "shadow")
         self.shadows[twin.seq_id] = twin
 

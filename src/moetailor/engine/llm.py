@@ -26,7 +26,7 @@ from .guard import Guard, GuardConfig
 from .model_runner import ModelRunner
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus, StreamDelta, delta
 
 
 @dataclass
@@ -56,17 +56,6 @@ class StepRecord:
     expert_bytes: int                   # expert weight bytes read this step
     mean_k: float = 0.0                 # mean experts per token this step (per-request budgets)
     pool_size: int | None = None        # decode pool by load: experts per layer the step's pool keeps
-
-
-@dataclass
-class StreamDelta:
-    """What one request gained in one step (streaming)."""
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    error: str | None = None
 
 
 class _FullPlan:
@@ -246,6 +235,16 @@ class LLM:
             self.scheduler.add(seq)
         return seq
 
+    def enqueue(self, seq: Sequence) -> bool:
+        """Queue a sequence built outside ``add_request`` (the guard's full-pool shadows); False when
+        its request id is already in use."""
+        with self.lock:
+            if seq.request_id in self._seqs:
+                return False
+            self._seqs[seq.request_id] = seq
+            self.scheduler.add(seq)
+            return True
+
     def adopt(self, token_ids: list[int], num_prompt_tokens: int, sampling: SamplingParams, kv: list,
               request_id: str, generator_state: torch.Tensor | None = None, prompt: str | None = None) -> Sequence:
         """Take over a sequence prefilled elsewhere (disaggregated decode): its KV blocks (``read_blocks``
@@ -390,19 +389,15 @@ class LLM:
         """Yield the request's new text and tokens after each step (other requests advance too).
         Closing the iterator early aborts the request and frees its blocks."""
         seq = self.add_request(prompt, sampling, request_id)
-        sent_text, sent_tokens = 0, 0
+        sent_text = sent_tokens = 0
         try:
             while True:
                 if not seq.is_finished:
                     self.step()
-                text = seq.text
-                if not seq.is_finished and text.endswith("\ufffd"):
-                    text = text[:-1]   # an incomplete UTF-8 sequence: wait for the next token
-                tokens = seq.completion_token_ids
-                if len(tokens) > sent_tokens or seq.is_finished:
-                    yield StreamDelta(seq.request_id, text[sent_text:], tokens[sent_tokens:], seq.is_finished,
-                                      seq.finish_reason, seq.error)
-                    sent_text, sent_tokens = len(text), len(tokens)
+                if seq.num_completion_tokens > sent_tokens or seq.is_finished:
+                    d = delta(seq, sent_text, sent_tokens)
+                    sent_text, sent_tokens = sent_text + len(d.text), sent_tokens + len(d.token_ids)
+                    yield d
                 if seq.is_finished:
                     return
         finally:

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .llm import LLM, StreamDelta
+from .sequence import delta as stream_delta
 from .sampling import SamplingParams
 
 
@@ -86,13 +87,8 @@ class AsyncEngine:
         entry = self.requests.get(seq.request_id)
         if entry is None:
             return
-        text = seq.text
-        if not seq.is_finished and text.endswith("\ufffd"):
-            text = text[:-1]
-        tokens = seq.completion_token_ids
-        delta = StreamDelta(seq.request_id, text[entry.sent_text:], tokens[entry.sent_tokens:], seq.is_finished,
-                            seq.finish_reason, seq.error)
-        entry.sent_text, entry.sent_tokens = len(text), len(tokens)
+        delta = stream_delta(seq, entry.sent_text, entry.sent_tokens)
+        entry.sent_text, entry.sent_tokens = entry.sent_text + len(delta.text), entry.sent_tokens + len(delta.token_ids)
         if seq.is_finished:
             self.requests.pop(seq.request_id, None)
         entry.loop.call_soon_threadsafe(entry.queue.put_nowait, delta)
