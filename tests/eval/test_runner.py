@@ -5,8 +5,8 @@ import pytest
 
 from moetailor.cli.main import main
 from moetailor.eval.configurations import parse_configs
-from moetailor.eval.runner import EvalSettings, Sweep, parse_sweep, task_budget
 from moetailor.data.tasks import TASKS, eval_examples
+from moetailor.eval.runner import CellMismatch, EvalSettings, Sweep, parse_sweep, task_budget
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import PlanMismatch, uniform_plan
 from moetailor.routing import LayerPolicy
@@ -80,10 +80,49 @@ def test_interrupted_sweep_resumes_from_completed_cells(swept, model, char_tok):
 
 def test_changed_settings_do_not_reuse_cells(swept, model, char_tok):
     out, _ = swept
-    results = Sweep(small_settings(max_tokens=5, configs=parse_configs("baseline")), out, model=model,
-                    tokenizer=char_tok, command="x").run()
+    settings = small_settings(max_tokens=5, configs=parse_configs("baseline"))
+    with pytest.raises(CellMismatch, match="another max tokens.*--overwrite"):
+        Sweep(settings, out, model=model, tokenizer=char_tok, command="x").run()
+    results = Sweep(settings, out, model=model, tokenizer=char_tok, command="x", overwrite=True).run()
     assert results["timing"]["computed_cells"] == 3
     assert all(r["p90"] <= 5 for r in results["rows"])
+
+
+def test_another_plan_into_the_same_folder_never_reports_the_first_plans_results(model, char_tok, tmp_path):
+    """Plan A evaluated into DIR, then plan B into DIR: B's run must not reuse A's cells."""
+    meta = {"criterion": "reap", "keep_ratio": 0.5}   # same criterion and ratio: the same cell keys
+    a = uniform_plan(model, decode=LayerPolicy(keep=(0, 1, 2, 3)), **meta).save(tmp_path / "a.json")
+    b = uniform_plan(model, decode=LayerPolicy(keep=(4, 5, 6, 7)), **meta).save(tmp_path / "b.json")
+    settings = lambda plan: small_settings(sweep=None, plan=str(plan), configs=parse_configs("phase-aware"),  # noqa: E731
+                                           seeds=1, max_tokens=8)
+    run = lambda plan, out, **kw: Sweep(settings(plan), out, model=model, tokenizer=char_tok, **kw).run()  # noqa: E731
+    first = run(a, tmp_path / "dir")
+    with pytest.raises(CellMismatch, match=r"another plan \(content hash\).*--overwrite.*fresh --out"):
+        run(b, tmp_path / "dir")
+    fresh = run(b, tmp_path / "fresh")
+    again = run(b, tmp_path / "dir", overwrite=True)
+    assert again["timing"]["cached_cells"] == 0 and again["timing"]["computed_cells"] == 2
+    assert again["rows"] == fresh["rows"]
+    assert [r["kl"] for r in again["rows"]] != [r["kl"] for r in first["rows"]]   # the two plans differ
+    # the same plan regenerated (new creation time and command) still resumes
+    regenerated = uniform_plan(model, decode=LayerPolicy(keep=(4, 5, 6, 7)), command="again", **meta)
+    regenerated.save(tmp_path / "b2.json")
+    resumed = run(tmp_path / "b2.json", tmp_path / "dir")
+    assert resumed["timing"]["cached_cells"] == 2 and resumed["rows"] == fresh["rows"]
+
+
+def test_cells_of_another_model_are_refused(model, char_tok, tmp_path):
+    settings = small_settings(sweep=None, configs=parse_configs("baseline"), seeds=1, max_tokens=4)
+    Sweep(settings, tmp_path, model=model, tokenizer=char_tok).run()
+    other = tiny_model("qwen2_moe", seed=5, num_experts=8, top_k=2, vocab=98, max_position_embeddings=512)
+    with pytest.raises(CellMismatch, match=r"another model \(weights hash\)"):
+        Sweep(settings, tmp_path, model=other, tokenizer=char_tok).run()
+
+
+def test_cached_statistics_of_other_calibration_settings_are_refused(swept, model, char_tok):
+    out, _ = swept
+    with pytest.raises(CellMismatch, match="stats.safetensors holds statistics.*1024 of 'tasks'.*--overwrite"):
+        Sweep(small_settings(calib_tokens=1024), out, model=model, tokenizer=char_tok).run()
 
 
 def test_budget_is_twice_the_longest_reference_answer(char_tok):

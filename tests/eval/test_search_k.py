@@ -79,6 +79,6 @@ def test_cli_writes_a_plan_with_the_search_record(tmp_path, capsys):
     assert search["search"]["ks"] == ks and "heldout" in search and search["method"].startswith("coordinate descent")
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ks"] == ks
     assert main(argv) == 2                                   # exists: refuses to overwrite
-    assert "--force" in capsys.readouterr().err
+    assert "--overwrite" in capsys.readouterr().err
     assert main(argv[:2] + ["--budget", "99", "--out", str(tmp_path / "b.json")] + argv[6:]) == 2
     assert "choose a budget in [3, 12]" in capsys.readouterr().err

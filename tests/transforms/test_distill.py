@@ -219,3 +219,30 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path):
         _, _, third = setup()
         train(third, data, DistillConfig(**{**cfg.__dict__, "alpha": 0.5}), state_dir=tmp_path / "b", resume=True,
               progress=False)
+
+
+class _Planted:
+    """A pickle payload: unpickling it (torch.load weights_only=False) would create ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import pathlib
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_resume_refuses_a_planted_pickle_without_running_it(tmp_path, capsys):
+    model = tiny_model("qwen2_moe", seed=0)
+    model.save_pretrained(tmp_path / "m")
+    plan = uniform_plan(model, decode=LayerPolicy(keep=KEEP)).save(tmp_path / "plan.json")
+    marker = tmp_path / "payload-ran"
+    (tmp_path / "o.partial").mkdir()
+    torch.save({"step": 1, "payload": _Planted(marker)}, tmp_path / "o.partial" / "state.pt")
+    capsys.readouterr()
+    assert main(["distill", str(tmp_path / "m"), str(plan), "--steps", "2", "--resume", "--out",
+                 str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "not a readable distillation checkpoint (it refers to" in err and "could run code" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not marker.exists()

@@ -1,10 +1,10 @@
 """Writing benchmark results: rich tables on the terminal, markdown + JSON + PNG plots in --out."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..outputs import save_figure, write_json, write_text
 from ..tables import markdown_table, print_table
 
 
@@ -29,8 +29,7 @@ class Report:
 
     def plot(self, name: str, fig) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        path = self.out / name
-        fig.savefig(path, dpi=110, bbox_inches="tight")
+        save_figure(fig, self.out / name, dpi=110, bbox_inches="tight")
         self.plots.append(name)
 
     def write(self) -> Path:
@@ -41,8 +40,8 @@ class Report:
         body += self.sections
         body += [f"![{p}]({p})\n" for p in self.plots]
         path = self.out / "report.md"
-        path.write_text("\n".join(body))
-        (self.out / "results.json").write_text(json.dumps(self.data, indent=1, default=str))
+        write_text(path, "\n".join(body))
+        write_json(self.out / "results.json", self.data, indent=1, default=str)
         print(f"wrote {path} and results.json" + (f", {len(self.plots)} plots" if self.plots else "") + f" in {self.out}")
         return path
 

@@ -63,6 +63,12 @@ def parse_data_spec(spec: str | DataSpec) -> DataSpec:
                      "or a path to a .jsonl (one {\"text\": ...} per line) or .txt file")
 
 
+def data_file(spec: str | DataSpec) -> Path | None:
+    """The file a ``--data`` spec reads, or None for the bundled data (an input no output may replace)."""
+    spec = parse_data_spec(spec)
+    return spec.path if spec.kind == "file" else None
+
+
 def _task_documents(seed: int) -> Iterator[str]:
     from ..data.tasks import TASKS, training_rng
 

@@ -141,25 +141,16 @@ class ExpertStats:
 
     def save(self, path: str | Path) -> Path:
         """Write atomically (temp file + rename)."""
-        import os
-        import tempfile
-
         from safetensors.torch import save_file
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        from ..outputs import atomic_path
+
         tensors = {f"layer{i}.{name}": t.contiguous() for i, l in sorted(self.layers.items())
                    for name, t in l.tensors().items()}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".stats-", suffix=".safetensors")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"format": STATS_FORMAT, "version": str(STATS_VERSION),
-                                              "meta": json.dumps(self.meta)})
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return path
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": STATS_FORMAT, "version": str(STATS_VERSION),
+                                                   "meta": json.dumps(self.meta)})
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path) -> "ExpertStats":
@@ -187,6 +178,12 @@ class ExpertStats:
             raise ValueError(f"{path} has no readable metadata; rerun `moetailor calibrate`") from None
         if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict) or "moe_layers" not in meta["model"]:
             raise ValueError(f"{path} lacks the model fingerprint in its metadata; rerun `moetailor calibrate`")
+        fp = meta["model"]
+        if not (isinstance(fp["moe_layers"], list) and all(isinstance(i, int) for i in fp["moe_layers"])
+                and isinstance(fp.get("num_experts"), int) and fp["num_experts"] >= 1):
+            raise ValueError(f"{path} has a malformed model fingerprint (moe_layers must be a list of layer indices, "
+                             f"num_experts an integer: got {fp.get('moe_layers')!r}, {fp.get('num_experts')!r}"[:240]
+                             + "); rerun `moetailor calibrate`")
         layers = {}
         for i in meta["model"]["moe_layers"]:
             got = {n: tensors.get(f"layer{i}.{n}") for n in REQUIRED + FOLD}

@@ -31,6 +31,7 @@ def register(sub) -> None:
 
     def common(q, out: str, quick: bool = True):
         q.add_argument("--out", type=Path, default=Path(out), help=f"output folder (default {out})")
+        q.add_argument("--overwrite", action="store_true", help="replace the report in --out if there is one")
         if quick:
             q.add_argument("--quick", action="store_true", help="small sweep that finishes in under two minutes")
 
@@ -98,11 +99,28 @@ def register(sub) -> None:
     t.set_defaults(func=run_ktiers)
 
 
+def check_bench_outputs(args, inputs=()) -> None:
+    """Before any work: --out is a folder (not an input) without an earlier report, unless --overwrite."""
+    from ..outputs import check_output
+
+    check_output(args.out, overwrite=True, inputs=inputs, directory=True, replaces=False)
+    for name in ("report.md", "results.json"):
+        if (args.out / name).exists() and not args.overwrite:
+            raise FileExistsError(f"--out {args.out} already holds a benchmark report ({name}); pass --overwrite to "
+                                  "replace it or choose another --out")
+
+
+def _local(model: str) -> list[str]:
+    """The checkpoint folder a --model names, when it is one (an input no output may replace)."""
+    return [model] if model not in ("synthetic", "reference", "both") else []
+
+
 def run_project(args) -> int:
     from ..bench.project import run_project as project
 
     if args.num_gpus < 1 or args.batch < 1 or args.context < 0 or args.slo <= 0:
         raise ValueError("--num-gpus and --batch must be >= 1, --context >= 0 and --slo > 0")
+    check_bench_outputs(args)
     project(args.model_shape, args.gpu, _floats(args.keep), args.slo, args.context, args.max_context, args.num_gpus,
             args.batch, args.out, _command()).write()
     return 0
@@ -111,6 +129,7 @@ def run_project(args) -> int:
 def run_decode(args) -> int:
     from ..bench.decode import DecodeConfig, run_decode as decode
 
+    check_bench_outputs(args, _local(args.model) + list(args.plan))
     cfg = DecodeConfig(model=args.model, batches=_ints(args.batches), keeps=_floats(args.keep),
                        top_ks=_ints(args.top_k) if args.top_k else [], steps=args.steps, quick=args.quick,
                        synthetic_layers=args.synthetic_layers, hf=not args.no_hf, pruned=not args.no_pruned,
@@ -122,6 +141,7 @@ def run_decode(args) -> int:
 def run_slo(args) -> int:
     from ..bench.slo import run_slo as slo
 
+    check_bench_outputs(args, _local(args.model))
     slo(args.model, _ints(args.batches), _floats(args.keep), args.slo, args.steps, args.quick, args.synthetic_layers,
         not args.no_pruned, args.out, _command()).write()
     return 0
@@ -130,6 +150,7 @@ def run_slo(args) -> int:
 def run_prefill(args) -> int:
     from ..bench.prefill import run_prefill as prefill
 
+    check_bench_outputs(args, _local(args.model))
     prefill(args.model, _floats(args.keep), args.prompt_len, _ints(args.batches), args.quick, args.synthetic_layers,
             args.out, _command()).write()
     return 0
@@ -140,6 +161,7 @@ def run_ktiers(args) -> int:
 
     if min(args.requests, args.prompt_len, args.max_tokens, args.max_num_seqs, args.repeats) < 1:
         raise ValueError("--requests, --prompt-len, --max-tokens, --max-num-seqs and --repeats must be >= 1")
+    check_bench_outputs(args, _local(args.model))
     ktiers(args.model, args.mix, args.requests, args.prompt_len, args.max_tokens, args.max_num_seqs, args.repeats,
            args.quick, args.synthetic_layers, args.out, _command()).write()
     return 0

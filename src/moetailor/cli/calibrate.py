@@ -15,6 +15,7 @@ def register(sub) -> None:
                    "(default: mix)")
     p.add_argument("--tokens", type=int, default=200_000, help="calibration tokens (default 200000)")
     p.add_argument("--out", required=True, help="statistics file to write (.safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per forward batch (bounds memory)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence window")
@@ -28,8 +29,11 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..calibration import calibrate
-    from ..models import load_model, load_tokenizer
+    from ..calibration.data import data_file
+    from ..models import load_model, load_tokenizer, resolve_model_path
+    from ..outputs import check_output
 
+    check_output(args.out, overwrite=args.overwrite, inputs=(resolve_model_path(args.model), data_file(args.data)))
     model = load_model(args.model)
     tokenizer = load_tokenizer(args.model)
     command = command_line(args, positional=("model",))
@@ -52,7 +56,7 @@ def command_line(args, positional: tuple[str, ...]) -> str:
     """The invocation, rebuilt from the parsed arguments (recorded in the output's metadata)."""
     parts = ["moetailor", args.command]
     for key, value in vars(args).items():
-        if key in ("command", "func") or value is None or value is False:
+        if key in ("command", "func", "overwrite") or value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")
         if key in positional:

@@ -37,12 +37,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import torch
-
     from ..transforms.distill import DistillConfig, distill_checkpoint
+    from .generate import set_threads
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     cfg = DistillConfig(steps=args.steps, alpha=args.alpha, lr=args.lr, batch_size=args.batch_size,
                         seq_len=args.seq_len, split_point=args.split_point, warmup=args.warmup,
                         checkpoint_every=args.checkpoint_every, seed=args.seed, se2=not args.no_se2, bf16=args.bf16)

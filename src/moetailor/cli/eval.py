@@ -34,7 +34,11 @@ def register(sub) -> None:
     p.add_argument("--calib-tokens", type=int, default=32768, help="calibration tokens for --sweep")
     p.add_argument("--calib-data", default="mix", help="calibration data spec for --sweep (tasks, text, mix, a file)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch size")
-    p.add_argument("--out", required=True, help="output directory (an interrupted run resumes from its cells)")
+    p.add_argument("--out", required=True, help="output directory (an interrupted run resumes from its cells; cells "
+                   "another plan, model or setting wrote there are an error)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="recompute the cells (and statistics) in --out that another plan, model or setting wrote, "
+                        "and replace an existing --write-docs page")
     p.add_argument("--write-docs", default=None, help="also write a results page there (e.g. docs/results.md)")
     p.add_argument("--budgets", default=None, metavar="all|K,K,...",
                    help="MODEL is a split checkpoint: evaluate these sub-expert budgets (topk:K) against --original "
@@ -60,14 +64,17 @@ def run(args) -> int:
     if args.budgets:   # the budget comparison brings its own topk configurations
         settings.configs = parse_configs("baseline")
         settings.validate()
+        check_eval_outputs(args, (args.model, args.original))
         return run_budgets(args, settings, t0)
     settings.validate()  # bad input fails before the model loads
     if args.sweep:
         from ..eval.runner import parse_sweep
         parse_sweep(args.sweep)
+    check_eval_outputs(args, (args.model, args.plan))
     command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["eval"] else \
         "moetailor eval " + " ".join(shlex.quote(a) for a in _argv(args))
-    results = Sweep(settings, args.out, command=command, log=lambda m: print(m, file=sys.stderr)).run()
+    results = Sweep(settings, args.out, command=command, log=lambda m: print(m, file=sys.stderr),
+                    overwrite=args.overwrite).run()
     rows = [r for r in results["rows"] if r["task"] == "all"]
     print_table(f"moetailor eval {args.model} (all tasks)",
                 ["variant", "sampling", "accuracy %", "p50", "p90", "budget hit %", "EOS %", "KL", "ppl"],
@@ -89,13 +96,32 @@ def run(args) -> int:
     return 0
 
 
+EVAL_ENTRIES = ("cells", "results.json", "budgets.json", "split", "original")   # what marks an eval folder
+
+
+def check_eval_outputs(args, inputs) -> None:
+    """Before any work: --out is a folder eval may write into (new, empty, or an earlier eval's, which
+    the run resumes), never one of the inputs; --write-docs is a file and not replaced silently."""
+    from ..models.loading import REFERENCE_DIR
+    from ..outputs import check_output
+
+    inputs = [REFERENCE_DIR if i == "reference" else i for i in inputs]
+    out = check_output(args.out, overwrite=True, inputs=inputs, directory=True, replaces=False)
+    if out.is_dir() and any(out.iterdir()) and not any((out / name).exists() for name in EVAL_ENTRIES):
+        if not args.overwrite:
+            raise FileExistsError(f"--out {out} holds files but no earlier evaluation; pass --overwrite to write the "
+                                  "evaluation into it anyway, or choose a fresh --out")
+    if args.write_docs:
+        check_output(args.write_docs, overwrite=args.overwrite, inputs=inputs, flag="--write-docs")
+
+
 def _argv(args) -> list[str]:
     """The command line reconstructed from parsed arguments (when called from Python, not a shell)."""
     out = [args.model]
     for key, value in sorted(vars(args).items()):
-        if key in ("model", "func", "command") or value is None:
+        if key in ("model", "func", "command") or value is None or value is False:
             continue
-        out += [f"--{key.replace('_', '-')}", str(value)]
+        out += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     return out
 
 
@@ -105,7 +131,7 @@ def run_budgets(args, settings, t0: float) -> int:
     if args.plan or args.sweep:
         raise ValueError("--budgets evaluates topk budgets on two models; drop --plan/--sweep")
     result = compare_budgets(settings, args.model, args.original, args.budgets, Path(args.out), args.tolerance,
-                             log=lambda m: print(m, file=sys.stderr))
+                             log=lambda m: print(m, file=sys.stderr), overwrite=args.overwrite)
     print_table(f"accuracy per budget: {args.model} vs {args.original} (* usable: split "
                 f"{result['usable_points']['split']}, original {result['usable_points']['original']})",
                 ["active fraction", "split k", "split acc %", "split p50/p90", "original k", "original acc %",

@@ -11,6 +11,16 @@ import argparse
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def set_threads(threads: int | None) -> None:
+    """``--threads N``: torch intra-op threads (None: torch's default)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be at least 1 (got {threads}); omit it to use every core")
+    import torch
+    torch.set_num_threads(threads)
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by `generate` and `serve`."""
     p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
@@ -56,10 +66,13 @@ def build_engine(args):
     import torch
 
     from ..engine import LLM
+    from ..models.loading import resolve_model_path
     from ..plans.plan import Plan
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
+    resolve_model_path(args.model)
+    if args.decode_model:
+        resolve_model_path(args.decode_model)   # a clear error here, not a worker that dies while loading
     dtype = getattr(torch, DTYPES[args.dtype])
     kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, dtype=dtype, device=args.device,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import signal
 import sys
+import threading
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,14 +24,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(signum, frame) -> None:
+    """SIGTERM ends a verb the way Ctrl-C does: as an exception, so every ``finally`` runs and
+    temporary outputs (``.OUT.tmp-PID``) are removed before the process exits."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         result = args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"moetailor {args.command}: error: {e}", file=sys.stderr)
+        message = " ".join(str(e).split()) or type(e).__name__   # one line, whatever the message holds
+        print(f"moetailor {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"moetailor {args.command}: interrupted; partial outputs removed", file=sys.stderr)
+        return 130
+    except SystemExit as e:
+        if e.code == 128 + signal.SIGTERM:
+            print(f"moetailor {args.command}: terminated (SIGTERM); partial outputs removed", file=sys.stderr)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return int(result or 0)
 
 

@@ -22,13 +22,18 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for the random criterion")
     p.add_argument("--model", help="optional: check the statistics against this model first")
     p.add_argument("--out", required=True, help="plan file to write (.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from ..calibration import ExpertStats
+    from ..models import resolve_model_path
+    from ..outputs import check_output
     from ..plans.criteria import make_plan
 
+    check_output(args.out, overwrite=args.overwrite,
+                 inputs=(args.stats, resolve_model_path(args.model) if args.model else None))
     stats = ExpertStats.load(args.stats)
     model = None
     if args.model:

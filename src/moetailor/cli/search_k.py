@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-from pathlib import Path
 
 from ..tables import print_table
 
@@ -18,7 +17,7 @@ def register(sub) -> None:
     budget.add_argument("--budget", type=int, help="total active experts per token summed over MoE layers")
     budget.add_argument("--mean-k", type=float, help="mean active experts per MoE layer (budget = round(mean * layers))")
     p.add_argument("--out", required=True, help="plan JSON to write")
-    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--overwrite", "--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--phase", choices=("both", "decode", "prefill"), default="both",
                    help="phases the allocation applies to (default both)")
     p.add_argument("--data", default="mix", help="calibration text spec, as for `moetailor calibrate` (default mix)")
@@ -36,17 +35,17 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from ..calibration.data import data_file
     from ..models import load_model, load_tokenizer
     from ..models.loading import resolve_model_path
     from ..eval.search_k import search_plan
+    from ..outputs import check_output
     from ..plans.techniques import Shape
 
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise FileExistsError(f"{out} exists; pass --force to overwrite it or choose another --out")
     if args.tokens < 1 or args.window < 4:
         raise ValueError("--tokens must be >= 1 and --window >= 4")
-    resolve_model_path(args.model)
+    out = check_output(args.out, overwrite=args.overwrite,
+                       inputs=(resolve_model_path(args.model), data_file(args.data)))
     model = load_model(args.model)
     tokenizer = load_tokenizer(args.model)
     shape = Shape.of(model)

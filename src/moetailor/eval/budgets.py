@@ -10,10 +10,10 @@ budget; the paper's claim is about 4x more usable points for the split model.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
+from ..outputs import save_figure, write_json, write_text
 from ..tables import markdown_table
 
 
@@ -32,7 +32,7 @@ def parse_budgets(spec: str, max_budget: int) -> list[int]:
 
 
 def compare_budgets(settings, split_dir: str, original: str, budgets_spec: str, out: Path,
-                    tolerance: float = 0.05, log=print) -> dict:
+                    tolerance: float = 0.05, log=print, overwrite: bool = False) -> dict:
     """Run both sweeps (``settings`` supplies tasks, n, seeds; its model and configs are replaced)
     and write budgets.json, budgets.md and budgets.png to ``out``."""
     from ..eval.configurations import parse_configs
@@ -57,7 +57,7 @@ def compare_budgets(settings, split_dir: str, original: str, budgets_spec: str, 
         log(f"{name}: topk {ks}")
         cfg = replace(settings, model=model, configs=parse_configs(",".join(f"topk:{k}" for k in ks)),
                       plan=None, sweep=None)
-        results = Sweep(cfg, out / name, log=log).run()
+        results = Sweep(cfg, out / name, log=log, overwrite=overwrite).run()
         runs[name] = {int(r["variant"].split(":")[1]): r for r in results["rows"]
                       if r["task"] == "all" and r["sampling"] == cfg.sampling[0]}
     points = []
@@ -70,9 +70,8 @@ def compare_budgets(settings, split_dir: str, original: str, budgets_spec: str, 
     usable = {name: sum(p["usable"] for p in points if p["model"] == name) for name in runs}
     result = {"split": split_dir, "original": original, "parts": parts, "tolerance": tolerance,
               "points": points, "usable_points": usable}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "budgets.json").write_text(json.dumps(result, indent=1))
-    (out / "budgets.md").write_text(budget_table(result) + "\n\n![accuracy per budget](budgets.png)\n")
+    write_json(out / "budgets.json", result, indent=1)
+    write_text(out / "budgets.md", budget_table(result) + "\n\n![accuracy per budget](budgets.png)\n")
     _plot(result, out / "budgets.png")
     return result
 
@@ -110,5 +109,5 @@ def _plot(result: dict, path: Path) -> None:
     ax.set_title(f"accuracy per budget ({result['parts']}-way split vs whole experts)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)

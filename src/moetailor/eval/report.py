@@ -11,6 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
+from ..outputs import save_figure, write_text
 from ..tables import markdown_table
 from .configurations import PHASE_CONFIGURATIONS
 
@@ -200,7 +201,7 @@ def plot(results: dict, out: Path, sampling: str) -> list[Path]:
 
 def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path
 
@@ -226,7 +227,7 @@ def markdown(results: dict, plot_dir: str = ".") -> str:
 def write_report(results: dict, out: Path) -> None:
     """results.md and the plots in the output directory."""
     plot(results, out, results["settings"]["sampling"][0])
-    (out / "results.md").write_text(f"# moetailor eval\n\nCommand: `{results['command']}`\n\n" + markdown(results))
+    write_text(out / "results.md", f"# moetailor eval\n\nCommand: `{results['command']}`\n\n" + markdown(results))
 
 
 def write_docs(results: dict, out: Path, docs: Path, elapsed_s: float) -> Path:
@@ -263,5 +264,5 @@ def write_docs(results: dict, out: Path, docs: Path, elapsed_s: float) -> Path:
     ]
     if notes:
         head += [notes, ""]
-    docs.write_text("\n".join(head) + markdown(results, plot_dir=plot_dir.name))
+    write_text(docs, "\n".join(head) + markdown(results, plot_dir=plot_dir.name))
     return docs

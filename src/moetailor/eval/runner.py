@@ -13,20 +13,28 @@ Layout of OUT::
     cells/          one JSON per completed cell
     results.json    everything, with model, plans, seeds, versions and the command
     results.md      the tables;  *.png  the plots
+
+A cell is reused only when its *identity* matches: the hashes of everything that decides its
+result (the model's weights, the tokenizer, the content of the plan the configuration runs, the
+prompts and reference answers it scores, or the held-out windows), the configuration, sampling
+mode and parameters, seed, tasks, n and token budgets. A cell file in OUT with another identity
+(another plan, model or setting written there before) is an error naming the field that differs;
+``overwrite=True`` (``--overwrite``) recomputes such cells instead. Cached statistics are checked
+the same way against the model and the calibration data and token count.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..models.loading import model_fingerprint
+from ..models.loading import model_fingerprint, weights_hash
+from ..outputs import write_json
 from ..plans import Plan
 from .configurations import ConfigSpec, Serving
 from .metrics import Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output
@@ -139,13 +147,53 @@ def _versions() -> dict:
             "python": platform.python_version()}
 
 
-def _write_json(path: Path, data) -> None:
-    """Atomic write (temp file + rename), so a killed sweep never leaves half a cell."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+CELL_IDENTITY_VERSION = 1
+VOLATILE_PLAN_META = ("created", "command", "stats")   # provenance only (when, how, from which path)
+
+
+def _digest(data) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def plan_hash(plan: Plan) -> str:
+    """Content hash of what a plan makes the model do (its provenance fields excluded), plus the
+    content of the fold statistics it reads."""
+    data = plan.to_json()
+    data["meta"] = {k: v for k, v in data["meta"].items() if k not in VOLATILE_PLAN_META}
+    data["model"] = {k: v for k, v in data["model"].items() if k != "source"}   # where it was loaded from
+    if plan.fold_stats and Path(plan.fold_stats).is_file():
+        data["fold_stats"] = hashlib.sha256(Path(plan.fold_stats).read_bytes()).hexdigest()
+    return _digest(data)
+
+
+def tokenizer_hash(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return hashlib.sha256(backend.to_str().encode()).hexdigest()[:16]
+    return _digest(sorted(tokenizer.get_vocab().items()))
+
+
+class CellMismatch(ValueError):
+    pass
+
+
+# identity fields in the order a mismatch names them, with the words used for each
+IDENTITY_FIELDS = {"version": "cell format", "model": "model (weights hash)", "tokenizer": "tokenizer (hash)",
+                   "plan": "plan (content hash)", "configuration": "configuration",
+                   "serving": "serving (guard, decode model)", "sampling": "sampling",
+                   "seed": "seed", "tasks": "tasks", "n": "n", "max_tokens": "max tokens",
+                   "heldout": "held-out settings", "data": "prompts/data (hash)"}
+
+
+def identity_difference(stored: dict | None, wanted: dict) -> str | None:
+    """A phrase naming the first field where a cell's stored identity differs, or None."""
+    if not isinstance(stored, dict):
+        return "cell format (written by an older moetailor, without a cell identity)"
+    for key, words in IDENTITY_FIELDS.items():
+        if stored.get(key) != wanted.get(key):
+            old, new = json.dumps(stored.get(key), default=str), json.dumps(wanted.get(key), default=str)
+            return f"{words}: {old[:60]} there, {new[:60]} now"
+    return None
 
 
 @dataclass(frozen=True)
@@ -163,7 +211,8 @@ class Variant:
         return self.serving.plan
 
 
-def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log) -> list[tuple[str | None, float | None, Plan | None]]:
+def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log,
+                  overwrite: bool = False) -> list[tuple[str | None, float | None, Plan | None]]:
     """(criterion, keep, plan) per base plan: the given plan, the sweep's plans, or none."""
     if settings.plan:
         plan = Plan.load(settings.plan)
@@ -173,33 +222,47 @@ def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log) -> l
         return [(None, None, None)]
     criteria, keeps = parse_sweep(settings.sweep)
     stats_path = out / "stats.safetensors"
-    stats = calibrated_stats(model, tokenizer, stats_path, settings.calib_data, settings.calib_tokens, log)
+    stats = calibrated_stats(model, tokenizer, stats_path, settings.calib_data, settings.calib_tokens, log,
+                             overwrite=overwrite)
     from ..plans.criteria import make_plan
     sources = []
     for criterion in criteria:
         for keep in keeps:
             path = out / "plans" / f"{criterion}-{keep:g}.json"
-            plan = Plan.load(path) if path.exists() else None
-            if plan is None or plan.model.get("router_hash") != stats.model.get("router_hash"):
-                plan = make_plan(stats, model, criterion, keep=keep, stats_path=str(stats_path))
+            plan = make_plan(stats, model, criterion, keep=keep, stats_path=str(stats_path))   # cheap: from stats
+            cached = Plan.load(path) if path.exists() else None
+            if cached is not None and plan_hash(cached) == plan_hash(plan):
+                plan = cached                      # unchanged: keep the file (and its creation time)
+            else:
                 plan.save(path)
             plan.check_model(model)
             sources.append((criterion, keep, plan))
     return sources
 
 
-def calibrated_stats(model, tokenizer, path: Path, data: str, tokens: int, log):
+def calibrated_stats(model, tokenizer, path: Path, data: str, tokens: int, log, overwrite: bool = False):
     """Calibration statistics for this model: loaded from ``path`` when an earlier run cached them
-    (and they match the model), else computed once and cached there."""
+    (for this model, data and token count), else computed once and cached there. Cached statistics
+    made otherwise are an error, or recomputed with ``overwrite``."""
     from ..calibration import ExpertStats, StatsMismatch, calibrate
+    from ..calibration.data import parse_data_spec
 
     if path.exists():
         stats = ExpertStats.load(path)
         try:
             stats.check_model(model)
-            return stats
+            problem = None
         except StatsMismatch as e:
-            log(f"cached statistics are for another model ({e}); recalibrating")
+            problem = str(e).split(";")[0]
+        made = (stats.meta.get("data"), stats.meta.get("tokens"))
+        if problem is None and made != (str(parse_data_spec(data)), tokens):
+            problem = f"calibrated on {made[1]} tokens of {made[0]!r}, this run asks for {tokens} of {data!r}"
+        if problem is None:
+            return stats
+        if not overwrite:
+            raise CellMismatch(f"{path} holds statistics this run cannot use ({problem}); pass --overwrite to "
+                               "recalibrate, or choose a fresh --out")
+        log(f"cached statistics do not fit ({problem}); recalibrating")
     log(f"calibrating on {tokens:,} tokens of {data!r} (once per model) ...")
     t0 = time.time()
     stats = calibrate(model, tokenizer, data, tokens, progress=False)
@@ -251,9 +314,9 @@ class Sweep:
     """Runs the cells of one evaluation; ``run()`` returns the results dict written to results.json."""
 
     def __init__(self, settings: EvalSettings, out: str | Path, *, model=None, tokenizer=None,
-                 command: str | None = None, log=print):
+                 command: str | None = None, log=print, overwrite: bool = False):
         self.tasks = settings.validate()
-        self.settings, self.out, self.log = settings, Path(out), log
+        self.settings, self.out, self.log, self.overwrite = settings, Path(out), log, overwrite
         self.command = command or " ".join(["moetailor", *sys.argv[1:]])
         if model is None:
             from ..models import load_model, load_tokenizer
@@ -263,12 +326,13 @@ class Sweep:
         self.model, self.tokenizer = model, tokenizer
         self.fingerprint = model_fingerprint(model)
         self.budgets = {t.name: settings.max_tokens or task_budget(t, tokenizer) for t in self.tasks}
-        # a cell is reused on resume only when it was made under the same settings
-        self.signature = {"model": self.fingerprint["router_hash"], "n": settings.n, "budgets": self.budgets,
-                          "tasks": [t.name for t in self.tasks], "kl": [settings.kl_docs, settings.kl_window],
-                          "sample": [settings.temperature, settings.top_p]}
+        # what every cell shares; each cell adds its plan, configuration, sampling, seed and data
+        self.identity = {"version": CELL_IDENTITY_VERSION, "model": weights_hash(model),
+                         "tokenizer": tokenizer_hash(tokenizer), "tasks": [t.name for t in self.tasks],
+                         "n": settings.n, "max_tokens": self.budgets}
         self._llm = None
         self._scorer = None
+        self._windows = None
 
     # -- engine and held-out scorer, built on first use ---------------------------------------
     @property
@@ -279,16 +343,36 @@ class Sweep:
         return self._llm
 
     @property
+    def windows(self) -> list[list[int]]:
+        if self._windows is None:
+            from ..data.corpus import bundled_documents
+            self._windows = heldout_windows(self.tokenizer, bundled_documents("heldout"), self.settings.kl_docs,
+                                            self.settings.kl_window)
+        return self._windows
+
+    @property
     def scorer(self) -> HeldoutScorer:
         if self._scorer is None:
-            from ..data.corpus import bundled_documents
-            windows = heldout_windows(self.tokenizer, bundled_documents("heldout"), self.settings.kl_docs,
-                                      self.settings.kl_window)
-            self._scorer = HeldoutScorer(self.model, windows)
+            self._scorer = HeldoutScorer(self.model, self.windows)
         return self._scorer
 
     # -- cells -----------------------------------------------------------------------------------
-    def _load_cell(self, key: str):
+    def cell_identity(self, variant: Variant, mode: str, seed: int | None) -> dict:
+        """Everything that decides one cell's result (see the module docstring)."""
+        ident = {**self.identity, "plan": plan_hash(variant.plan), "configuration": variant.config,
+                 "serving": {"guard": variant.serving.guard, "decode_model": variant.serving.decode_model}}
+        if mode == "heldout":
+            return {**ident, "heldout": [self.settings.kl_docs, self.settings.kl_window],
+                    "data": _digest(self.windows)}
+        sampling = "greedy" if mode == "greedy" else {"temperature": self.settings.temperature,
+                                                      "top_p": self.settings.top_p}
+        examples = [(ex.task, ex.prompt, ex.completion) for task in self.tasks
+                    for ex in eval_examples(task, self.settings.n, seed)]
+        return {**ident, "sampling": sampling, "seed": seed, "data": _digest(examples)}
+
+    def _load_cell(self, key: str, identity: dict):
+        """The stored cell when it has this identity; None when there is none (or it is unreadable:
+        a cell is written atomically, so only a foreign file can be); CellMismatch otherwise."""
         path = _cell_file(self.out, key)
         if not path.exists():
             return None
@@ -296,7 +380,13 @@ class Sweep:
             data = json.loads(path.read_text())
         except json.JSONDecodeError:
             return None
-        return data if data.get("signature") == self.signature else None
+        problem = identity_difference(data.get("identity") if isinstance(data, dict) else None, identity)
+        if problem is None:
+            return data
+        if self.overwrite:
+            return None
+        raise CellMismatch(f"{path} was computed for another {problem}; it is not this run's result: pass "
+                           "--overwrite to recompute such cells, or choose a fresh --out")
 
     def _sampling_params(self, mode: str, seed: int, task: str, index: int):
         from ..engine import SamplingParams
@@ -360,31 +450,32 @@ class Sweep:
 
         t_start = time.time()
         self.out.mkdir(parents=True, exist_ok=True)
-        sources = _plan_sources(self.settings, self.model, self.tokenizer, self.out, self.log)
+        sources = _plan_sources(self.settings, self.model, self.tokenizer, self.out, self.log, self.overwrite)
         self.variants = variants(self.settings, sources, self.model)
         seeds = list(range(self.settings.seeds))
         jobs = [(v, "heldout", None) for v in self.variants]
         jobs += [(v, mode, seed) for v in self.variants for mode in self.settings.sampling for seed in seeds]
         cells: dict[str, dict] = {}
         todo = []
-        for v, mode, seed in jobs:
+        for v, mode, seed in jobs:   # every cell is checked before any is computed
             key = f"{v.key}/{mode}" + ("" if seed is None else f"/seed{seed}")
-            cached = self._load_cell(key)
+            identity = self.cell_identity(v, mode, seed)
+            cached = self._load_cell(key, identity)
             if cached is not None:
                 cells[key] = cached
             else:
-                todo.append((key, v, mode, seed))
+                todo.append((key, v, mode, seed, identity))
         if cells:
             self.log(f"resuming: {len(cells)} of {len(jobs)} cells already done in {self.out / 'cells'}")
         compute_s = 0.0
         with tqdm(total=len(jobs), initial=len(cells), desc="eval sweep", unit="cell", mininterval=2) as bar:
-            for key, v, mode, seed in todo:
+            for key, v, mode, seed, identity in todo:
                 bar.set_postfix_str(key, refresh=False)
                 t0 = time.time()
                 data = self.heldout_cell(v) if mode == "heldout" else self.generation_cell(v, mode, seed)
                 compute_s += time.time() - t0
-                data["signature"] = self.signature
-                _write_json(_cell_file(self.out, key), data)
+                data["identity"] = identity
+                write_json(_cell_file(self.out, key), data)
                 cells[key] = data
                 bar.update(1)
         results = self.aggregate(cells, sources, seeds)
@@ -393,7 +484,7 @@ class Sweep:
                              "generation_s_all_cells": sum(c.get("seconds", 0) for k, c in cells.items()
                                                            if "/heldout" not in k),
                              "generated_tokens_all_cells": sum(c.get("tokens", 0) for c in cells.values())}
-        _write_json(self.out / "results.json", results)
+        write_json(self.out / "results.json", results)
         from .report import write_report
         write_report(results, self.out)
         return results

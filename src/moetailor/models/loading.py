@@ -26,16 +26,38 @@ def resolve_model_path(name: str | Path) -> Path:
 
 def load_model(name: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Load a supported MoE causal LM (fp32 by default: fastest for decode on CPU)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
 
     from .architectures import arch_spec
 
     path = resolve_model_path(name)
-    arch_spec(AutoConfig.from_pretrained(path))  # clear error before loading weights
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    arch_spec(read_config(path))  # clear error before loading weights
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"cannot read the weights of {name} ({_first_line(e)}); a weights file may be truncated or "
+                         "missing: copy or export the checkpoint again") from None
     model.eval()
     model.moetailor_source = str(path)
     return model
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]
+
+
+def read_config(name: str | Path):
+    """The checkpoint's transformers config, or a one-line error naming the broken config.json."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(name)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read {path / 'config.json'} ({_first_line(e)}); it is malformed or from an "
+                         "unsupported transformers version: restore the checkpoint's config.json") from None
 
 
 def load_tokenizer(name: str | Path):
@@ -60,6 +82,17 @@ def model_fingerprint(model) -> dict:
         "router_hash": h.hexdigest()[:16],
         "source": getattr(model, "moetailor_source", None),
     }
+
+
+def weights_hash(model) -> str:
+    """Hash of every parameter and buffer (names, dtypes, shapes, values): two models hash alike only
+    when they compute the same function. Reads all weights once (about 1 GB/s)."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
 
 
 def fingerprint_mismatch(expected: dict, actual: dict) -> str | None:

@@ -14,18 +14,41 @@ The plan is the one artifact every technique writes: pruning sets ``keep``, skip
 """
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..models.loading import fingerprint_mismatch, model_fingerprint, read_json
+from ..outputs import write_json
 from ..routing.policy import FULL_PHASE, LayerPolicy, PhasePolicy
 
 PLAN_FORMAT = "moetailor-plan"
 PLAN_VERSION = 1
 PHASES = ("prefill", "decode")
+FINGERPRINT_KEYS = ("model_type", "moe_layers", "num_experts", "top_k", "router_hash")
+REGENERATE = "regenerate it with `moetailor plan` (or `moetailor search-k`) from statistics of the model"
+
+
+def check_fingerprint(model, where: str = "plan") -> None:
+    """Raise a one-line ValueError unless ``model`` is a complete model fingerprint: a plan without
+    one could be applied to any model unchecked."""
+    if not isinstance(model, dict):
+        raise ValueError(f"{where}: \"model\" must be the model fingerprint object ({', '.join(FINGERPRINT_KEYS)}), "
+                         f"got {type(model).__name__}; {REGENERATE}")
+    missing = [k for k in FINGERPRINT_KEYS if k not in model]
+    if missing:
+        raise ValueError(f"{where} has no complete model fingerprint ({', '.join(missing)} missing from \"model\"), "
+                         f"so nothing checks which model it fits; {REGENERATE}")
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    layers = model["moe_layers"]
+    bad = ("moe_layers" if not (isinstance(layers, list) and layers and all(is_int(i) and i >= 0 for i in layers))
+           else "num_experts" if not (is_int(model["num_experts"]) and model["num_experts"] >= 1)
+           else "top_k" if not (is_int(model["top_k"]) and 1 <= model["top_k"] <= model["num_experts"])
+           else "model_type" if not isinstance(model["model_type"], str)
+           else "router_hash" if not (isinstance(model["router_hash"], str) and model["router_hash"]) else None)
+    if bad:
+        raise ValueError(f"{where}: model fingerprint field {bad!r} is malformed ({model[bad]!r}"[:160] +
+                         f"); {REGENERATE}")
 
 
 class PlanMismatch(ValueError):
@@ -69,14 +92,24 @@ class Plan:
 
     def check_model(self, model) -> None:
         """Raise PlanMismatch when this plan was made for another model."""
+        check_fingerprint(self.model)
         problem = fingerprint_mismatch(self.model, model_fingerprint(model))
         if problem:
             raise PlanMismatch(f"plan does not match the model ({problem}); make the plan from statistics of this "
                                f"model (`moetailor calibrate` then `moetailor plan`)")
+        self.validate()
+
+    def validate(self, where: str = "plan") -> None:
+        """Every phase's layer policies fit the model the plan names (layers, expert ids, k)."""
+        layers = set(self.model["moe_layers"])
         for name in PHASES:
-            for layer in self.model.get("moe_layers", []):
+            extra = sorted(set(self.phase(name).layers) - layers)
+            if extra:
+                raise ValueError(f"{where}: {name} policy names layer(s) {extra[:5]}, which are not MoE layers of the "
+                                 f"model ({sorted(layers)[:8]}...); {REGENERATE}")
+            for layer in self.model["moe_layers"]:
                 self.phase(name).for_layer(layer).validate(self.model["num_experts"], self.model["top_k"],
-                                                           where=f"{name} layer {layer}")
+                                                           where=f"{where}, {name} layer {layer}")
 
     def to_json(self) -> dict:
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "model": self.model,
@@ -93,22 +126,22 @@ class Plan:
         missing = [k for k in ("model", "prefill", "decode") if k not in data]
         if missing:
             raise ValueError(f"{where} lacks {missing}; it may be truncated — regenerate it")
-        try:
-            return cls(model=data["model"], prefill=PhasePolicy.from_json(data["prefill"]),
-                       decode=PhasePolicy.from_json(data["decode"]), meta=data.get("meta", {}),
-                       fold_stats=data.get("fold_stats"))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where} is malformed: {e}") from None
+        check_fingerprint(data["model"], where)
+        if not isinstance(data.get("meta", {}), dict) or not isinstance(data.get("fold_stats"), (str, type(None))):
+            raise ValueError(f"{where}: \"meta\" must be an object and \"fold_stats\" a path or null; {REGENERATE}")
+        phases = {}
+        for name in PHASES:
+            try:
+                phases[name] = PhasePolicy.from_json(data[name])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{where} is malformed: {name} {e}") from None
+        plan = cls(model=data["model"], meta=data.get("meta", {}), fold_stats=data.get("fold_stats"), **phases)
+        plan.validate(where)
+        return plan
 
     def save(self, path: str | Path) -> Path:
         """Write atomically (temp file + rename): a crash never leaves half a plan."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
-        os.replace(tmp, path)
-        return path
+        return write_json(path, self.to_json(), indent=1)
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

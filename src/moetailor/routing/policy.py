@@ -40,7 +40,12 @@ class LayerPolicy:
         if self.pool_mode not in POOL_MODES:
             raise ValueError(f"pool_mode {self.pool_mode!r} is not one of {POOL_MODES}")
         if self.keep is not None:
-            object.__setattr__(self, "keep", tuple(sorted(int(e) for e in self.keep)))
+            keep = tuple(sorted(int(e) for e in self.keep))
+            repeated = sorted({e for e in keep if keep.count(e) > 1})
+            if repeated:
+                raise ValueError(f"keep lists expert(s) {repeated[:5]} more than once; each kept expert id must "
+                                 "appear once")
+            object.__setattr__(self, "keep", keep)
 
     @property
     def is_identity(self) -> bool:
@@ -76,9 +81,28 @@ class LayerPolicy:
 
     @classmethod
     def from_json(cls, data: dict) -> "LayerPolicy":
+        if not isinstance(data, dict):
+            raise ValueError(f"a layer policy must be an object like {{\"keep\": [0, 1]}}, got {type(data).__name__}")
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown layer policy fields {sorted(unknown)}; valid: {sorted(cls.__dataclass_fields__)}")
+        for k, v in data.items():
+            if v is None and k not in ("pool_mode", "fold"):
+                continue
+            if k == "keep":
+                ok = isinstance(v, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in v)
+            elif k in ("top_k", "token_keep", "batch_pool"):
+                ok = isinstance(v, int) and not isinstance(v, bool)
+            elif k == "skip_beta":
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            elif k == "fold":
+                ok = isinstance(v, bool)
+            else:
+                ok = isinstance(v, str)
+            if not ok:
+                want = {"keep": "a list of expert ids", "fold": "true or false", "pool_mode": "a string",
+                        "skip_beta": "a number"}.get(k, "an integer")
+                raise ValueError(f"layer policy field {k!r} must be {want}, got {v!r}"[:200])
         return cls(**{k: (tuple(v) if k == "keep" and v is not None else v) for k, v in data.items()})
 
 
@@ -108,7 +132,18 @@ class PhasePolicy:
 
     @classmethod
     def from_json(cls, data: dict) -> "PhasePolicy":
-        return cls({int(i): LayerPolicy.from_json(p) for i, p in data.items()})
+        if not isinstance(data, dict):
+            raise ValueError(f"(a phase policy) must be an object mapping MoE layer index to a layer policy, like "
+                             f"{{\"3\": {{\"keep\": [0, 1]}}}}, got {type(data).__name__}")
+        layers = {}
+        for i, p in data.items():
+            if not str(i).lstrip("-").isdigit():
+                raise ValueError(f"phase policy key {i!r} is not a layer index")
+            try:
+                layers[int(i)] = LayerPolicy.from_json(p)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"layer {i}: {e}") from None
+        return cls(layers)
 
     @classmethod
     def uniform(cls, layers: list[int], policy: LayerPolicy) -> "PhasePolicy":

@@ -1,46 +1,56 @@
 """Writing model artifacts safely: a directory appears whole or not at all.
 
 Every transform (prune, distill, split) writes a stock checkpoint the same way: refuse an existing
-output unless told to overwrite, build everything in a hidden temporary directory beside it, then
-rename it into place, so an interrupted run never leaves half a checkpoint behind.
+output unless told to overwrite (and always refuse to replace one of its own inputs), build everything
+in a hidden temporary directory beside it, then rename it into place, so an interrupted run (an
+exception, Ctrl-C, or SIGTERM, which `moetailor` turns into SystemExit) never leaves half a checkpoint
+or the temporary directory behind.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from ..outputs import check_output, normal_permissions
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "vocab.txt",
                    "merges.txt", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
 
 
-def refuse_existing(out: Path, overwrite: bool) -> None:
-    if Path(out).exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+def refuse_existing(out: str | Path, overwrite: bool, inputs=()) -> Path:
+    """The checks before a transform starts: see ``outputs.check_output`` (a directory output)."""
+    return check_output(out, overwrite=overwrite, inputs=inputs, directory=True)
 
 
 @contextmanager
-def checkpoint_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+def checkpoint_directory(out: str | Path, overwrite: bool = False, inputs=()) -> Iterator[Path]:
     """Yield a temporary directory; when the block succeeds it replaces ``out`` in one rename."""
-    out = Path(out)
-    refuse_existing(out, overwrite)
+    out = refuse_existing(out, overwrite, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    old = None
     try:
         yield tmp
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
+        normal_permissions(tmp)
+        # no signal between the two renames: out is always either the old or the new checkpoint
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            if out.exists():
+                old = out.parent / f".{out.name}.old-{os.getpid()}"
+                os.replace(out, old)
             os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def model_from_state(config, state: dict, dtype, what: str):

@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import random
 import shutil
 import time
@@ -46,6 +45,7 @@ import torch.nn.functional as F
 from ..models.adapters import moe_layers
 from ..models.architectures import arch_spec
 from ..models.loading import model_fingerprint
+from ..outputs import atomic_path, save_figure
 from ..plans.plan import Plan
 from ..routing.controller import RoutingController
 from ..routing.policy import PhasePolicy
@@ -357,20 +357,47 @@ def _state(student: Student, opt, step: int, gen: torch.Generator, log: list[dic
 
 def save_state(state_dir: Path, state: dict) -> None:
     """Atomic: a crash while saving keeps the previous checkpoint."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    tmp = state_dir / f".{STATE_FILE}.tmp-{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, state_dir / STATE_FILE)
+    with atomic_path(state_dir / STATE_FILE) as tmp:
+        torch.save(state, tmp)
 
 
 RESUME_KEYS = ("alpha", "lr", "router_lr_scale", "batch_size", "seq_len", "split_point", "kd_top", "seed", "se2")
+
+
+STATE_KEYS = ("step", "config", "params", "se2", "optimizer", "split_rng", "torch_rng", "python_rng", "log",
+              "fingerprint")
+
+
+def read_state(path: Path) -> dict:
+    """A resumable checkpoint, read with ``torch.load(weights_only=True)``: tensors and plain
+    containers only, so a planted file cannot run code; anything else is a one-line error."""
+    import pickle
+    import re
+
+    try:
+        state = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        what = f"it refers to {found.group(1)}" if found else "it holds more than tensors and plain data"
+        raise ValueError(f"--resume: {path} is not a readable distillation checkpoint ({what}; refused unread, since "
+                         "loading it could run code): start over with --overwrite") from None
+    except (RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as e:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+        first = text.splitlines()[0].split(". ")[0] if text else type(e).__name__
+        raise ValueError(f"--resume: {path} is not a readable distillation checkpoint ({first[:120]}); it may be "
+                         "truncated or not written by `moetailor distill`: start over with --overwrite") from None
+    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"--resume: {path} lacks {missing}; it was not written by this `moetailor distill`: start "
+                         "over with --overwrite")
+    return state
 
 
 def load_state(state_dir: Path, student: Student, opt, gen: torch.Generator, cfg: DistillConfig) -> tuple[int, list]:
     path = state_dir / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint at {path}; start without --resume")
-    state = torch.load(path, weights_only=False)
+    state = read_state(path)
     if state["fingerprint"].get("router_hash") != model_fingerprint(student.model)["router_hash"]:
         raise ValueError(f"--resume: the checkpoint in {state_dir} was made for another model; start over with "
                          "--overwrite or pick the model it was made for")
@@ -450,7 +477,7 @@ def plot_loss(log: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.set_title("distillation from the teacher's KV cache")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -462,8 +489,7 @@ def export(student: Student, out: str | Path, result: DistillResult | None = Non
            source: Path | None = None, extra: dict | None = None) -> Path:
     """Write the merged stock checkpoint, its plan (re-fingerprinted for the distilled weights, with a
     meta note), the log and the loss curve. Temp directory + rename: never half an output."""
-    out = Path(out)
-    refuse_existing(out, overwrite)
+    out = refuse_existing(out, overwrite, (source,))
     merged = student.merged_model()
     merged.moetailor_source = str(out)
     counts = student.counts()
@@ -473,7 +499,7 @@ def export(student: Student, out: str | Path, result: DistillResult | None = Non
             "trainable": counts, **(extra or {})}
     plan = Plan(model=model_fingerprint(merged), prefill=student.plan.prefill, decode=student.plan.decode,
                 meta={**student.plan.meta, "distillation": note}, fold_stats=student.plan.fold_stats)
-    with checkpoint_directory(out, overwrite) as tmp:
+    with checkpoint_directory(out, overwrite, (source,)) as tmp:
         merged.save_pretrained(tmp)
         copy_tokenizer(source, tmp)
         plan.save(tmp / PLAN_FILE)
@@ -539,23 +565,24 @@ def distill_checkpoint(model_name: str | Path, plan: str | Path | Plan, data: st
                        overwrite: bool = False, resume: bool = False, progress: bool = True,
                        command: str | None = None) -> tuple[Path, DistillResult]:
     """The `moetailor distill` pipeline: load, check, train (resumable from ``OUT.partial``), export."""
-    from ..calibration.data import parse_data_spec
+    from ..calibration.data import data_file, parse_data_spec
     from ..models.loading import load_model, load_tokenizer, resolve_model_path
 
     cfg.validate()
     parse_data_spec(data)
-    out = Path(out)
+    source = resolve_model_path(model_name)
+    inputs = (source, None if isinstance(plan, Plan) else plan, data_file(data))
+    out = refuse_existing(out, overwrite, inputs)   # before any work
     state_dir = out.parent / f"{out.name}.partial"
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
     if resume and not (state_dir / STATE_FILE).is_file():
         raise FileNotFoundError(f"--resume: no interrupted run at {state_dir}; start without --resume")
+    if resume:
+        read_state(state_dir / STATE_FILE)   # unreadable: say so before loading the model
     if not resume and (state_dir / STATE_FILE).is_file():
         if not overwrite:
             raise FileExistsError(f"an interrupted run exists at {state_dir}; pass --resume to continue it or "
                                   "--overwrite to start over")
         shutil.rmtree(state_dir)
-    source = resolve_model_path(model_name)
     model = load_model(source)
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     student = Student(model, plan, se2=cfg.se2)

@@ -91,14 +91,15 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
     loaded model). Written to a temporary directory and renamed: never half a checkpoint."""
     from ..models.loading import load_model
 
-    out = Path(out)
-    refuse_existing(out, overwrite)
     source = None
     if isinstance(model, (str, Path)):
         source = resolve_model_path(model)
-        model = load_model(source, dtype=_dtype_of(source))  # keep the stored dtype: sizes shrink as expected
     elif getattr(model, "moetailor_source", None):
         source = Path(model.moetailor_source)
+    inputs = (source, None if isinstance(plan, Plan) else plan)
+    out = refuse_existing(out, overwrite, inputs)   # before any work; never over the source checkpoint
+    if isinstance(model, (str, Path)):
+        model = load_model(source, dtype=_dtype_of(source))  # keep the stored dtype: sizes shrink as expected
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
     if getattr(model, "_moetailor_controller", None) is not None:
@@ -112,7 +113,7 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
     setattr(config, spec.experts_key, count)
     pruned = model_from_state(config, state, next(model.parameters()).dtype, "pruned")
 
-    with checkpoint_directory(out, overwrite) as tmp:
+    with checkpoint_directory(out, overwrite, inputs) as tmp:
         pruned.save_pretrained(tmp)
         copy_tokenizer(source, tmp)
         sidecar = {"format": "moetailor-pruning", "version": 1, "phase": phase,

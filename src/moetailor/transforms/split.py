@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state
+from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
 from ..models.adapters import MoeLayer, moe_layers
 from ..models.architectures import arch_spec
 from ..models.loading import model_fingerprint, resolve_model_path
@@ -413,7 +413,7 @@ def write_split(result: SplitResult, source_model, out: str | Path, overwrite: b
     """Save the split model as a stock checkpoint (temp dir + rename) with a sidecar recording the
     partition, shares and parent ids."""
     layers = moe_layers(source_model)
-    with checkpoint_directory(out, overwrite) as tmp:
+    with checkpoint_directory(out, overwrite, (source_dir,)) as tmp:
         result.model.save_pretrained(tmp)
         copy_tokenizer(source_dir, tmp)
         sidecar = {"format": "moetailor-split", "version": 1, "parts": result.parts, "gate": result.gate,
@@ -442,26 +442,21 @@ def split_checkpoint(model, data, parts: int, out: str | Path, *, method: str = 
                      overwrite: bool = False, finetune_steps: int = 60, finetune_tokens: int | None = None,
                      progress: bool = True, command: str | None = None) -> tuple[Path, SplitResult]:
     """Profile, partition, slice (and optionally fine-tune the router), then write the checkpoint."""
-    from ..calibration.data import iter_token_batches, parse_data_spec
+    from ..calibration.data import data_file, iter_token_batches, parse_data_spec
     from ..models.loading import load_model, load_tokenizer
 
-    out = Path(out)
-    if out.exists() and not overwrite:  # before any work
-        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+    source_dir = resolve_model_path(model) if isinstance(model, (str, Path)) else \
+        (Path(model.moetailor_source) if getattr(model, "moetailor_source", None) else None)
+    inputs = (source_dir, data_file(data))
+    out = refuse_existing(out, overwrite, inputs)  # before any work
     if gate not in GATES:
         raise ValueError(f"unknown --gate {gate!r}; choose one of {GATES}")
     if method not in METHODS:
         raise ValueError(f"unknown --method {method!r}; choose one of {METHODS}")
     spec = parse_data_spec(data)
-    source_dir = None
-    tokenizer = None
+    tokenizer = load_tokenizer(source_dir) if source_dir is not None else None
     if isinstance(model, (str, Path)):
-        source_dir = resolve_model_path(model)
-        tokenizer = load_tokenizer(source_dir)
         model = load_model(source_dir)
-    else:
-        source_dir = Path(model.moetailor_source) if getattr(model, "moetailor_source", None) else None
-        tokenizer = load_tokenizer(source_dir) if source_dir is not None else None
     if tokenizer is None:
         raise ValueError("splitting needs the model's tokenizer to read calibration text; pass a checkpoint path")
     _check_splittable(model, parts)
