@@ -151,3 +151,16 @@ def test_grouped_experts_never_read_the_device_and_drop_sentinels(monkeypatch):
         experts._moetailor_meter = None
     torch.testing.assert_close(out, expected)
     assert meter.distinct == {0: 4}                                                     # experts 0, 1, 2, 3
+
+
+def test_cli_pools_by_load_need_a_step_slo(capsys):
+    from pathlib import Path
+
+    from moetailor.cli.main import main
+
+    plan = Path(__file__).resolve().parents[2] / "src" / "moetailor" / "assets" / "plans" / "reference-reap-50.json"
+    code = main(["generate", "reference", "--prompt", "hi", "--max-tokens", "2", "--decode-pools-by-load", str(plan)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--step-slo-ms" in err and "Traceback" not in err
+    assert main(["generate", "reference", "--prompt", "hi", "--max-tokens", "2", "--decode-pools-by-load", str(plan),
+                 "--step-slo-ms", "5"]) == 0
