@@ -1,6 +1,6 @@
 """Decode against the bandwidth floor, per expert weight format, side by side in one run.
 
-    flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/decode_floor.py --batches 1 8 --layers 1
+    flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/decode_floor.py --batches 1 8 --layers 1 --experts 32
 
 The synthetic bandwidth-bound model (OLMoE-1B-7B layer shapes, seeded random weights, built in memory)
 decodes through the engine with its fp32 expert weights and with a bf16 decode copy
@@ -22,6 +22,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--layers", type=int, default=1, help="MoE layers of the synthetic model (1.6 GB of fp32 experts each)")
+    ap.add_argument("--experts", type=int, default=64, help="routed experts per layer (25 MB each in fp32)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
@@ -41,7 +42,7 @@ def main() -> None:
         print(json.dumps({"probe": r["format"], "rows": r["rows"], "ms_per_expert": round(r["ms_per_expert"], 3),
                           "weight_gb_s": round(r["weight_gb_s"], 2),
                           "of_read_bw": round(r["weight_gb_s"] * 1e9 / read_bw, 3)}), flush=True)
-    model = synthetic_model(layers=args.layers)
+    model = synthetic_model(layers=args.layers, experts=args.experts)
     max_len = args.prompt_len + args.steps + 4
     rows = []
     for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
