@@ -84,7 +84,7 @@ def build_engine(args):
                   if getattr(args, "decode_expert_dtype", None) else None)
     if args.decode_model:
         from ..engine.disagg import DisaggregatedLLM
-        return DisaggregatedLLM(args.model, decode_model=args.decode_model, **kwargs)
+        return DisaggregatedLLM(args.model, decode_model=args.decode_model, threads=args.threads, **kwargs)
     plan = None
     if args.decode_plan:
         plan = Plan.load(args.decode_plan)

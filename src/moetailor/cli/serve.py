@@ -1,7 +1,12 @@
 """`moetailor serve MODEL --port N`: the OpenAI-compatible server over the phase-aware engine."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from .generate import add_engine_arguments, build_engine
+
+API_KEY_ENV = "MOETAILOR_API_KEY"   # read by `serve` when --api-key is not given
 
 
 def register(sub) -> None:
@@ -10,7 +15,17 @@ def register(sub) -> None:
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: the model folder's name)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
+                        f"{API_KEY_ENV} environment variable; unset = no authentication)")
+    p.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="largest request body (413 above it)")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="most characters in a text prompt or all chat messages, checked before tokenizing "
+                        "(413 above it; default: 32 x the context length)")
+    p.add_argument("--max-stop-strings", type=int, default=16, help="most stop strings per request")
+    p.add_argument("--max-stop-chars", type=int, default=256, help="longest stop string")
     p.add_argument("--expert-plan", action="append", default=[], metavar="NAME=PATH",
                    help="a plan clients may select per request with the \"expert_plan\" field (repeatable)")
     p.set_defaults(func=run)
@@ -35,12 +50,24 @@ def parse_named_plans(items: list[str], model) -> dict:
 
 
 def run(args) -> int:
-    from ..engine.server import serve
+    from ..engine.server import ServerLimits, serve
 
     if args.k_schedule == "tiers":
         raise ValueError("--k-schedule tiers plans a known set of requests offline (`moetailor generate`); a server "
                          "sees requests arrive one by one: use --k-schedule lanes")
+    limits = ServerLimits(args.max_request_bytes, args.max_prompt_chars, args.max_stop_strings, args.max_stop_chars)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    name = served_model_name(args.model, args.served_model_name)
     llm = build_engine(args)
     plans = parse_named_plans(args.expert_plan, llm.model)
-    serve(llm, host=args.host, port=args.port, model_name=args.served_model_name or str(args.model), plans=plans)
+    serve(llm, host=args.host, port=args.port, model_name=name, plans=plans, limits=limits, api_key=api_key)
     return 0
+
+
+def served_model_name(model: str, given: str | None) -> str:
+    """The id clients see: --served-model-name, else the model folder's name (never its path)."""
+    if given is not None:
+        if not given.strip():
+            raise ValueError("--served-model-name must not be empty")
+        return given
+    return Path(model).resolve().name if str(model) != "reference" else "reference"

@@ -15,7 +15,12 @@ message, a new worker with fresh channels is started, and requests keep being se
 """
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
 import queue as queue_mod
+import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +32,15 @@ import torch.multiprocessing as mp
 
 from .llm import RequestOutput
 from .sampling import SamplingParams
+from .validation import encode_prompt, check_request
+
+log = logging.getLogger("moetailor.disagg")
+
+PR_SET_PDEATHSIG = 1      # linux/prctl.h
+PARENT_POLL_S = 0.5       # how often a worker checks that its front end is alive
+STATS_EVERY_S = 0.25      # how often a busy worker sends its pool numbers (/metrics)
+MAX_QUICK_RESTARTS = 3    # a worker that dies this often within RESTART_WINDOW_S is left down
+RESTART_WINDOW_S = 60.0
 
 
 @dataclass
@@ -66,14 +80,53 @@ def _build_llm(model, plan, kwargs):
     return LLM(model, plan, **kwargs)
 
 
-def _report(conn, kind: str, llm) -> None:
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this worker when the front end dies, even by SIGKILL: Linux's parent-death signal
+    (prctl PR_SET_PDEATHSIG) and, everywhere, a thread that watches the parent pid."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    if os.getppid() != parent_pid:     # the parent died before the signal was armed
+        os._exit(1)
+    threading.Thread(target=watch, name="moetailor-parent-watch", daemon=True).start()
+
+
+def _start_worker(kind: str, parent_pid: int, conn, build):
+    """Arm the parent watch, load, warm up with one tiny request (a checkpoint that loads but cannot
+    run fails here, at start), report ready. A failure is sent to the front end with its cause."""
+    _exit_with_parent(parent_pid)
+    try:
+        llm = build()
+        llm.generate([[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+        llm.step_log.clear()
+        llm.tokens_generated = 0
+    except Exception as e:
+        conn.send(("failed", kind, f"{type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
+    limits = llm.request_limits()
     conn.send(("ready", kind, {"num_blocks": llm.block_manager.num_blocks, "weight_bytes": llm.runner.weight_bytes,
-                               "block_bytes": llm.runner.block_bytes, "max_model_len": llm.max_model_len}))
+                               "block_bytes": llm.runner.block_bytes, "max_model_len": llm.max_model_len,
+                               "pid": os.getpid(), "limits": limits}))
+    return llm
 
 
 def _delta(seq, stage: str) -> tuple:
     """The request's whole completion so far: deltas from two processes may arrive in any order."""
     return ("delta", seq.request_id, list(seq.completion_token_ids), seq.text, seq.finish_reason, seq.error, stage)
+
+
+def _error(rid: str, stage: str, e: Exception) -> tuple:
+    log.exception("request %s failed in the %s worker", rid, stage)
+    return ("delta", rid, [], "", "error", f"internal error ({type(e).__name__}) in the {stage} worker; the server "
+                                           "log has the details", stage)
 
 
 def _next_messages(inbox, block: bool) -> list:
@@ -86,48 +139,74 @@ def _next_messages(inbox, block: bool) -> list:
             return messages
 
 
-def prefill_worker(model, kwargs: dict, inbox, conn) -> None:
-    """Full pool. Prefill, sample the first token, send the KV blocks to the front end, free them."""
-    llm = _build_llm(model, None, kwargs)
-    _report(conn, "prefill", llm)
-    while True:
-        for msg in _next_messages(inbox, block=not llm.has_unfinished()):
-            if msg[0] == "stop":
-                return
-            if msg[0] == "add":
-                _, rid, ids, sampling = msg
-                try:
-                    llm.add_request(ids, sampling, request_id=rid)
-                except ValueError as e:   # e.g. more KV blocks than this worker's pool holds
-                    conn.send(("delta", rid, [], "", "error", str(e), "prefill"))
-            elif msg[0] == "abort":
-                llm.abort(msg[1])
-        for seq in llm.step():            # the inbox holds only new requests: always a prefill step
-            if seq.is_finished:           # finished on its first token
-                conn.send(_delta(seq, "prefill"))
-                continue
-            kv = llm.runner.read_blocks(seq.block_table)      # per layer (k, v) [n*bs, nKV, D]
-            state = seq.generator.get_state() if seq.generator is not None else None
-            adopt = ("adopt", seq.request_id, seq.token_ids, seq.num_prompt_tokens, seq.sampling, state, kv, seq.prompt)
-            conn.send(("handoff", _delta(seq, "decode"), adopt))
-            llm.abort(seq.request_id)     # frees the prefill worker's blocks
+def _serve(kind: str, llm, inbox, conn, on_message, on_step) -> None:
+    """The worker loop: messages in, one engine step, results out, stats now and then. One bad
+    request ends with an error delta; the worker keeps serving."""
+    last_stats, idle_reported = 0.0, False
 
+    def report() -> None:
+        nonlocal last_stats
+        conn.send(("stats", kind, llm.stats()))
+        last_stats = time.monotonic()
 
-def decode_worker(model, plan, kwargs: dict, inbox, conn) -> None:
-    """Pruned (or masked) pool. Adopt prefilled sequences and decode them."""
-    llm = _build_llm(model, plan, kwargs)
-    _report(conn, "decode", llm)
     while True:
-        for msg in _next_messages(inbox, block=not llm.has_unfinished()):
+        idle = not llm.has_unfinished()
+        if idle and not idle_reported:       # once on going idle: the pool is empty now
+            report()
+        idle_reported = idle
+        for msg in _next_messages(inbox, block=idle):
             if msg[0] == "stop":
                 return
             if msg[0] == "abort":
                 llm.abort(msg[1])
-            elif msg[0] == "adopt":
-                _, rid, ids, n_prompt, sampling, state, kv, prompt = msg
-                llm.adopt(ids, n_prompt, sampling, kv, request_id=rid, generator_state=state, prompt=prompt)
-        for seq in llm.step():
-            conn.send(_delta(seq, "decode"))
+                continue
+            try:
+                on_message(msg)
+            except ValueError as e:       # a request this worker cannot run (e.g. its pool is too small)
+                conn.send(("delta", msg[1], [], "", "error", str(e), kind))
+            except Exception as e:
+                conn.send(_error(msg[1], kind, e))
+        stepped = llm.step()              # a request that fails in the step comes back finished with an error
+        for seq in stepped:
+            try:
+                on_step(seq)
+            except Exception as e:
+                llm.abort(seq.request_id)
+                conn.send(_error(seq.request_id, kind, e))
+        if stepped and (idle or time.monotonic() - last_stats > STATS_EVERY_S):
+            report()                      # the first busy step, then every STATS_EVERY_S
+
+
+def prefill_worker(model, kwargs: dict, inbox, conn, parent_pid: int) -> None:
+    """Full pool. Prefill, sample the first token, send the KV blocks to the front end, free them."""
+    llm = _start_worker("prefill", parent_pid, conn, lambda: _build_llm(model, None, kwargs))
+
+    def add(msg) -> None:
+        _, rid, ids, sampling = msg
+        llm.add_request(ids, sampling, request_id=rid)
+
+    def hand_over(seq) -> None:
+        if seq.is_finished:               # finished on its first token (or failed)
+            conn.send(_delta(seq, "prefill"))
+            return
+        kv = llm.runner.read_blocks(seq.block_table)      # per layer (k, v) [n*bs, nKV, D]
+        state = seq.generator.get_state() if seq.generator is not None else None
+        adopt = ("adopt", seq.request_id, seq.token_ids, seq.num_prompt_tokens, seq.sampling, state, kv, seq.prompt)
+        conn.send(("handoff", _delta(seq, "decode"), adopt))
+        llm.abort(seq.request_id)         # frees the prefill worker's blocks
+
+    _serve("prefill", llm, inbox, conn, add, hand_over)
+
+
+def decode_worker(model, plan, kwargs: dict, inbox, conn, parent_pid: int) -> None:
+    """Pruned (or masked) pool. Adopt prefilled sequences and decode them."""
+    llm = _start_worker("decode", parent_pid, conn, lambda: _build_llm(model, plan, kwargs))
+
+    def adopt(msg) -> None:
+        _, rid, ids, n_prompt, sampling, state, kv, prompt = msg
+        llm.adopt(ids, n_prompt, sampling, kv, request_id=rid, generator_state=state, prompt=prompt)
+
+    _serve("decode", llm, inbox, conn, adopt, lambda seq: conn.send(_delta(seq, "decode")))
 
 
 @dataclass
@@ -138,13 +217,14 @@ class Worker:
     inbox: object              # front end -> worker (queue)
     conn: object               # worker -> front end (pipe, read end)
     closed: bool = False       # the pipe reached end of file: the worker is gone
+    retired: bool = False      # its channels are dropped (replaced, or left down)
 
     def retire(self) -> None:
         """Drop the channels without waiting on a dead reader."""
         self.inbox.cancel_join_thread()
         self.inbox.close()
         self.conn.close()
-        self.closed = True
+        self.closed = self.retired = True
 
 
 def _distilled_plan(decode_model):
@@ -154,6 +234,10 @@ def _distilled_plan(decode_model):
     if isinstance(decode_model, (str, Path)) and (Path(decode_model) / SIDECAR).is_file():
         return load_distilled(decode_model).plan
     return None
+
+
+class WorkerUnavailable(RuntimeError):
+    """A worker kept failing and is left down (the server answers 503 and /health says why)."""
 
 
 class DisaggregatedLLM:
@@ -190,9 +274,21 @@ class DisaggregatedLLM:
         self.step_log: list = []
         self.tokens_generated = 0
         self.restarts = {"prefill": 0, "decode": 0}
+        self.deaths: dict[str, list[float]] = {"prefill": [], "decode": []}    # recent exits (monotonic s)
+        self.causes: dict[str, str] = {}       # kind -> why it last failed (a worker's own report)
+        self.down: dict[str, str] = {}         # kind -> why it is no longer restarted
+        self.worker_stats: dict[str, dict] = {}
+        self.preemptions_before: int = 0       # preemptions of replaced workers (the counter only grows)
         self.workers = {kind: self._start(kind) for kind in ("prefill", "decode")}
-        self._wait_ready({"prefill", "decode"}, startup_timeout)
-        self.max_model_len = engine_kwargs.get("max_model_len") or self.ready["prefill"].get("max_model_len") or 4096
+        try:
+            self._wait_ready({"prefill", "decode"}, startup_timeout)
+        except BaseException:
+            for worker in self.workers.values():   # nothing to finish: no waiting for a worker still loading
+                worker.process.kill()
+            self.close()
+            raise
+        self.limits = self.ready["prefill"]["limits"].tighter(self.ready["decode"]["limits"])
+        self.max_model_len = self.limits.max_model_len
         self._next_id = 0
 
     @property
@@ -203,7 +299,8 @@ class DisaggregatedLLM:
         target, args = self.worker_specs[kind]
         inbox = self.ctx.Queue()
         reader, writer = self.ctx.Pipe(duplex=False)
-        proc = self.ctx.Process(target=target, args=(*args, dict(self.engine_kwargs), inbox, writer), daemon=True)
+        proc = self.ctx.Process(target=target, args=(*args, dict(self.engine_kwargs), inbox, writer, os.getpid()),
+                                daemon=True)
         proc.start()
         writer.close()                     # only the worker writes: its death is end of file here
         return Worker(kind, proc, inbox, reader)
@@ -214,8 +311,9 @@ class DisaggregatedLLM:
             for kind in kinds:
                 proc = self.workers[kind].process
                 if kind not in self.ready and not proc.is_alive():
-                    raise RuntimeError(f"the {kind} worker exited with code {proc.exitcode} while loading; "
-                                       "run the same model with `moetailor generate` to see the error")
+                    self._drain(timeout=0.1)      # its last words: why it failed
+                    cause = self.causes.get(kind, f"it exited with code {proc.exitcode}")
+                    raise ValueError(f"the {kind} worker could not start: {cause}")
             if time.time() > deadline:
                 raise RuntimeError(f"workers not ready after {timeout:.0f} s")
             self._drain(timeout=0.1)
@@ -231,11 +329,7 @@ class DisaggregatedLLM:
 
     # ---- the LLM-like front end ------------------------------------------------------------------
     def encode(self, prompt):
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass tokenizer= or give token ids")
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        return None, [int(t) for t in prompt]
+        return encode_prompt(self.tokenizer, prompt)
 
     def add_request(self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
                     plan=None, plan_key=None) -> RemoteSequence:
@@ -243,14 +337,10 @@ class DisaggregatedLLM:
             raise ValueError("per-request expert plans are not available in disaggregated mode (the decode pool "
                              "is the pruned checkpoint); use expert_top_k or a colocated server")
         sampling = sampling or SamplingParams()
-        sampling.validate()
         text, ids = self.encode(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        if len(ids) + sampling.max_tokens > self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens and max_tokens={sampling.max_tokens}, which exceeds "
-                             f"the context limit of {self.max_model_len} tokens (prompt + completion); shorten the "
-                             f"prompt or lower max_tokens")
+        check_request(ids, sampling, self.limits)    # the same checks as a colocated engine, before any worker
+        if self.down:
+            raise WorkerUnavailable("; ".join(f"the {kind} worker is down ({why})" for kind, why in self.down.items()))
         with self.lock:
             if request_id is None:
                 request_id = f"d{self._next_id}"
@@ -267,16 +357,23 @@ class DisaggregatedLLM:
                 return False
             seq.finish(reason, error)
             for worker in self.workers.values():
-                worker.inbox.put(("abort", request_id))
+                if not worker.retired:
+                    worker.inbox.put(("abort", request_id))
             return True
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
 
-    def step(self) -> list[RemoteSequence]:
-        """Collect what the workers produced since the last call (waits briefly for something)."""
-        updated = self._drain(timeout=0.05)
+    def step(self, timeout: float = 0.05) -> list[RemoteSequence]:
+        """Collect what the workers produced since the last call (waits up to ``timeout`` for something)
+        and replace dead workers. The server calls it while idle too, so a worker that died idle is
+        noticed (and restarted) at once, not by the next request."""
+        updated = self._drain(timeout=timeout)
         return updated + self._replace_dead_workers()
+
+    def poll(self) -> list[RemoteSequence]:
+        """What ``step`` does, for a caller with no request in flight (the server's idle loop)."""
+        return self.step(timeout=0.05)
 
     def _drain(self, timeout: float) -> list[RemoteSequence]:
         updated = []
@@ -296,6 +393,13 @@ class DisaggregatedLLM:
     def _handle(self, msg) -> list[RemoteSequence]:
         if msg[0] == "ready":
             self.ready[msg[1]] = msg[2]
+            return []
+        if msg[0] == "stats":
+            self.worker_stats[msg[1]] = msg[2]
+            return []
+        if msg[0] == "failed":
+            self.causes[msg[1]] = msg[2]
+            log.error("the %s worker failed: %s", msg[1], msg[2])
             return []
         if msg[0] == "handoff":                     # prefill -> decode, through this process
             _, delta, adopt = msg
@@ -326,14 +430,17 @@ class DisaggregatedLLM:
             return seq
 
     def _replace_dead_workers(self) -> list[RemoteSequence]:
-        """A dead worker's requests end with an error; a new worker with fresh channels takes its place."""
+        """A dead worker's requests end with an error; a new worker with fresh channels takes its place.
+        Returns every request updated meanwhile."""
         lost = []
         for kind, worker in list(self.workers.items()):
-            if worker.process.is_alive():
+            if worker.retired or worker.process.is_alive():
                 continue
-            if not worker.closed:
-                self._drain(timeout=0.01)          # what it sent before dying
+            lost += self._drain(timeout=0.01)      # what it (and the other worker) sent meanwhile
             code = worker.process.exitcode
+            was_ready = kind in self.ready
+            log.error("the %s worker (pid %s) exited with code %s%s", kind, worker.process.pid, code,
+                      "" if was_ready else " while loading")
             with self.lock:
                 for seq in [s for s in self.seqs.values() if s.stage == kind]:
                     seq.finish("error", f"the {kind} worker exited (code {code}) while serving this request; "
@@ -341,10 +448,37 @@ class DisaggregatedLLM:
                     self.seqs.pop(seq.request_id, None)
                     lost.append(seq)
                 worker.retire()
-                self.restarts[kind] += 1
+                stats = self.worker_stats.pop(kind, {})
+                self.preemptions_before += stats.get("preemptions", 0)
                 self.ready.pop(kind, None)
+                now = time.monotonic()
+                self.deaths[kind] = [t for t in self.deaths[kind] if now - t < RESTART_WINDOW_S] + [now]
+                if not was_ready or len(self.deaths[kind]) > MAX_QUICK_RESTARTS:
+                    # a worker that cannot load, or keeps dying: restarting again would only repeat it
+                    self.down[kind] = self.causes.get(kind) or (
+                        f"exited with code {code} " + ("while loading" if not was_ready else
+                                                       f"{len(self.deaths[kind])} times in {RESTART_WINDOW_S:.0f} s"))
+                    log.error("the %s worker is left down: %s", kind, self.down[kind])
+                    for seq in list(self.seqs.values()):        # nothing else can finish now
+                        seq.finish("error", f"the {kind} worker is down; the request was ended")
+                        self.seqs.pop(seq.request_id, None)
+                        lost.append(seq)
+                    continue
+                self.restarts[kind] += 1
                 self.workers[kind] = self._start(kind)
         return lost
+
+    def health(self) -> dict:
+        """Each worker's state: "ready", "starting" (loading after a restart) or "down" (with why)."""
+        workers = {}
+        for kind, worker in self.workers.items():
+            alive = not worker.closed and worker.process.is_alive()
+            state = "down" if kind in self.down else "ready" if alive and kind in self.ready else \
+                "starting" if alive else "dead"
+            workers[kind] = {"state": state, "pid": worker.process.pid, "restarts": self.restarts[kind]}
+            if kind in self.down:
+                workers[kind]["error"] = self.down[kind]
+        return {"ok": all(w["state"] == "ready" for w in workers.values()), "workers": workers}
 
     def generate(self, prompts, sampling=None, use_tqdm: bool = False) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -356,26 +490,37 @@ class DisaggregatedLLM:
         return [s.output() for s in seqs]
 
     def stats(self) -> dict:
+        """Request counts from the front end; pool numbers from the decode worker's last report (it
+        holds the KV cache of running requests); preemptions summed over both workers."""
+        d = self.worker_stats.get("decode", {})
         return {"waiting": sum(s.stage == "prefill" for s in self.seqs.values()),
                 "running": sum(s.stage == "decode" for s in self.seqs.values()),
-                "kv_blocks_total": self.ready.get("decode", {}).get("num_blocks", 0), "kv_blocks_free": 0,
-                "kv_usage": 0.0, "preemptions": 0, "tokens_generated": self.tokens_generated,
-                "decode_tokens_per_s": 0.0, "distinct_experts_last_step": 0.0}
+                "kv_blocks_total": self.ready.get("decode", {}).get("num_blocks", 0),
+                "kv_blocks_free": d.get("kv_blocks_free", 0), "kv_usage": d.get("kv_usage", 0.0),
+                "preemptions": self.preemptions_before + sum(w.get("preemptions", 0)
+                                                             for w in self.worker_stats.values()),
+                "tokens_generated": self.tokens_generated,
+                "decode_tokens_per_s": d.get("decode_tokens_per_s", 0.0),
+                "distinct_experts_last_step": d.get("distinct_experts_last_step", 0.0)}
 
     def crash_decode_worker(self) -> None:
         """Fault injection (tests): kill the decode worker as the OS would."""
         self.workers["decode"].process.kill()
 
+    def worker_pids(self) -> dict[str, int]:
+        return {kind: w.process.pid for kind, w in self.workers.items()}
+
     def close(self) -> None:
         for worker in self.workers.values():
-            if worker.process.is_alive():
+            if worker.process.is_alive() and not worker.retired:
                 worker.inbox.put(("stop",))
         for worker in self.workers.values():
             worker.process.join(timeout=5)
             if worker.process.is_alive():
                 worker.process.kill()
                 worker.process.join(timeout=5)
-            worker.retire()
+            if not worker.retired:
+                worker.retire()
 
     def __enter__(self):
         return self

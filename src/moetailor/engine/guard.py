@@ -40,6 +40,11 @@ DEFAULT_POLICY = "default"  # the engine's own plan (requests without a per-requ
 STATES = ("active", "probation", "tripped")
 
 
+def shadow_id(request_id: str) -> str:
+    """The request id of a request's full-pool shadow."""
+    return f"{request_id}~shadow"
+
+
 @dataclass
 class GuardConfig:
     """Every bound of the guard. The defaults are meant to be left on in serving."""
@@ -241,7 +246,7 @@ class Guard:
     def _add_shadow(self, seq, key: str) -> None:
         from .sequence import Sequence
 
-        twin = Sequence(seq.token_ids, replace(seq.sampling), request_id=f"{seq.request_id}~shadow",
+        twin = Sequence(seq.token_ids, replace(seq.sampling), request_id=shadow_id(seq.request_id),
                         prompt=seq.prompt, plan=self.full_plan, plan_key=FULL_KEY)
         twin.block_size = seq.block_size
         if not self.llm.enqueue(twin):
@@ -250,9 +255,12 @@ class Guard:
         self.shadows[twin.seq_id] = twin
 
     def forget(self, seq) -> None:
-        """An aborted request leaves no evidence (an aborted probe is replaced by the next request)."""
+        """An aborted (or failed) request leaves no evidence (an aborted probe is replaced by the next
+        request); its full-pool shadow ends with it, so a shadow never outlives a request that failed."""
         w = self.watches.pop(seq.seq_id, None)
         self.shadows.pop(seq.seq_id, None)
+        if w is not None and w.role != "shadow":
+            self.llm.abort(shadow_id(seq.request_id), reason=seq.finish_reason or "abort", error=seq.error)
         if w is not None and w.role == "reduced" and w.policy in self.policies:
             p = self.policies[w.policy]
             if p.state == "probation":

@@ -6,6 +6,7 @@ policy: prefill steps run ``plan.prefill``, decode steps ``plan.decode`` (None =
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -19,7 +20,7 @@ from ..plans.plan import Plan
 from ..routing.controller import RoutingController
 from ..routing.policy import FULL_PHASE
 from .block_manager import BlockManager
-from .k_tiers import KRequest, OnlineLanes, StepCost, model_max_k, plan_offline, validate_expert_top_k
+from .k_tiers import KRequest, OnlineLanes, StepCost, model_max_k, plan_offline
 from .load_pools import PoolsByLoad
 from .config import EngineConfig
 from .guard import Guard, GuardConfig
@@ -27,6 +28,9 @@ from .model_runner import ModelRunner
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus, StreamDelta, delta
+from .validation import RequestLimits, check_request, encode_prompt
+
+log = logging.getLogger("moetailor.engine")
 
 
 @dataclass
@@ -183,11 +187,7 @@ class LLM:
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass tokenizer= or give token ids")
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        return None, [int(t) for t in prompt]
+        return encode_prompt(self.tokenizer, prompt)
 
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
                     request_id: str | None = None, plan: Plan | None = None, plan_key: str | None = None,
@@ -196,30 +196,9 @@ class LLM:
         ``plan`` overrides the engine's plan for this request (``plan_key`` names it; requests
         with different keys run in different steps); so does an offline k ``tier``."""
         sampling = sampling or SamplingParams()
-        sampling.validate()
-        if sampling.expert_top_k is not None:
-            if getattr(self, "_budget_range", None) is None:
-                self._budget_range = model_max_k(self.model)   # (max k, sub-expert parts): read once
-            validate_expert_top_k(sampling.expert_top_k, *self._budget_range)
         text, ids = self.encode(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})")
-        limit = self.config.max_model_len
-        if len(ids) + sampling.max_tokens > limit:
-            raise ValueError(f"the prompt has {len(ids)} tokens and max_tokens={sampling.max_tokens}, which exceeds "
-                             f"the context limit of {limit} tokens (prompt + completion); shorten the prompt or "
-                             f"lower max_tokens")
-        if len(ids) > self.config.max_num_batched_tokens:
-            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens="
-                             f"{self.config.max_num_batched_tokens}; raise max_num_batched_tokens")
+        check_request(ids, sampling, self.request_limits())
         bs = self.config.block_size
-        need = (len(ids) + sampling.max_tokens + bs - 1) // bs
-        if need > self.block_manager.num_blocks:
-            raise ValueError(f"the request needs {need} KV blocks of {bs} tokens but the pool holds "
-                             f"{self.block_manager.num_blocks}; lower max_tokens or give more num_kv_blocks")
         with self.lock:
             if plan is not None:
                 plan = resolve_plan(plan, self.model)
@@ -244,6 +223,13 @@ class LLM:
             self._seqs[seq.request_id] = seq
             self.scheduler.add(seq)
             return True
+
+    def request_limits(self) -> RequestLimits:
+        if getattr(self, "_limits", None) is None:   # model_max_k reads a sidecar: once
+            self._limits = RequestLimits(self.vocab_size, self.config.max_model_len,
+                                         self.config.max_num_batched_tokens, self.block_manager.num_blocks,
+                                         self.config.block_size, model_max_k(self.model))
+        return self._limits
 
     def adopt(self, token_ids: list[int], num_prompt_tokens: int, sampling: SamplingParams, kv: list,
               request_id: str, generator_state: torch.Tensor | None = None, prompt: str | None = None) -> Sequence:
@@ -301,7 +287,8 @@ class LLM:
         return torch.tensor(per_token, device=self.runner.device), max(per_seq), sum(per_token) / len(per_token)
 
     def step(self) -> list[Sequence]:
-        """Run one prefill or decode step; returns the sequences that got a token."""
+        """Run one prefill or decode step; returns the sequences that got a token or failed. When the
+        step raises, its requests run one by one and only those that still fail end with an error."""
         with self.lock:
             seqs, is_prefill = self.scheduler.schedule()
             if not seqs:
@@ -316,9 +303,10 @@ class LLM:
             if not is_prefill and plan is None and self.decode_pools is not None:
                 rung = self.decode_pools.rung_for(len(seqs))
                 plan, pool = rung.plan or FULL_PLAN, rung.pool_size
-            policy = self.controller.compile(self.phase_policy(phase, plan))   # cached per plan
-            logits = self.runner.run(seqs, is_prefill, self.block_manager, policy, top_k, k_max)  # [B, V]
-            tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+            try:
+                logits, tokens = self._forward(seqs, is_prefill, plan, top_k, k_max)     # [B, V], [B]
+            except Exception:
+                return self._step_one_by_one(seqs, is_prefill, plan)
             distinct = dict(meter.distinct)           # the step's one read of the experts' device counts
             seconds = time.perf_counter() - start
             self.step_log.append(StepRecord(phase, len(seqs), num_tokens, seconds, distinct, meter.bytes_read, mean_k,
@@ -329,6 +317,35 @@ class LLM:
                 self.guard.observe(seqs, logits, is_prefill)
             self.tokens_generated += len(seqs)
             return seqs
+
+    def _forward(self, seqs: list[Sequence], is_prefill: bool, plan, top_k: torch.Tensor | None,
+                 k_max: int | None) -> tuple[torch.Tensor, list[int]]:
+        policy = self.controller.compile(self.phase_policy("prefill" if is_prefill else "decode", plan))  # cached
+        logits = self.runner.run(seqs, is_prefill, self.block_manager, policy, top_k, k_max)          # [B, V]
+        return logits, sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+
+    def _step_one_by_one(self, seqs: list[Sequence], is_prefill: bool, plan) -> list[Sequence]:
+        """A failed step again, one request at a time (same KV slots, so nothing is written twice):
+        a request that fails alone ends with a short error (the traceback goes to the log), its
+        guard shadow with it; the others get their token."""
+        done, rows = [], []
+        for seq in seqs:
+            try:
+                top_k, k_max, _ = self._token_top_k([seq], is_prefill)
+                logits, tokens = self._forward([seq], is_prefill, plan, top_k, k_max)
+            except Exception as e:
+                log.exception("request %s failed in a %s step", seq.request_id, "prefill" if is_prefill else "decode")
+                self.abort(seq.request_id, reason="error", error=f"internal error ({type(e).__name__}) in the engine "
+                                                                 "step; the server log has the details")
+                continue
+            for finished in self.scheduler.postprocess([seq], tokens):
+                self._seqs.pop(finished.request_id, None)
+            done.append(seq)
+            rows.append(logits)
+        if self.guard is not None and done:
+            self.guard.observe(done, torch.cat(rows), is_prefill)
+        self.tokens_generated += len(done)
+        return list(seqs)
 
     # ---- front ends ----------------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]] | str, sampling: SamplingParams | list[SamplingParams]

@@ -1,9 +1,14 @@
 """Sampling parameters per request and the sampler that turns a step's logits into tokens."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
+
+MIN_TEMPERATURE = 1e-3   # below it logits / temperature can overflow to inf (use 0 for greedy)
+MAX_SEED = 2**63 - 1     # a torch.Generator seed
 
 
 @dataclass
@@ -24,17 +29,34 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the bad field (the server turns it into a 400)."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
-        if self.expert_top_k is not None and self.expert_top_k < 1:
-            raise ValueError(f"expert_top_k={self.expert_top_k} must be >= 1 (or None for the model's k)")
+        """Raise ValueError naming the bad field (the server turns it into a 400). Floats must be finite:
+        a NaN passes every ``<`` check and a subnormal temperature overflows the logits to inf."""
+        def integer(name, low, high=None, optional=False):
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or \
+                    (high is not None and value > high):
+                bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                raise ValueError(f"{name}={value!r} must be an integer {bound}")
+
+        def real(name):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
+            return float(value)
+
+        integer("max_tokens", 1)
+        temperature = real("temperature")
+        if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature={self.temperature!r} must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+        if not 0.0 < real("top_p") <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        integer("top_k", 0)
+        integer("seed", 0, MAX_SEED, optional=True)
+        integer("expert_top_k", 1, optional=True)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be true or false")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop={list(self.stop)!r} must be non-empty strings")
 

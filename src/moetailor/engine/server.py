@@ -2,19 +2,26 @@
 
 One engine thread runs steps while requests are unfinished; HTTP handlers submit requests and read
 per-request asyncio queues fed from that thread. Extension fields (beyond the OpenAI schema):
-``expert_plan`` (name of a plan loaded at start-up with ``--plan NAME=PATH``; "default" = the
-engine's own plan, "full" = the full router) and ``expert_top_k`` (active experts per token).
+``expert_plan`` (name of a plan loaded at start-up with ``--expert-plan NAME=PATH``; "default" =
+the engine's own plan, "full" = the full router) and ``expert_top_k`` (active experts per token).
+
+Every request is checked once, before an engine sees it: each field's type and range (a float must
+be finite), the body size, the prompt's characters before tokenizing, the stop strings; a field the
+server does not implement is a 400 that says so. A request that fails inside the engine ends alone
+with a short message and its request id (the traceback goes to the log).
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
+import math
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -22,6 +29,23 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from .llm import LLM, StreamDelta
 from .sequence import delta as stream_delta
 from .sampling import SamplingParams
+
+log = logging.getLogger("moetailor.server")
+
+@dataclass
+class ServerLimits:
+    """What one request may ask for (``moetailor serve`` flags of the same names)."""
+    max_request_bytes: int = 8 * 2**20     # the HTTP body
+    max_prompt_chars: int | None = None    # characters of a text prompt (chat: all messages), checked before
+                                           # tokenizing; None = 32 x the context length in tokens
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256              # per stop string
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_prompt_chars", "max_stop_strings", "max_stop_chars"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"--{name.replace('_', '-')} {value!r} must be an integer >= 1")
 
 
 @dataclass
@@ -44,18 +68,21 @@ class AsyncEngine:
         self.thread = threading.Thread(target=self._run, name="moetailor-engine", daemon=True)
         self.thread.start()
 
-    def submit(self, prompt, sampling: SamplingParams, plan=None, plan_key: str | None = None) -> tuple[str, asyncio.Queue]:
-        """Queue a request (ValueError for one that can never run); returns its id and delta queue."""
+    def submit(self, loop: asyncio.AbstractEventLoop, prompt, sampling: SamplingParams, plan=None,
+               plan_key: str | None = None) -> tuple[str, asyncio.Queue, int]:
+        """Queue a request (ValueError for one that can never run); returns its id, delta queue and
+        prompt tokens. Tokenizes, so the server calls it off the event loop."""
         request_id = uuid.uuid4().hex
-        entry = _Request(asyncio.get_running_loop(), asyncio.Queue())
+        entry = _Request(loop, asyncio.Queue())
         self.requests[request_id] = entry
         try:
-            self.llm.add_request(prompt, sampling, request_id=request_id, plan=plan, plan_key=plan_key)
+            seq = self.llm.add_request(prompt, sampling, request_id=request_id, plan=plan, plan_key=plan_key)
         except Exception:
             self.requests.pop(request_id, None)
             raise
         self.wake.set()
-        return request_id, entry.queue
+        return request_id, entry.queue, len(seq.prompt_token_ids) if hasattr(seq, "prompt_token_ids") \
+            else seq.num_prompt_tokens
 
     def abort(self, request_id: str) -> None:
         if self.llm.abort(request_id):
@@ -70,15 +97,21 @@ class AsyncEngine:
             close()
 
     def _run(self) -> None:
+        poll = getattr(self.llm, "poll", None)   # a disaggregated front end watches its workers while idle too
         while not self.stopping:
-            if not self.llm.has_unfinished():
-                self.wake.wait(0.05)
-                self.wake.clear()
-                continue
             try:
-                seqs = self.llm.step()
-            except Exception as e:  # a failing step ends its requests with an error; the server keeps going
-                self._fail_all(f"{type(e).__name__}: {e}")
+                if not self.llm.has_unfinished():
+                    if poll is not None:
+                        seqs = poll()
+                    else:
+                        self.wake.wait(0.05)
+                        self.wake.clear()
+                        continue
+                else:
+                    seqs = self.llm.step()   # a request that fails in it comes back finished with an error
+            except Exception as e:           # a bug outside any one request: end what is in flight, keep serving
+                log.exception("engine step failed")
+                self._fail_all(f"internal error ({type(e).__name__}) in the engine; the server log has the details")
                 continue
             for seq in seqs:
                 self._deliver(seq)
@@ -113,38 +146,193 @@ class BadRequest(ValueError):
     pass
 
 
-def _sampling_from(body: dict) -> SamplingParams:
-    """SamplingParams from an OpenAI request body; BadRequest names the field."""
-    def number(name, default, kind=float):
-        value = body.get(name, default)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-            raise BadRequest(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-        return kind(value)
-    stop = body.get("stop") or ()
-    if isinstance(stop, str):
-        stop = (stop,)
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise BadRequest("stop must be a string or a list of strings")
-    if body.get("n", 1) not in (1, None):
-        raise BadRequest("n must be 1 (one completion per request)")
-    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+class TooLarge(BadRequest):
+    pass
+
+
+# OpenAI fields the server accepts and ignores (bookkeeping for the client), and fields it leaves
+# to the code that implements them (log probabilities, echo).
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+PASSED_FIELDS = {"logprobs", "top_logprobs", "echo"}
+SAMPLING_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+                   "top_k", "seed", "stop", "stream", "stream_options", "ignore_eos", "expert_top_k", "expert_plan",
+                   "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                   "suffix", "tools", "tool_choice", "functions", "function_call", "response_format"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _show(value) -> str:
+    """A client's value in a message, short."""
+    if isinstance(value, (list, dict)) and len(value) > 8:
+        return f"a {'list' if isinstance(value, list) else 'object'} of {len(value)} items"
     try:
-        return SamplingParams(max_tokens=number(field, 16, int),
-                              temperature=number("temperature", 1.0), top_p=number("top_p", 1.0),
-                              top_k=number("top_k", 0, int), seed=number("seed", None, int), stop=tuple(stop),
-                              ignore_eos=bool(body.get("ignore_eos", False)),
-                              expert_top_k=number("expert_top_k", None, int))
+        text = repr(value) if isinstance(value, str) else json.dumps(value)
+    except (ValueError, RecursionError):   # deeply nested
+        text = type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _not_implemented(name: str, value) -> BadRequest:
+    return BadRequest(f"{name}={_show(value)} is not implemented by this server; leave it out "
+                      "(or at its default)")
+
+
+def _check_unimplemented(body: dict) -> None:
+    """A field the server does not implement is a 400 that says so (a silent 200 would mislead an
+    evaluation harness); each at its neutral value is accepted."""
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is not None:
+            _integer(body, name)
+            if value != 1:
+                raise _not_implemented(name, value)
+    for name, neutral, low, high in (("presence_penalty", 0.0, -2.0, 2.0), ("frequency_penalty", 0.0, -2.0, 2.0),
+                                     ("repetition_penalty", 1.0, 0.0, 100.0)):
+        value = _number(body, name)
+        if value is None:
+            continue
+        if not low <= value <= high:
+            raise BadRequest(f"{name}={value!r} must be in [{low:g}, {high:g}]")
+        if value != neutral:
+            raise _not_implemented(name, value)
+    for name in ("logit_bias", "suffix", "tools", "tool_choice", "functions", "function_call"):
+        if body.get(name) not in (None, {}, [], "", "none"):
+            raise _not_implemented(name, body[name])
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise _not_implemented("response_format", fmt)
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise BadRequest("stream_options must be an object")
+        if options.get("include_usage"):
+            raise _not_implemented("stream_options.include_usage", True)
+    unknown = sorted(set(body) - SAMPLING_FIELDS - IGNORED_FIELDS - PASSED_FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field {unknown[0]!r}: this server does not implement it; leave it out")
+
+
+def _number(body: dict, name: str, default=None):
+    """A finite JSON number (not a boolean) or ``default`` when absent/null; BadRequest names the field."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRequest(f"{name} must be a finite number, got {_show(value)}")
+    return float(value)
+
+
+def _integer(body: dict, name: str, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        value = int(value)   # 16.0 from some clients
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{name} must be an integer, got {_show(value)}")
+    return value
+
+
+def _boolean(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, got {_show(value)}")
+    return value
+
+
+def _sampling_from(body: dict, limits: ServerLimits | None = None) -> SamplingParams:
+    """SamplingParams from an OpenAI request body; BadRequest names the field and the limit."""
+    limits = limits or ServerLimits()
+    _check_unimplemented(body)
+    stop = body.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("stop must be a non-empty string or a list of non-empty strings")
+    if len(stop) > limits.max_stop_strings:
+        raise BadRequest(f"stop has {len(stop)} strings; this server allows at most {limits.max_stop_strings} "
+                         "(--max-stop-strings)")
+    if any(len(s) > limits.max_stop_chars for s in stop):
+        raise BadRequest(f"a stop string is longer than {limits.max_stop_chars} characters (--max-stop-chars)")
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    seed = _integer(body, "seed")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise BadRequest(f"seed must be an integer in [0, 2**63 - 1], got {seed}")
+    _boolean(body, "stream")
+    try:
+        return SamplingParams(max_tokens=_integer(body, field, 16),
+                              temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+                              top_k=_integer(body, "top_k", 0), seed=seed, stop=tuple(stop),
+                              ignore_eos=_boolean(body, "ignore_eos"),
+                              expert_top_k=_integer(body, "expert_top_k"))
     except ValueError as e:
         raise BadRequest(str(e)) from None
 
 
-def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = None, guard: bool = True):
-    """The FastAPI app. ``plans``: name -> Plan selectable per request through ``expert_plan``.
-    ``guard``: turn on the collapse guard (engine/guard.py) when the engine has none yet."""
-    from ..plans.plan import uniform_plan
+def _prompt_from(body: dict, tokenizer, chat: bool, max_chars: int):
+    """The request's prompt (text or token ids), its size checked before anything tokenizes it."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role", "user") in ROLES
+                for m in messages):
+            raise BadRequest("messages must be a non-empty list of {role, content} objects with string content and "
+                             f"role one of {', '.join(ROLES)}")
+        chars = sum(len(m["content"]) for m in messages)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]   # a batch of one
+        if isinstance(prompt, list) and prompt and all(isinstance(t, str) for t in prompt):
+            raise BadRequest(f"prompt holds {len(prompt)} prompts: several prompts in one request are not "
+                             "implemented by this server; send one request per prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
+            raise BadRequest("prompt must be a string or a non-empty list of token ids (integers)")
+        chars = len(prompt) if isinstance(prompt, str) else 0
+    if chars > max_chars:
+        raise TooLarge(f"the prompt has {chars} characters; this server allows at most {max_chars} "
+                       "(--max-prompt-chars)")
+    return _chat_prompt(tokenizer, messages) if chat else prompt
 
+
+class ApiKeyMiddleware:
+    """``Authorization: Bearer KEY`` on every path but /health (pure ASGI: streaming and disconnects pass)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse({"error": {"message": "missing or wrong API key: send the header "
+                                                   "'Authorization: Bearer KEY' with the server's --api-key",
+                                                   "type": "authentication_error", "code": 401}},
+                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = None, guard: bool = True,
+               limits: ServerLimits | None = None, api_key: str | None = None):
+    """The FastAPI app. ``plans``: name -> Plan selectable per request through ``expert_plan``.
+    ``guard``: turn on the collapse guard (engine/guard.py) when the engine has none yet.
+    ``limits``: request size bounds. ``api_key``: required as a Bearer token on every path but /health."""
+    from ..plans.plan import uniform_plan
+    from .disagg import WorkerUnavailable
+
+    limits = limits or ServerLimits()
+    max_prompt_chars = limits.max_prompt_chars or 32 * llm.max_model_len
     plans = dict(plans or {})
     if getattr(llm, "model", None) is not None:
         plans.setdefault("full", uniform_plan(llm.model))
@@ -164,6 +352,8 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
 
     app = FastAPI(title="moetailor", lifespan=lifespan)
     app.state.engine = engine
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     def error(status: int, message: str, kind: str = "invalid_request_error"):
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
@@ -173,45 +363,53 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
         if name is None or name == "default":
             return None, None
         if not isinstance(name, str) or name not in plans:
-            raise BadRequest(f"unknown expert_plan {name!r}; this server has: default, {', '.join(sorted(plans))} "
-                             "(load more with --plan NAME=PATH)")
+            raise BadRequest(f"unknown expert_plan {_show(name)}; this server has: default, "
+                             f"{', '.join(sorted(plans))} (start it with --expert-plan NAME=PATH to add one)")
         return plans[name], name
 
     async def read_body(request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limits.max_request_bytes:
+            raise TooLarge(f"the request body has {int(declared)} bytes; this server allows at most "
+                           f"{limits.max_request_bytes} (--max-request-bytes)")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_request_bytes:
+                raise TooLarge(f"the request body is over {limits.max_request_bytes} bytes; this server allows at "
+                               f"most that (--max-request-bytes)")
+            chunks.append(chunk)
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = json.loads(b"".join(chunks))
+        except (ValueError, RecursionError):   # also bad UTF-8 and integers of thousands of digits
             raise BadRequest("the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         if body.get("model") not in (None, model_name):
-            raise BadRequest(f"unknown model {body.get('model')!r}; this server serves {model_name!r}")
+            raise BadRequest(f"unknown model {_show(body.get('model'))}; this server serves {model_name!r}")
         return body
 
     async def run(request: Request, chat: bool):
+        oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
             body = await read_body(request)
-            sampling = _sampling_from(body)
+            sampling = _sampling_from(body, limits)
             plan, plan_key = resolve_plan(body)
-            if chat:
-                messages = body.get("messages")
-                if not isinstance(messages, list) or not messages or not all(
-                        isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
-                    raise BadRequest("messages must be a non-empty list of {role, content} objects with string content")
-                prompt = _chat_prompt(llm.tokenizer, messages)
-            else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                    prompt = prompt[0]
-                if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                                    and all(isinstance(t, int) for t in prompt))):
-                    raise BadRequest("prompt must be a string or a list of token ids")
-            request_id, queue = engine.submit(prompt, sampling, plan, plan_key)
+            prompt = _prompt_from(body, llm.tokenizer, chat, max_prompt_chars)
+            request_id, queue, prompt_tokens = await asyncio.to_thread(
+                engine.submit, asyncio.get_running_loop(), prompt, sampling, plan, plan_key)
+        except TooLarge as e:
+            return error(413, str(e))
         except ValueError as e:
             return error(400, str(e))
+        except WorkerUnavailable as e:
+            return error(503, f"{e}; see /health", "server_unavailable")
+        except Exception:
+            log.exception("request %s failed before it reached the engine", oid)
+            return error(500, f"internal error for request {oid}; the server log has the details", "server_error")
+        oid = ("chatcmpl-" if chat else "cmpl-") + request_id
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
-        oid = ("chatcmpl-" if chat else "cmpl-") + request_id
 
         def choice(delta: StreamDelta, text: str, streaming: bool) -> dict:
             reason = delta.finish_reason if delta.finished else None
@@ -220,6 +418,10 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
                 return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": reason}
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
 
+        def failure(delta: StreamDelta) -> str:
+            log.error("request %s ended with an error: %s", oid, delta.error)
+            return f"generation failed for request {oid}: {delta.error}"
+
         if body.get("stream"):
             async def events():
                 finished = False
@@ -227,7 +429,7 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
                     while True:
                         delta: StreamDelta = await queue.get()
                         if delta.error:
-                            yield f"data: {json.dumps({'error': {'message': delta.error, 'type': 'engine_error'}})}\n\n"
+                            yield f"data: {json.dumps({'error': {'message': failure(delta), 'type': 'engine_error'}})}\n\n"
                         chunk = {"id": oid, "object": kind + (".chunk" if chat else ""), "created": created,
                                  "model": model_name, "choices": [choice(delta, delta.text, True)]}
                         yield f"data: {json.dumps(chunk)}\n\n"
@@ -241,15 +443,16 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
             return StreamingResponse(events(), media_type="text/event-stream")
 
         text, tokens, last = [], [], None
+        disconnected = asyncio.ensure_future(_wait_disconnect(request))
         try:
             while True:
-                try:
-                    delta = await asyncio.wait_for(queue.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        engine.abort(request_id)
-                        return error(499, "client disconnected")
-                    continue
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():              # the client went away: stop generating for it now
+                    getter.cancel()
+                    engine.abort(request_id)
+                    return error(499, "client disconnected")
+                delta = getter.result()
                 text.append(delta.text)
                 tokens += delta.token_ids
                 last = delta
@@ -258,9 +461,10 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
         except asyncio.CancelledError:
             engine.abort(request_id)
             raise
+        finally:
+            disconnected.cancel()
         if last.finish_reason == "error":
-            return error(500, f"generation failed: {last.error}", "engine_error")
-        prompt_tokens = len(llm.encode(prompt)[1])
+            return error(500, failure(last), "engine_error")
         return {"id": oid, "object": kind, "created": created, "model": model_name,
                 "choices": [choice(last, "".join(text), False)],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
@@ -282,8 +486,18 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
 
     @app.get("/health")
     async def health():
-        alive = engine.thread.is_alive()
-        return JSONResponse({"status": "ok" if alive else "engine thread stopped"}, status_code=200 if alive else 503)
+        """200 and "ok" when the engine thread and every worker are up; 503 otherwise, saying which is not."""
+        body, ok = {"status": "ok"}, engine.thread.is_alive()
+        if not ok:
+            body["status"] = "engine thread stopped"
+        workers = getattr(llm, "health", None)
+        if workers is not None:
+            info = workers()
+            body["workers"] = info["workers"]
+            if ok and not info["ok"]:
+                ok, body["status"] = False, "degraded: " + ", ".join(
+                    f"{kind} worker {w['state']}" for kind, w in info["workers"].items() if w["state"] != "ready")
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -313,6 +527,15 @@ def prometheus_text(llm: LLM) -> str:
         for layer, n in sorted(last.distinct_experts.items()):
             lines.append(f'moetailor_step_distinct_experts{{layer="{layer}",phase="{last.phase}"}} {n}')
     metric("step_expert_bytes", "gauge", "Expert weight bytes read in the last step.", last.expert_bytes if last else 0)
+    health = getattr(llm, "health", None)
+    if health is not None:   # disaggregated: one line per worker
+        workers = health()["workers"]
+        lines += ["# HELP moetailor_worker_up Worker process ready (1) or not (0: starting, dead or down).",
+                  "# TYPE moetailor_worker_up gauge"]
+        lines += [f'moetailor_worker_up{{worker="{k}"}} {int(w["state"] == "ready")}' for k, w in workers.items()]
+        lines += ["# HELP moetailor_worker_restarts_total Times a worker was replaced after it died.",
+                  "# TYPE moetailor_worker_restarts_total counter"]
+        lines += [f'moetailor_worker_restarts_total{{worker="{k}"}} {w["restarts"]}' for k, w in workers.items()]
     guard = getattr(llm, "guard", None)
     if guard is not None and guard.enabled:
         lines.extend(guard_metrics(guard.snapshot()))
@@ -361,12 +584,16 @@ def guard_metrics(snap: dict) -> list[str]:
 def _chat_prompt(tokenizer, messages: list[dict]) -> str:
     """The tokenizer's chat template when it has one, else plain "role: content" lines."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:   # e.g. a template that wants alternating user/assistant turns
+            raise BadRequest(f"the model's chat template rejected these messages: {str(e)[:200]}") from None
     return "".join(f"{m.get('role', 'user')}: {m['content']}\n" for m in messages) + "assistant:"
 
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, model_name: str = "moetailor",
-          plans: dict | None = None) -> None:
+          plans: dict | None = None, limits: ServerLimits | None = None, api_key: str | None = None) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(llm, model_name, plans), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(llm, model_name, plans, limits=limits, api_key=api_key), host=host, port=port,
+                log_level="info")

@@ -60,10 +60,19 @@ def read_config(name: str | Path):
                          "unsupported transformers version: restore the checkpoint's config.json") from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(name: str | Path):
+    """The checkpoint's tokenizer; FileNotFoundError when its folder has no tokenizer files (transformers
+    would otherwise build an empty tokenizer from config.json that turns every text into no tokens)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(name), local_files_only=True)
+    path = resolve_model_path(name)
+    if not any((path / f).exists() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"the model folder {path.name!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                                "copy the tokenizer of the model it came from into it")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def model_fingerprint(model) -> dict:
