@@ -20,7 +20,9 @@ def register(sub) -> None:
     src.add_argument("--plan", help="a plan JSON (from `moetailor plan`) to evaluate")
     src.add_argument("--sweep", help=f"calibrate once and sweep criteria x keep ratios: {', '.join(SWEEPS)}, or "
                                      "'criteria=frequency,reap;keep=0.5,0.25'")
-    p.add_argument("--tasks", default="all", help="'all' or a comma-separated list of tasks")
+    p.add_argument("--tasks", default="all",
+                   help="'all', a comma-separated list of tasks, or a JSONL file of your own (one line per prompt: "
+                        "prompt or messages, answer, match = exact|number|regex|contains; see docs/evaluation.md)")
     p.add_argument("--n", type=int, default=200, help="prompts per task and seed (default 200)")
     p.add_argument("--seeds", type=int, default=3, help="seeds: prompt sets (and sampling seeds) to average over")
     p.add_argument("--sampling", default="greedy",
@@ -53,11 +55,9 @@ def run(args) -> int:
     from ..eval.configurations import parse_configs
     from ..eval.report import write_docs
     from ..eval.runner import EvalSettings, Sweep
-    from ..data.tasks import resolve_tasks
-
     t0 = time.time()
     settings = EvalSettings(
-        model=args.model, tasks=[t.name for t in resolve_tasks(args.tasks)], n=args.n, seeds=args.seeds,
+        model=args.model, tasks=[e.strip() for e in args.tasks.split(",") if e.strip()], n=args.n, seeds=args.seeds,
         sampling=[s.strip() for s in args.sampling.split(",") if s.strip()], configs=parse_configs(args.configs),
         plan=args.plan, sweep=args.sweep, max_tokens=args.max_tokens, kl_docs=args.kl_docs,
         kl_window=args.kl_window, calib_tokens=args.calib_tokens, calib_data=args.calib_data, max_num_seqs=args.max_num_seqs)

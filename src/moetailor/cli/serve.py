@@ -28,6 +28,9 @@ def register(sub) -> None:
     p.add_argument("--max-stop-chars", type=int, default=256, help="longest stop string")
     p.add_argument("--expert-plan", action="append", default=[], metavar="NAME=PATH",
                    help="a plan clients may select per request with the \"expert_plan\" field (repeatable)")
+    p.add_argument("--no-guard", action="store_true",
+                   help="serve reduced pools as planned even when they collapse (measuring a plan, e.g. with "
+                        "lm-eval); by default the collapse guard sends requests back to the full pool")
     p.set_defaults(func=run)
 
 
@@ -60,7 +63,8 @@ def run(args) -> int:
     name = served_model_name(args.model, args.served_model_name)
     llm = build_engine(args)
     plans = parse_named_plans(args.expert_plan, llm.model)
-    serve(llm, host=args.host, port=args.port, model_name=name, plans=plans, limits=limits, api_key=api_key)
+    serve(llm, host=args.host, port=args.port, model_name=name, plans=plans, limits=limits, api_key=api_key,
+          guard=not args.no_guard)
     return 0
 
 

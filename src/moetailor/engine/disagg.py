@@ -58,6 +58,8 @@ class RemoteSequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    logprobs: list | None = None           # TokenLogprob per completion token, when asked for
+    prompt_logprobs: list | None = None    # TokenLogprob per prompt token (first None), from the prefill worker
 
     @property
     def is_finished(self) -> bool:
@@ -71,7 +73,8 @@ class RemoteSequence:
         ttft = self.first_token_time - self.arrival if self.first_token_time else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
                              list(self.completion_token_ids), self.finish_reason,
-                             {"ttft_s": ttft, "total_s": end - self.arrival}, self.error)
+                             {"ttft_s": ttft, "total_s": end - self.arrival}, self.error,
+                             None if self.logprobs is None else list(self.logprobs), self.prompt_logprobs)
 
 
 def _build_llm(model, plan, kwargs):
@@ -118,9 +121,12 @@ def _start_worker(kind: str, parent_pid: int, conn, build):
     return llm
 
 
-def _delta(seq, stage: str) -> tuple:
-    """The request's whole completion so far: deltas from two processes may arrive in any order."""
-    return ("delta", seq.request_id, list(seq.completion_token_ids), seq.text, seq.finish_reason, seq.error, stage)
+def _delta(seq, stage: str, prompt_logprobs=None) -> tuple:
+    """The request's whole completion so far (with its logprobs when asked for): deltas from two
+    processes may arrive in any order. The prefill worker also sends the prompt's logprobs."""
+    logprobs = None if seq.logprobs is None else list(seq.logprobs)
+    return ("delta", seq.request_id, list(seq.completion_token_ids), seq.text, seq.finish_reason, seq.error, stage,
+            logprobs, prompt_logprobs)
 
 
 def _error(rid: str, stage: str, e: Exception) -> tuple:
@@ -187,12 +193,13 @@ def prefill_worker(model, kwargs: dict, inbox, conn, parent_pid: int) -> None:
 
     def hand_over(seq) -> None:
         if seq.is_finished:               # finished on its first token (or failed)
-            conn.send(_delta(seq, "prefill"))
+            conn.send(_delta(seq, "prefill", seq.prompt_logprobs))
             return
         kv = llm.runner.read_blocks(seq.block_table)      # per layer (k, v) [n*bs, nKV, D]
         state = seq.generator.get_state() if seq.generator is not None else None
-        adopt = ("adopt", seq.request_id, seq.token_ids, seq.num_prompt_tokens, seq.sampling, state, kv, seq.prompt)
-        conn.send(("handoff", _delta(seq, "decode"), adopt))
+        adopt = ("adopt", seq.request_id, seq.token_ids, seq.num_prompt_tokens, seq.sampling, state, kv, seq.prompt,
+                 seq.logprobs, seq.prompt_logprobs)
+        conn.send(("handoff", _delta(seq, "decode", seq.prompt_logprobs), adopt))
         llm.abort(seq.request_id)         # frees the prefill worker's blocks
 
     _serve("prefill", llm, inbox, conn, add, hand_over)
@@ -203,8 +210,9 @@ def decode_worker(model, plan, kwargs: dict, inbox, conn, parent_pid: int) -> No
     llm = _start_worker("decode", parent_pid, conn, lambda: _build_llm(model, plan, kwargs))
 
     def adopt(msg) -> None:
-        _, rid, ids, n_prompt, sampling, state, kv, prompt = msg
-        llm.adopt(ids, n_prompt, sampling, kv, request_id=rid, generator_state=state, prompt=prompt)
+        _, rid, ids, n_prompt, sampling, state, kv, prompt, logprobs, prompt_logprobs = msg
+        llm.adopt(ids, n_prompt, sampling, kv, request_id=rid, generator_state=state, prompt=prompt,
+                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     _serve("decode", llm, inbox, conn, adopt, lambda seq: conn.send(_delta(seq, "decode")))
 
@@ -346,6 +354,8 @@ class DisaggregatedLLM:
                 request_id = f"d{self._next_id}"
                 self._next_id += 1
             seq = RemoteSequence(request_id, text, ids, sampling)
+            if sampling.logprobs is not None:
+                seq.logprobs = []
             self.seqs[request_id] = seq
             self.workers["prefill"].inbox.put(("add", request_id, ids, sampling))
         return seq
@@ -412,7 +422,8 @@ class DisaggregatedLLM:
         return [seq] if seq is not None else []
 
     def _apply(self, msg) -> RemoteSequence | None:
-        _, rid, ids, text, reason, error, stage = msg
+        _, rid, ids, text, reason, error, stage = msg[:7]
+        logprobs, prompt_logprobs = (*msg[7:], None, None)[:2]   # error deltas carry none
         with self.lock:
             seq = self.seqs.get(rid)
             if seq is None:
@@ -422,6 +433,10 @@ class DisaggregatedLLM:
             if len(ids) >= len(seq.completion_token_ids):       # ignore a stale (reordered) message
                 self.tokens_generated += len(ids) - len(seq.completion_token_ids)
                 seq.completion_token_ids, seq.text = list(ids), text
+                if logprobs is not None:
+                    seq.logprobs = logprobs
+            if prompt_logprobs is not None:
+                seq.prompt_logprobs = prompt_logprobs
             if stage == "decode":
                 seq.stage = stage
             if reason is not None:

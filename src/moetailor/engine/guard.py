@@ -246,7 +246,8 @@ class Guard:
     def _add_shadow(self, seq, key: str) -> None:
         from .sequence import Sequence
 
-        twin = Sequence(seq.token_ids, replace(seq.sampling), request_id=shadow_id(seq.request_id),
+        sampling = replace(seq.sampling, logprobs=None, prompt_logprobs=None)   # a shadow returns nothing
+        twin = Sequence(seq.token_ids, sampling, request_id=shadow_id(seq.request_id),
                         prompt=seq.prompt, plan=self.full_plan, plan_key=FULL_KEY)
         twin.block_size = seq.block_size
         if not self.llm.enqueue(twin):

@@ -24,6 +24,7 @@ from .k_tiers import KRequest, OnlineLanes, StepCost, model_max_k, plan_offline
 from .load_pools import PoolsByLoad
 from .config import EngineConfig
 from .guard import Guard, GuardConfig
+from .logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from .model_runner import ModelRunner
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
@@ -43,11 +44,14 @@ class RequestOutput:
     finish_reason: str | None          # "stop" | "length" | "abort" | "error"; None while running
     metrics: dict = field(default_factory=dict)
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None                 # per completion token (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # per prompt token, first None (prompt_logprobs)
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
         return cls(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], seq.text,
-                   list(seq.completion_token_ids), seq.finish_reason, seq.metrics(), seq.error)
+                   list(seq.completion_token_ids), seq.finish_reason, seq.metrics(), seq.error,
+                   None if seq.logprobs is None else list(seq.logprobs), seq.prompt_logprobs)
 
 
 @dataclass
@@ -232,14 +236,19 @@ class LLM:
         return self._limits
 
     def adopt(self, token_ids: list[int], num_prompt_tokens: int, sampling: SamplingParams, kv: list,
-              request_id: str, generator_state: torch.Tensor | None = None, prompt: str | None = None) -> Sequence:
+              request_id: str, generator_state: torch.Tensor | None = None, prompt: str | None = None,
+              logprobs: list | None = None, prompt_logprobs: list | None = None) -> Sequence:
         """Take over a sequence prefilled elsewhere (disaggregated decode): its KV blocks (``read_blocks``
         of the prefill runner) are written into this pool unchanged and it joins the decode batch.
-        Without room it waits and is recomputed here, like a preempted sequence."""
+        Without room it waits and is recomputed here, like a preempted sequence. ``logprobs`` and
+        ``prompt_logprobs``: what the prefill side already computed for it."""
         with self.lock:
             seq = Sequence(token_ids[:num_prompt_tokens], sampling, request_id=request_id, prompt=prompt)
             seq.block_size = self.config.block_size
             seq.token_ids = list(token_ids)
+            if seq.logprobs is not None:
+                seq.logprobs = list(logprobs or [])
+            seq.prompt_logprobs = prompt_logprobs
             seq.first_token_time = time.perf_counter()
             if generator_state is not None and seq.generator is not None:
                 seq.generator.set_state(generator_state)
@@ -318,11 +327,42 @@ class LLM:
             self.tokens_generated += len(seqs)
             return seqs
 
+    @staticmethod
+    def _take_prompt_logprobs(seqs: list[Sequence], every: list[bool], logits: torch.Tensor) -> torch.Tensor:
+        """Store prompt logprobs from the rows kept for every position; return the last rows [B, V]."""
+        last, start = [], 0
+        for seq, all_rows in zip(seqs, every):
+            n = len(seq) if all_rows else 1
+            if all_rows:
+                p = seq.num_prompt_tokens
+                seq.prompt_logprobs = prompt_logprobs(logits[start:start + p], seq.token_ids[:p],
+                                                      seq.sampling.prompt_logprobs)
+            last.append(start + n - 1)
+            start += n
+        return logits[last]
+
+    @staticmethod
+    def _record_logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
+        """Append each asking sequence's sampled token with its logprob and top alternatives."""
+        rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        if not rows:
+            return
+        n = max(seqs[i].sampling.logprobs for i in rows)
+        for i, entry in zip(rows, token_logprobs(logits[rows], [tokens[i] for i in rows], n)):
+            seqs[i].logprobs.append(TokenLogprob(entry.token_id, entry.logprob, entry.top[:seqs[i].sampling.logprobs]))
+
     def _forward(self, seqs: list[Sequence], is_prefill: bool, plan, top_k: torch.Tensor | None,
                  k_max: int | None) -> tuple[torch.Tensor, list[int]]:
+        every = [is_prefill and s.sampling.prompt_logprobs is not None and s.prompt_logprobs is None
+                 for s in seqs]                                                    # prompt logprobs still to compute
         policy = self.controller.compile(self.phase_policy("prefill" if is_prefill else "decode", plan))  # cached
-        logits = self.runner.run(seqs, is_prefill, self.block_manager, policy, top_k, k_max)          # [B, V]
-        return logits, sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        logits = self.runner.run(seqs, is_prefill, self.block_manager, policy, top_k, k_max,
+                                 every if any(every) else None)                    # [B, V] (or [K, V])
+        if any(every):
+            logits = self._take_prompt_logprobs(seqs, every, logits)              # [B, V]
+        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        self._record_logprobs(seqs, logits, tokens)
+        return logits, tokens
 
     def _step_one_by_one(self, seqs: list[Sequence], is_prefill: bool, plan) -> list[Sequence]:
         """A failed step again, one request at a time (same KV slots, so nothing is written twice):

@@ -179,13 +179,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, block_manager, policy: dict | None = None,
-            token_top_k: torch.Tensor | None = None, k_max: int | None = None) -> torch.Tensor:
+            token_top_k: torch.Tensor | None = None, k_max: int | None = None,
+            every_position: list[bool] | None = None) -> torch.Tensor:
         """Next-token logits [B, V] (float32) for the step's sequences. ``policy`` (MoE layer ->
-        CompiledPolicy), ``token_top_k`` [T] and its max ``k_max`` are the step's routing."""
+        CompiledPolicy), ``token_top_k`` [T] and its max ``k_max`` are the step's routing. In a
+        prefill step, ``every_position[i]`` keeps all of sequence i's rows instead of its last one
+        (prompt logprobs): then the result is [sum of kept rows, V], in sequence order."""
         prepare = self.prepare_prefill if is_prefill else self.prepare_decode
         packed, ctx = prepare(seqs, block_manager)
         ctx.policy, ctx.token_top_k, ctx.k_max = policy or {}, token_top_k, k_max
-        keep = self._tensor([end - 1 for end in ctx.cu_seqlens[1:]]) if is_prefill else 0
+        keep = 0
+        if is_prefill:
+            every = every_position or [False] * len(seqs)
+            cu = ctx.cu_seqlens
+            keep = self._tensor([p for i, all_rows in enumerate(every)
+                                 for p in (range(cu[i], cu[i + 1]) if all_rows else [cu[i + 1] - 1])])  # [K]
         cast = self.config.prefill_dtype if is_prefill else None
         autocast = torch.autocast(self.device.type, dtype=cast) if cast is not None and cast != self.config.dtype \
             else nullcontext()
@@ -196,4 +204,4 @@ class ModelRunner:
                                  attention_mask=self._mask_built, use_cache=False, logits_to_keep=keep)
         finally:
             reset_context()
-        return out.logits[0].float()                                                  # [B, V]
+        return out.logits[0].float()                                                  # [B or K, V]

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .logprobs import MAX_LOGPROBS
+
 MIN_TEMPERATURE = 1e-3   # below it logits / temperature can overflow to inf (use 0 for greedy)
 MAX_SEED = 2**63 - 1     # a torch.Generator seed
 
@@ -21,6 +23,8 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] = ()
     ignore_eos: bool = False
     expert_top_k: int | None = None   # per-request expert budget: active experts per token
+    logprobs: int | None = None       # per generated token: its logprob and the top N (0 = its own only)
+    prompt_logprobs: int | None = None  # the same per prompt token (computed in the prefill step)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +61,8 @@ class SamplingParams:
         integer("expert_top_k", 1, optional=True)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r} must be true or false")
+        integer("logprobs", 0, MAX_LOGPROBS, optional=True)
+        integer("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop={list(self.stop)!r} must be non-empty strings")
 

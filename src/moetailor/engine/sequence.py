@@ -41,6 +41,8 @@ class Sequence:
         self.text = ""                      # completion text (stop strings already cut)
         self.detok_prefix = 0               # incremental detokenization window: completion tokens
         self.detok_read = 0                 # [prefix, read) are context, [read, ...) not yet in text
+        self.logprobs: list | None = [] if sampling.logprobs is not None else None   # TokenLogprob per completion token
+        self.prompt_logprobs: list | None = None   # TokenLogprob per prompt token (first None), once prefilled
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         if sampling.seed is not None:
@@ -101,6 +103,14 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list | None = None            # TokenLogprob of ``token_ids`` when the request asked for logprobs
+    prompt_logprobs: list | None = None     # in the request's first delta, when asked for
+
+
+def new_logprobs(seq, start: int, end: int) -> list | None:
+    """The logprobs of completion tokens [start, end) of a sequence that asked for them (else None)."""
+    logprobs = getattr(seq, "logprobs", None)
+    return None if logprobs is None else logprobs[start:end]
 
 
 def delta(seq, sent_text: int, sent_tokens: int) -> StreamDelta:
@@ -112,4 +122,5 @@ def delta(seq, sent_text: int, sent_tokens: int) -> StreamDelta:
         text = text[:-1]
     tokens = seq.completion_token_ids
     return StreamDelta(seq.request_id, text[sent_text:], list(tokens[sent_tokens:]), seq.is_finished,
-                       seq.finish_reason, seq.error)
+                       seq.finish_reason, seq.error, new_logprobs(seq, sent_tokens, len(tokens)),
+                       getattr(seq, "prompt_logprobs", None) if sent_tokens == 0 else None)

@@ -21,12 +21,14 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from ..models.chat import chat_prompt
 from .llm import LLM, StreamDelta
+from .logprobs import MAX_LOGPROBS, chat_logprobs, completion_logprobs
 from .sequence import delta as stream_delta
 from .sampling import SamplingParams
 
@@ -297,6 +299,63 @@ def _prompt_from(body: dict, tokenizer, chat: bool, max_chars: int):
     return _chat_prompt(tokenizer, messages) if chat else prompt
 
 
+@dataclass(frozen=True)
+class LogprobRequest:
+    """What a request asked for beside the tokens: logprobs with the top N alternatives per token,
+    and (completions) the prompt echoed back before the completion, with its logprobs."""
+    top: int | None = None      # None = no logprobs
+    echo: bool = False
+    generate: bool = True       # False for echo with max_tokens 0: the prompt is scored, nothing generated
+
+
+def _logprob_request(body: dict, chat: bool) -> LogprobRequest:
+    """The ``logprobs`` / ``top_logprobs`` / ``echo`` fields, type-checked; BadRequest names the field."""
+    def top_n(name: str, value) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+            raise BadRequest(f"{name} must be an integer from 0 to {MAX_LOGPROBS} (alternatives per token), "
+                             f"got {value!r}")
+        return value
+    if chat:
+        wanted, top = body.get("logprobs"), top_n("top_logprobs", body.get("top_logprobs"))
+        if wanted is not None and not isinstance(wanted, bool):
+            raise BadRequest(f"logprobs must be true or false in chat completions (top_logprobs sets how many "
+                             f"alternatives), got {wanted!r}")
+        if top is not None and not wanted:
+            raise BadRequest("top_logprobs needs logprobs: true")
+        return LogprobRequest(top=(top or 0) if wanted else None)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise BadRequest(f"echo must be true or false, got {echo!r}")
+    limit = body.get("max_completion_tokens")
+    limit = body.get("max_tokens") if limit is None else limit
+    no_tokens = type(limit) is int and limit == 0
+    if no_tokens and not echo:
+        raise BadRequest("max_tokens must be at least 1 (0 is allowed with echo: true, which scores the prompt)")
+    return LogprobRequest(top=top_n("logprobs", body.get("logprobs")), echo=bool(echo),
+                          generate=not (echo and no_tokens))
+
+
+@dataclass
+class _Collected:
+    """What one request returned over its deltas: text, tokens and (when asked) logprobs."""
+    text: str
+    token_ids: list[int]
+    logprobs: list
+    prompt_logprobs: list | None
+    finish_reason: str | None
+    error: str | None
+
+    @classmethod
+    def of(cls, deltas: list[StreamDelta]) -> "_Collected":
+        prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+        last = deltas[-1]
+        return cls("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],
+                   [e for d in deltas for e in (d.logprobs or [])], prompt,
+                   last.finish_reason if last.finished else None, last.error)
+
+
 class ApiKeyMiddleware:
     """``Authorization: Bearer KEY`` on every path but /health (pure ASGI: streaming and disconnects pass)."""
 
@@ -393,9 +452,20 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
         oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
             body = await read_body(request)
-            sampling = _sampling_from(body, limits)
+            extra = _logprob_request(body, chat)
+            # echo with max_tokens 0 scores the prompt: one token is generated (and dropped) to run the prefill
+            one_token = {**body, "max_tokens": 1, "max_completion_tokens": None}
+            sampling = _sampling_from(body if extra.generate else one_token, limits)
+            if (extra.top is not None or extra.echo) and llm.tokenizer is None:
+                raise BadRequest("logprobs and echo need the model's tokenizer to return token text; serve a "
+                                 "checkpoint directory that has tokenizer files")
+            if extra.top is not None:
+                sampling = replace(sampling, logprobs=extra.top, prompt_logprobs=extra.top if extra.echo else None)
             plan, plan_key = resolve_plan(body)
             prompt = _prompt_from(body, llm.tokenizer, chat, max_prompt_chars)
+            echo_text, echo_ids = await asyncio.to_thread(llm.encode, prompt) if extra.echo else (None, [])
+            if extra.echo and echo_text is None:
+                echo_text = llm.tokenizer.decode(echo_ids)
             request_id, queue, prompt_tokens = await asyncio.to_thread(
                 engine.submit, asyncio.get_running_loop(), prompt, sampling, plan, plan_key)
         except TooLarge as e:
@@ -411,12 +481,27 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
 
-        def choice(delta: StreamDelta, text: str, streaming: bool) -> dict:
-            reason = delta.finish_reason if delta.finished else None
+        def decode(ids: list[int]) -> str:
+            return llm.tokenizer.decode(ids)
+
+        def choice(out: _Collected, streaming: bool, echoed: bool = False, offset: int = 0) -> dict:
+            """The choice from what the request produced; ``echoed``: its prompt was already returned
+            (streaming), ``offset``: characters already returned (text_offset)."""
+            reason = out.finish_reason
+            text, token_ids, entries = out.text, out.token_ids, out.logprobs
+            if not extra.generate:   # echo with max_tokens 0: only the prompt comes back
+                text, token_ids, entries, reason = "", [], [], "length" if reason is not None else None
             if chat:
                 key = "delta" if streaming else "message"
-                return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": reason}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+                result = {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": reason}
+                if extra.top is not None:
+                    result["logprobs"] = chat_logprobs(entries, decode)
+                return result
+            if extra.echo and not echoed:
+                text, token_ids = echo_text + text, echo_ids + token_ids
+                entries = [*(out.prompt_logprobs or [None] * len(echo_ids)), *entries]
+            logprobs = completion_logprobs(entries, token_ids, decode, offset) if extra.top is not None else None
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
         def failure(delta: StreamDelta) -> str:
             log.error("request %s ended with an error: %s", oid, delta.error)
@@ -424,14 +509,16 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
 
         if body.get("stream"):
             async def events():
-                finished = False
+                finished, returned, echoed = False, 0, False
                 try:
                     while True:
                         delta: StreamDelta = await queue.get()
                         if delta.error:
                             yield f"data: {json.dumps({'error': {'message': failure(delta), 'type': 'engine_error'}})}\n\n"
+                        c = choice(_Collected.of([delta]), True, echoed=echoed, offset=returned)
+                        echoed, returned = True, returned + len(c.get("text", ""))
                         chunk = {"id": oid, "object": kind + (".chunk" if chat else ""), "created": created,
-                                 "model": model_name, "choices": [choice(delta, delta.text, True)]}
+                                 "model": model_name, "choices": [c]}
                         yield f"data: {json.dumps(chunk)}\n\n"
                         if delta.finished:
                             finished = True
@@ -442,7 +529,7 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
                         engine.abort(request_id)
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        text, tokens, last = [], [], None
+        deltas = []
         disconnected = asyncio.ensure_future(_wait_disconnect(request))
         try:
             while True:
@@ -453,9 +540,7 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
                     engine.abort(request_id)
                     return error(499, "client disconnected")
                 delta = getter.result()
-                text.append(delta.text)
-                tokens += delta.token_ids
-                last = delta
+                deltas.append(delta)
                 if delta.finished:
                     break
         except asyncio.CancelledError:
@@ -463,12 +548,14 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
             raise
         finally:
             disconnected.cancel()
-        if last.finish_reason == "error":
-            return error(500, failure(last), "engine_error")
+        if deltas[-1].finish_reason == "error":
+            return error(500, failure(deltas[-1]), "engine_error")
+        out = _Collected.of(deltas)
+        completion_tokens = len(out.token_ids) if extra.generate else 0
         return {"id": oid, "object": kind, "created": created, "model": model_name,
-                "choices": [choice(last, "".join(text), False)],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
-                          "total_tokens": prompt_tokens + len(tokens)}}
+                "choices": [choice(out, False)],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -483,6 +570,48 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(engine.started),
                                             "owned_by": "moetailor", "max_model_len": llm.max_model_len,
                                             "expert_plans": ["default", *sorted(plans)]}]}
+
+    # vLLM's tokenizer endpoints: clients such as lm-evaluation-harness tokenize with the server's own tokenizer
+    def tokenizer() -> object:
+        if llm.tokenizer is None:
+            raise BadRequest("this server has no tokenizer (it was started on a checkpoint without tokenizer files)")
+        return llm.tokenizer
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        try:
+            tok = tokenizer()
+        except BadRequest as e:
+            return error(400, str(e))
+        info = {name: getattr(tok, name, None) for name in ("eos_token", "bos_token", "pad_token", "chat_template")}
+        return {"tokenizer_class": type(tok).__name__, **info, "model_max_length": llm.max_model_len}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        try:
+            body = await read_body(request)
+            tok = tokenizer()
+            prompt, special = body.get("prompt"), body.get("add_special_tokens", False)
+            if not isinstance(prompt, str):
+                raise BadRequest("prompt must be a string")
+            if not isinstance(special, bool):
+                raise BadRequest(f"add_special_tokens must be true or false, got {special!r}")
+        except ValueError as e:
+            return error(400, str(e))
+        tokens = list(tok.encode(prompt, add_special_tokens=special))
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            body = await read_body(request)
+            tok = tokenizer()
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise BadRequest("tokens must be a list of token ids")
+        except ValueError as e:
+            return error(400, str(e))
+        return {"prompt": tok.decode(tokens)}
 
     @app.get("/health")
     async def health():
@@ -583,17 +712,16 @@ def guard_metrics(snap: dict) -> list[str]:
 
 def _chat_prompt(tokenizer, messages: list[dict]) -> str:
     """The tokenizer's chat template when it has one, else plain "role: content" lines."""
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        try:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:   # e.g. a template that wants alternating user/assistant turns
-            raise BadRequest(f"the model's chat template rejected these messages: {str(e)[:200]}") from None
-    return "".join(f"{m.get('role', 'user')}: {m['content']}\n" for m in messages) + "assistant:"
+    try:
+        return chat_prompt(tokenizer, messages)
+    except Exception as e:   # e.g. a template that wants alternating user/assistant turns
+        raise BadRequest(f"the model's chat template rejected these messages: {str(e)[:200]}") from None
 
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, model_name: str = "moetailor",
-          plans: dict | None = None, limits: ServerLimits | None = None, api_key: str | None = None) -> None:
+          plans: dict | None = None, limits: ServerLimits | None = None, api_key: str | None = None,
+          guard: bool = True) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(llm, model_name, plans, limits=limits, api_key=api_key), host=host, port=port,
-                log_level="info")
+    uvicorn.run(create_app(llm, model_name, plans, guard=guard, limits=limits, api_key=api_key), host=host,
+                port=port, log_level="info")

@@ -38,7 +38,8 @@ from ..outputs import write_json
 from ..plans import Plan
 from .configurations import ConfigSpec, Serving
 from .metrics import Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output
-from ..data.tasks import TASKS, Task, eval_examples, eval_rng, resolve_tasks
+from ..data.tasks import TASKS, Task, eval_rng
+from .user_tasks import DEFAULT_BUDGET, select_tasks, task_examples
 
 SAMPLING_MODES = ("greedy", "sample")
 DEFAULT_KEEPS = (0.75, 0.5, 0.25)
@@ -101,6 +102,7 @@ class EvalSettings:
     top_p: float = 0.95
 
     def validate(self) -> list[Task]:
+        tasks = select_tasks(self.tasks)
         if self.n <= 0:
             raise ValueError(f"--n must be a positive number of prompts per task, got {self.n}")
         if self.seeds <= 0:
@@ -120,12 +122,15 @@ class EvalSettings:
                              "(or --configs baseline)")
         if self.kl_window < 4:
             raise ValueError(f"--kl-window must be at least 4 tokens, got {self.kl_window}")
-        return resolve_tasks(self.tasks)
+        return tasks
 
 
 def task_budget(task: Task, tokenizer, factor: float = BUDGET_FACTOR) -> int:
     """Max new tokens for a task: ``factor`` x the longest reference completion (+ EOS) among
-    held-out samples at each trained difficulty, so over-long generation shows up as budget hits."""
+    held-out samples at each trained difficulty, so over-long generation shows up as budget hits.
+    A user task has no reference completions: it gets ``user_tasks.DEFAULT_BUDGET``."""
+    if not isinstance(task, Task):
+        return DEFAULT_BUDGET
     rng = eval_rng(task.name, 10**6)  # a stream no evaluation seed uses
     longest = 0
     for level in task.difficulties:
@@ -324,11 +329,16 @@ class Sweep:
         if tokenizer is None:
             raise ValueError("a tokenizer is needed to evaluate; pass the model as a checkpoint directory with one")
         self.model, self.tokenizer = model, tokenizer
+        for t in self.tasks:
+            if not isinstance(t, Task) and len(t.items) > settings.n:
+                log(f"task {t.name} ({t.path}): evaluating the first {settings.n} of {len(t.items)} prompts (--n)")
         self.fingerprint = model_fingerprint(model)
         self.budgets = {t.name: settings.max_tokens or task_budget(t, tokenizer) for t in self.tasks}
         # what every cell shares; each cell adds its plan, configuration, sampling, seed and data
+        # a user task is named with its file's hash: an edited file is evaluated afresh
+        tasks = [t.name if isinstance(t, Task) else f"{t.name}@{t.digest}" for t in self.tasks]
         self.identity = {"version": CELL_IDENTITY_VERSION, "model": weights_hash(model),
-                         "tokenizer": tokenizer_hash(tokenizer), "tasks": [t.name for t in self.tasks],
+                         "tokenizer": tokenizer_hash(tokenizer), "tasks": tasks,
                          "n": settings.n, "max_tokens": self.budgets}
         self._llm = None
         self._scorer = None
@@ -367,7 +377,7 @@ class Sweep:
         sampling = "greedy" if mode == "greedy" else {"temperature": self.settings.temperature,
                                                       "top_p": self.settings.top_p}
         examples = [(ex.task, ex.prompt, ex.completion) for task in self.tasks
-                    for ex in eval_examples(task, self.settings.n, seed)]
+                    for ex in task_examples(task, self.settings.n, seed, self.tokenizer)]
         return {**ident, "sampling": sampling, "seed": seed, "data": _digest(examples)}
 
     def _load_cell(self, key: str, identity: dict):
@@ -397,7 +407,7 @@ class Sweep:
 
     def generation_cell(self, variant: Variant, mode: str, seed: int) -> dict:
         """Every task's n prompts for one seed in one batched generate call."""
-        examples = [ex for task in self.tasks for ex in eval_examples(task, self.settings.n, seed)]
+        examples = [ex for task in self.tasks for ex in task_examples(task, self.settings.n, seed, self.tokenizer)]
         params = [self._sampling_params(mode, seed, ex.task, i) for i, ex in enumerate(examples)]
         prompts = [ex.prompt for ex in examples]
         t0 = time.time()

@@ -131,10 +131,10 @@ def task_accuracy(model, tokenizer, plans: dict[str, Plan | None], n: int, tasks
     from ..engine import LLM, SamplingParams
     from .metrics import accuracy, score_output
     from .runner import task_budget
-    from ..data.tasks import eval_examples, resolve_tasks
+    from .user_tasks import select_tasks, task_examples
 
-    chosen = resolve_tasks(tasks)
-    examples = [ex for t in chosen for ex in eval_examples(t, n, seed)]
+    chosen = select_tasks(tasks)
+    examples = [ex for t in chosen for ex in task_examples(t, n, seed, tokenizer)]
     budgets = {t.name: task_budget(t, tokenizer) for t in chosen}
     params = [SamplingParams(max_tokens=budgets[ex.task], temperature=0.0) for ex in examples]
     llm = LLM(model, tokenizer=tokenizer, max_num_seqs=64)

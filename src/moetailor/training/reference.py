@@ -29,6 +29,10 @@ EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 
 
+# The model is trained on bare task prompts, so its chat format is the turns' text as written.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
 def train_tokenizer(corpus_dir: Path, out_dir: Path, vocab_size: int = 8192, seed: int = 0) -> None:
     """Byte-level BPE with digits split one per token (arithmetic stays learnable)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -54,6 +58,7 @@ def train_tokenizer(corpus_dir: Path, out_dir: Path, vocab_size: int = 8192, see
     tok.train_from_iterator(samples, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=None)
     fast.model_max_length = 1024
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
 
 

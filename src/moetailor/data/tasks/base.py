@@ -22,6 +22,10 @@ class Example:
     completion: str  # trace + "#### answer" (the end-of-sequence token is added by the tokenizer side)
     answer: str
 
+    def is_correct(self, output: str) -> bool:
+        """Exact match of the extracted answer against the generator's answer."""
+        return extract_answer(output) == self.answer
+
 
 @dataclass(frozen=True)
 class Task:
@@ -39,8 +43,9 @@ def extract_answer(text: str) -> str | None:
 
 
 def score(example: Example, output: str) -> bool:
-    """Exact match of the extracted answer against the generator's answer."""
-    return extract_answer(output) == example.answer
+    """Whether ``output`` answers ``example`` (built-in tasks: exact match after the answer marker;
+    user tasks: their own match rule)."""
+    return example.is_correct(output)
 
 
 def make_example(task: str, difficulty: int, prompt: str, trace: list[str], answer: str) -> Example:
