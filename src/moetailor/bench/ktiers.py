@@ -79,7 +79,8 @@ def measure_step_cost(base, ks: list[int], max_num_seqs: int, prompts: list[list
     from ..engine import LLM
 
     llm = LLM(base, max_num_seqs=max_num_seqs, num_kv_blocks=blocks)
-    for b in sorted({1, max(1, max_num_seqs // 4), max(1, max_num_seqs // 2), max_num_seqs}):
+    for b in sorted({min(b, len(prompts)) for b in (1, max(1, max_num_seqs // 4), max(1, max_num_seqs // 2),
+                                                      max_num_seqs)}):
         for k in ks:
             llm.generate(prompts[:b], _params([k] * b, 6))
     return llm.fit_k_cost()

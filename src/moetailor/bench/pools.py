@@ -15,6 +15,7 @@ import torch
 
 from ..models.adapters import moe_layers
 from ..models.architectures import arch_spec
+from ..models.groups import balanced_keep, group_size, is_grouped, min_per_group
 from ..plans.plan import Plan, uniform_plan
 from ..routing.policy import LayerPolicy
 
@@ -30,19 +31,24 @@ class Pool:
     model: object = None       # pruned pools: the pruned model
 
 
-def kept_ids(num_experts: int, keep: float, top_k: int, seed: int = 0) -> tuple[int, ...]:
-    """A seeded random subset of round(keep * m) experts (at least k)."""
+def kept_ids(num_experts: int, keep: float, top_k: int, seed: int = 0, sem=None) -> tuple[int, ...]:
+    """A seeded random subset of round(keep * m) experts (at least k). A grouped router (``sem``
+    with n_group > 1) keeps round(keep * group size) in every group (at least the checkpoint minimum),
+    so the masked pool and the pruned checkpoint compute the same function."""
     if not 0 < keep <= 1:
         raise ValueError(f"--keep {keep} must be a fraction in (0, 1], e.g. 0.75,0.5,0.25")
-    m = max(top_k, round(num_experts * keep))
     g = torch.Generator().manual_seed(seed)
+    if sem is not None and is_grouped(sem):
+        per = max(min_per_group(sem), round(group_size(sem) * keep))
+        return balanced_keep(torch.rand(num_experts, generator=g), per * sem.n_group, sem)
+    m = max(top_k, round(num_experts * keep))
     return tuple(sorted(torch.randperm(num_experts, generator=g)[:m].tolist()))
 
 
 def mask_plan(model, keep: float, phase: str = "decode") -> Plan:
     """A plan whose ``phase`` keeps the pool (masked router); the other phase runs the full router."""
     layer = moe_layers(model)[0]
-    policy = LayerPolicy(keep=kept_ids(layer.num_experts, keep, layer.top_k))
+    policy = LayerPolicy(keep=kept_ids(layer.num_experts, keep, layer.top_k, sem=layer.semantics))
     return uniform_plan(model, **{phase: policy}, benchmark_keep=keep)
 
 
@@ -56,7 +62,7 @@ def pruned_model(model, keep: float):
     from ..transforms.prune import pruned_state
 
     layers = moe_layers(model)
-    ids = kept_ids(layers[0].num_experts, keep, layers[0].top_k)
+    ids = kept_ids(layers[0].num_experts, keep, layers[0].top_k, sem=layers[0].semantics)
     state, m = pruned_state(model, {l.index: ids for l in layers})
     config = copy.deepcopy(model.config)
     setattr(config, arch_spec(config).experts_key, m)
@@ -81,7 +87,7 @@ def make_pools(model, keeps: list[float], pruned: bool, top_ks: list[int] = ()) 
     m, k = layer.num_experts, layer.top_k
     pools = [Pool("full", "full", 1.0, m, k)]
     for keep in keeps:
-        n = len(kept_ids(m, keep, k))
+        n = len(kept_ids(m, keep, k, sem=layer.semantics))
         pools.append(Pool(f"mask {keep:.0%}", "mask", keep, n, k, plan=mask_plan(model, keep)))
         if pruned:
             pools.append(Pool(f"pruned {keep:.0%}", "pruned", keep, n, k, model=pruned_model(model, keep)))

@@ -28,6 +28,7 @@ class Report:
         self.sections.append(text + "\n")
 
     def plot(self, name: str, fig) -> None:
+        name = name.replace("/", "_").lstrip("._")  # names built from a checkpoint path stay inside ``out``
         self.out.mkdir(parents=True, exist_ok=True)
         save_figure(fig, self.out / name, dpi=110, bbox_inches="tight")
         self.plots.append(name)

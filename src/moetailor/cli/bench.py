@@ -51,6 +51,9 @@ def register(sub) -> None:
     common(q, "build/bench/project", quick=False)
     q.set_defaults(func=run_project)
 
+    from ..integrations.vllm.bench import register_bench as register_vllm_bench
+    register_vllm_bench(bsub, common)   # `bench vllm` (runs in the vLLM environment: make setup-vllm)
+
     d = bsub.add_parser("decode", help="decode step time, tokens/s, expert traffic and bandwidth per pool and batch")
     d.add_argument("--model", default="both", help="'synthetic', 'reference', 'both', or a local checkpoint path")
     d.add_argument("--batches", default="1,2,4,8,16,32,64")

@@ -6,7 +6,7 @@ from ..tables import print_table
 
 
 def register(sub) -> None:
-    from ..plans.criteria import CRITERIA, PLAN_PHASES
+    from ..plans.criteria import CRITERIA, GROUP_MODES, PLAN_PHASES
 
     p = sub.add_parser("plan", help="choose the experts to keep per layer from calibration statistics -> plan.json")
     p.add_argument("stats", help="statistics file from `moetailor calibrate`")
@@ -19,6 +19,10 @@ def register(sub) -> None:
                    "one count per MoE layer; overrides --keep/--keep-experts where given")
     p.add_argument("--phase", choices=PLAN_PHASES, default="decode",
                    help="phase the pruning applies to (default decode: full pool for prefill)")
+    p.add_argument("--groups", choices=GROUP_MODES, default="balanced",
+                   help="grouped routers (DeepSeek n_group > 1): keep the same number of experts in every routing "
+                   "group, ranked inside each group (balanced, default; `moetailor prune` can write it), or rank "
+                   "all experts together (ignore; masked serving only)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random criterion")
     p.add_argument("--model", help="optional: check the statistics against this model first")
     p.add_argument("--out", required=True, help="plan file to write (.json)")
@@ -41,12 +45,26 @@ def run(args) -> int:
         model = load_model(args.model)
     command = command_line(args, positional=("stats",))
     plan = make_plan(stats, model, args.criterion, keep=args.keep, keep_experts=args.keep_experts, layers=args.layers,
-                     phase=args.phase, seed=args.seed, stats_path=str(args.stats), command=command)
+                     phase=args.phase, seed=args.seed, stats_path=str(args.stats), command=command,
+                     groups=args.groups)
     plan.save(args.out)
     policy = plan.decode if args.phase != "prefill" else plan.prefill
     E = stats.model["num_experts"]
     rows = [(i, f"{len(p.keep)}/{E}", " ".join(map(str, p.keep)) if len(p.keep) <= 24 else
              " ".join(map(str, p.keep[:24])) + " ...") for i, p in sorted(policy.layers.items())]
-    print_table(f"plan ({args.criterion}, phase {args.phase}) -> {args.out}", ["layer", "kept", "expert ids"], rows)
+    headers, title = ["layer", "kept", "expert ids"], f"plan ({args.criterion}, phase {args.phase}) -> {args.out}"
+    groups, notes = plan.meta.get("groups"), []
+    if groups:
+        headers.insert(2, "per group")
+        rows = [(i, kept, " ".join(map(str, groups["per_group"][str(i)])), ids) for i, kept, ids in rows]
+        notes.append(f"grouped router: {groups['n_group']} groups, top {groups['topk_group']} per token; " +
+                     ("the same count kept in every group, ranked inside each group" if groups["mode"] == "balanced"
+                      else "groups ignored: masked serving only (`moetailor prune` refuses this plan)"))
+        for i, dead in groups.get("unreachable", {}).items():
+            notes.append(f"layer {i}: experts {dead} are alone in their group, whose score (sum of its top-2 kept "
+                         "experts) is then -inf: the masked router never selects them")
+    print_table(title, headers, rows)
+    for note in notes:
+        print(note)
     return 0
 

@@ -31,6 +31,8 @@ def register(sub) -> None:
     p.add_argument("--no-guard", action="store_true",
                    help="serve reduced pools as planned even when they collapse (measuring a plan, e.g. with "
                         "lm-eval); by default the collapse guard sends requests back to the full pool")
+    from ..integrations.vllm.options import add_backend_arguments
+    add_backend_arguments(p)   # --backend engine|vllm (vLLM: the plugin, colocated or a disaggregated pair)
     p.set_defaults(func=run)
 
 
@@ -54,6 +56,10 @@ def parse_named_plans(items: list[str], model) -> dict:
 
 def run(args) -> int:
     from ..engine.server import ServerLimits, serve
+
+    if args.backend == "vllm":
+        from ..integrations.vllm.serve import run as run_vllm
+        return run_vllm(args)
 
     if args.k_schedule == "tiers":
         raise ValueError("--k-schedule tiers plans a known set of requests offline (`moetailor generate`); a server "

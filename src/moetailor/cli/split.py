@@ -54,5 +54,12 @@ def run(args) -> int:
     if "finetune" in result.meta:
         f = result.meta["finetune"]
         rows.append(("router fine-tune KL", f"{f['kl_first_cycle']:.4f} -> {f['kl_last_cycle']:.4f} ({f['steps']} steps)"))
+    groups = result.meta.get("groups")
+    if groups:
+        rows.append(("routing groups", f"n_group {groups['n_group']} -> {groups['split_n_group']}, topk_group "
+                                       f"{groups['topk_group']} -> {groups['split_topk_group']} (one sub-group per "
+                                       "part of each group)"))
+        share = " ".join(f"{i}:{a:.1%}" for i, a in groups["group_choice_agreement"].items())
+        rows.append(("same groups chosen as the original", share))
     print_table(f"split checkpoint -> {out}", ["property", "value"], rows)
     return 0

@@ -83,7 +83,7 @@ def model_fingerprint(model) -> dict:
     h = hashlib.sha256()
     for layer in layers:
         h.update(layer.router.weight.detach().float().cpu().numpy().tobytes())
-    return {
+    fp = {
         "model_type": model.config.model_type,
         "moe_layers": [l.index for l in layers],
         "num_experts": layers[0].num_experts,
@@ -91,6 +91,10 @@ def model_fingerprint(model) -> dict:
         "router_hash": h.hexdigest()[:16],
         "source": getattr(model, "moetailor_source", None),
     }
+    sem = layers[0].semantics
+    if sem.n_group > 1:  # grouped routing (DeepSeek): plans choose kept experts per group
+        fp.update(n_group=sem.n_group, topk_group=sem.topk_group)
+    return fp
 
 
 def weights_hash(model) -> str:

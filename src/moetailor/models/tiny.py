@@ -60,6 +60,16 @@ def tiny_model(model_type: str, seed: int = 0, **kwargs):
     return model
 
 
+# DeepSeek-V3's routing in miniature: a dense first layer, 16 routed experts in 4 groups, top-4 from the
+# best 2 groups, one shared expert, sigmoid scores with a correction bias, routed_scaling_factor 2.5
+GROUPED = dict(num_experts=16, top_k=4, layers=3, n_group=4, topk_group=2, first_k_dense_replace=1)
+
+
+def tiny_grouped_model(seed: int = 0, **kwargs):
+    """A tiny DeepSeek-V3-style model with grouped routing (``GROUPED``, overridable)."""
+    return tiny_model("deepseek_v3", seed=seed, **{**GROUPED, **kwargs})
+
+
 def char_tokenizer(vocab: int = 96):
     """One token per character, so a tiny checkpoint directory is complete (text prompts, task prompts,
     calibration text) without a hub: 0 = <eos>, 1 = <pad> (also unknown characters), 2 = newline,

@@ -13,7 +13,9 @@ over the chosen k) and E_j(x) the expert's output:
   structured-even  keep even ids first (0, 2, 4, ...), then odd ids
   structured-first keep the lowest ids (the first m')
 
-A layer keeps its m' highest-scoring experts (ties: the lower id); k stays unchanged.
+A layer keeps its m' highest-scoring experts (ties: the lower id); k stays unchanged. On a grouped
+router (DeepSeek n_group > 1) a plan keeps m'/n_group per routing group by default, ranked inside
+each group (``grouped_keep``), so the plan can become a pruned checkpoint.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import time
 import torch
 
 from ..calibration.stats import ExpertStats
+from ..models.groups import balanced_keep, fingerprint_semantics, per_group_counts, unreachable
+from ..models.loading import model_fingerprint
 from ..routing.policy import FULL_PHASE, LayerPolicy, PhasePolicy
 from .plan import Plan
 
@@ -37,6 +41,7 @@ CRITERIA: dict[str, str] = {
     "structured-first": "lowest expert ids first (structured baseline)",
 }
 PLAN_PHASES = ("decode", "prefill", "both")
+GROUP_MODES = ("balanced", "ignore")
 
 
 def expert_scores(stats: ExpertStats, criterion: str, seed: int = 0) -> dict[int, torch.Tensor]:
@@ -113,9 +118,10 @@ def parse_layer_budgets(spec: str, moe_layers: list[int]) -> dict[int, int]:
 
 
 def layer_budgets(model_fp: dict, keep: float | None = None, keep_experts: int | None = None,
-                  layers: str | dict[int, int] | None = None) -> dict[int, int]:
+                  layers: str | dict[int, int] | None = None, per_group: int | None = None) -> dict[int, int]:
     """Kept expert count per MoE layer. ``layers`` overrides the uniform budget where it names a
-    layer; layers with no budget at all stay full."""
+    layer; layers with no budget at all stay full. ``per_group`` (grouped routers, balanced plans):
+    the number of groups, so a --keep ratio keeps round(ratio * group size) experts in every group."""
     E, k, moe = model_fp["num_experts"], model_fp["top_k"], list(model_fp["moe_layers"])
     if keep is not None and keep_experts is not None:
         raise ValueError("give either --keep (a ratio) or --keep-experts (a count), not both")
@@ -125,7 +131,7 @@ def layer_budgets(model_fp: dict, keep: float | None = None, keep_experts: int |
     if keep is not None:
         if not 0 < keep <= 1:
             raise ValueError(f"--keep {keep} must be a ratio in (0, 1] (e.g. 0.5 keeps half the experts)")
-        uniform = max(1, round(keep * E))
+        uniform = max(1, round(keep * E)) if not per_group else round(keep * E / per_group) * per_group
     elif keep_experts is not None:
         uniform = int(keep_experts)
     budgets = {i: uniform for i in moe} if uniform is not None else {}
@@ -141,24 +147,53 @@ def layer_budgets(model_fp: dict, keep: float | None = None, keep_experts: int |
     return budgets
 
 
+def grouped_keep(scores: dict[int, torch.Tensor], budgets: dict[int, int], sem, groups: str) -> tuple[dict, dict]:
+    """Kept ids per layer for a grouped router, and the plan's ``meta.groups`` record.
+    ``balanced``: the same count from every routing group, ranked by score inside each group (a pruned
+    checkpoint can hold it); ``ignore``: the top experts overall (masked serving only)."""
+    if groups not in GROUP_MODES:
+        raise ValueError(f"unknown --groups {groups!r}; choose from {', '.join(GROUP_MODES)}")
+    if groups == "balanced":
+        keep = {i: balanced_keep(scores[i], n, sem, where=f"layer {i}") for i, n in budgets.items()}
+    else:
+        keep = {i: top_experts(scores[i], n) for i, n in budgets.items()}
+    record = {"mode": groups, "n_group": sem.n_group, "topk_group": sem.topk_group,
+              "per_group": {str(i): per_group_counts(ids, sem) for i, ids in sorted(keep.items())}}
+    dead = {str(i): unreachable(ids, sem) for i, ids in sorted(keep.items()) if unreachable(ids, sem)}
+    if dead:
+        record["unreachable"] = dead
+    return keep, record
+
+
 def make_plan(stats: ExpertStats, model=None, criterion: str = "reap", keep: float | None = None,
               keep_experts: int | None = None, layers: str | dict[int, int] | None = None, phase: str = "decode",
-              seed: int = 0, stats_path: str | None = None, command: str | None = None) -> Plan:
+              seed: int = 0, stats_path: str | None = None, command: str | None = None,
+              groups: str = "balanced") -> Plan:
     """A pruning plan: per layer, the top-m' experts by ``criterion``, in ``phase`` ("decode" by
-    default: SlimWise's phase-aware pruning keeps the full pool for prefill)."""
+    default: SlimWise's phase-aware pruning keeps the full pool for prefill). On a grouped router
+    (DeepSeek ``n_group`` > 1) ``groups`` says how: "balanced" (default) or "ignore" (``grouped_keep``)."""
     if phase not in PLAN_PHASES:
         raise ValueError(f"unknown phase {phase!r}; choose from {', '.join(PLAN_PHASES)}")
     if model is not None:
         stats.check_model(model)
+    sem = fingerprint_semantics(model_fingerprint(model) if model is not None else stats.model)
     scores = expert_scores(stats, criterion, seed)
-    budgets = layer_budgets(stats.model, keep, keep_experts, layers)
-    policy = PhasePolicy({i: LayerPolicy(keep=top_experts(scores[i], n)) for i, n in sorted(budgets.items())})
+    balanced = sem is not None and groups == "balanced"
+    budgets = layer_budgets(stats.model, keep, keep_experts, layers, per_group=sem.n_group if balanced else None)
+    group_record = None
+    if sem is not None:
+        kept, group_record = grouped_keep(scores, budgets, sem, groups)
+    else:
+        kept = {i: top_experts(scores[i], n) for i, n in budgets.items()}
+    policy = PhasePolicy({i: LayerPolicy(keep=kept[i]) for i in sorted(budgets)})
     meta = {"criterion": criterion, "formula": CRITERIA[criterion], "keep_ratio": keep, "keep_experts": keep_experts,
             "layers": layers if isinstance(layers, str) or layers is None else {str(i): n for i, n in layers.items()},
             "budgets": {str(i): n for i, n in sorted(budgets.items())}, "phase": phase, "seed": seed,
             "stats": stats_path, "stats_data": stats.meta.get("data"), "stats_tokens": stats.meta.get("tokens"),
             "gate": stats.meta.get("gate", {}).get("name"), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "command": command}
+    if group_record is not None:
+        meta["groups"] = group_record
     model_fp = dict(stats.model)
     if model is not None and getattr(model, "moetailor_source", None):
         model_fp["source"] = model.moetailor_source

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.architectures import RouterSemantics
+from ..models.groups import chosen_groups, same_group_only
 from .policy import LayerPolicy
 
 
@@ -41,18 +42,19 @@ class CompiledPolicy:
             raise ValueError("this policy folds experts but no fold statistics were given; run "
                              "`moetailor calibrate ... --fold` and pass the stats file")
         keep_mask = pool_target = pool_scale = None
+        if fold is not None:  # a grouped router folds only inside the source's group (models/groups.py)
+            fold = FoldTables(fold.scale.to(device).float(), same_group_only(fold.loss.to(device).float(), sem),
+                              fold.mean_norm.to(device).float())
         if policy.keep is not None:
             keep_mask = torch.zeros(sem.num_experts, dtype=torch.bool, device=device)
             keep_mask[list(policy.keep)] = True
             if policy.pool_mode == "fold":
                 kept = torch.tensor(policy.keep, device=device)
-                loss = fold.loss.to(device)[:, kept]                        # [E, m']
+                loss = fold.loss[:, kept]                                   # [E, m']
                 best = loss.argmin(dim=1)                                   # [E]
                 pool_target = kept[best]
-                pool_scale = fold.scale.to(device).gather(1, pool_target[:, None])[:, 0].float()
+                pool_scale = fold.scale.gather(1, pool_target[:, None])[:, 0].float()
                 pool_scale = torch.where(torch.isinf(loss.min(dim=1).values), 0.0, pool_scale)
-        if fold is not None:
-            fold = FoldTables(fold.scale.to(device).float(), fold.loss.to(device).float(), fold.mean_norm.to(device).float())
         return cls(policy, keep_mask, pool_target, pool_scale, fold)
 
 
@@ -72,14 +74,15 @@ def select(logits: torch.Tensor, sem: RouterSemantics, k: int, allowed: torch.Te
     choice = scores + bias if bias is not None else scores
     if allowed is not None:
         choice = choice.masked_fill(~allowed, float("-inf"))
-    if sem.n_group > 1:
-        grouped = choice.view(-1, sem.n_group, sem.num_experts // sem.n_group)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)               # [T, G]
-        group_idx = group_scores.topk(sem.topk_group, dim=-1)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+    if sem.n_group > 1:  # a group scores the sum of its top-2 kept experts (-inf if it keeps < 2): models/groups.py
+        group_mask = chosen_groups(choice, sem)                             # [T, G]
         choice = choice.masked_fill(~group_mask.repeat_interleave(sem.num_experts // sem.n_group, dim=1), float("-inf"))
-    index = choice.topk(k, dim=-1)[1]                                       # [T, k]
+    top, index = choice.topk(k, dim=-1)                                     # [T, k]
     weights = scores.gather(1, index)
+    if allowed is not None:  # chosen groups holding fewer than k kept experts: the rest are dropped routes
+        usable = torch.isfinite(top)                                        # [T, k]
+        weights = weights.masked_fill(~usable, 0.0)
+        index = index.masked_fill(~usable, sem.num_experts)
     if sem.normalise:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * sem.scaling, index

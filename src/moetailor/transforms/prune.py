@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..models.adapters import moe_layers
+from ..models.adapters import moe_layers, semantics_for
 from ..models.architectures import arch_spec
+from ..models.groups import checkpoint_problem
 from ..models.loading import model_fingerprint, resolve_model_path
 from ..plans.plan import Plan
 from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
@@ -23,21 +24,22 @@ from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, r
 SIDECAR = "moetailor_pruning.json"
 
 
-def kept_per_layer(plan: Plan, model, phase: str = "decode") -> dict[int, tuple[int, ...]]:
-    """The kept expert ids per MoE layer that a checkpoint can express, or a clear error."""
-    plan.check_model(model)
-    layers = moe_layers(model)
+def checkpoint_kept(plan: Plan, config, phase: str = "decode") -> dict[int, tuple[int, ...]]:
+    """The kept expert ids per MoE layer that one checkpoint of ``config`` can express, or a clear error.
+    Reads only the plan and the config (no weights), so a shard-by-shard pruner can call it too."""
+    spec = arch_spec(config)
+    sem = semantics_for(config, spec)
+    E = sem.num_experts
     policy = plan.phase(phase)
-    E = layers[0].num_experts
     kept = {}
-    for layer in layers:
-        p = policy.for_layer(layer.index)
+    for index in plan.model["moe_layers"]:
+        p = policy.for_layer(index)
         extra = {k: v for k, v in p.to_json().items() if k not in ("keep",)}
         if extra:
-            raise ValueError(f"{phase} layer {layer.index} sets {sorted(extra)}, which a checkpoint cannot hold "
+            raise ValueError(f"{phase} layer {index} sets {sorted(extra)}, which a checkpoint cannot hold "
                              "(only `keep` with pool_mode 'mask' is a property of the weights); serve this plan "
                              "in masked mode (`moetailor generate/serve --plan`) instead")
-        kept[layer.index] = p.keep if p.keep is not None else tuple(range(E))
+        kept[index] = p.keep if p.keep is not None else tuple(range(E))
     counts = {len(v) for v in kept.values()}
     if counts == {E}:
         raise ValueError(f"the plan's {phase} phase prunes no experts; nothing to write (pick --phase or another plan)")
@@ -47,16 +49,29 @@ def kept_per_layer(plan: Plan, model, phase: str = "decode") -> dict[int, tuple[
                          "expert count for all layers, so a checkpoint cannot express it. Serve the plan in masked "
                          "mode (`moetailor generate/serve --plan PLAN`: the full pool with a masked router, same "
                          "outputs), or make a uniform plan (--keep / --keep-experts)")
-    sem = layers[0].semantics
-    if sem.n_group > 1:
-        size = E // sem.n_group
-        for i, ids in kept.items():
-            per_group = [sum(1 for e in ids if e // size == g) for g in range(sem.n_group)]
-            if len(set(per_group)) > 1 or per_group[0] < 2:
-                raise ValueError(f"layer {i} keeps {per_group} experts in DeepSeek's {sem.n_group} routing groups; a "
-                                 "pruned checkpoint needs the same count (at least 2) in every group to route "
-                                 "identically. Serve the plan in masked mode, or choose kept experts per group")
+    for i, ids in kept.items():
+        problem = checkpoint_problem(ids, sem)
+        if problem:
+            raise ValueError(f"layer {i} {problem}. Serve the plan in masked mode, or make a group-balanced plan "
+                             "(`moetailor plan` without --groups ignore chooses kept experts per group)")
     return kept
+
+
+def kept_per_layer(plan: Plan, model, phase: str = "decode") -> dict[int, tuple[int, ...]]:
+    """``checkpoint_kept`` after checking the plan was made for this model."""
+    plan.check_model(model)
+    return checkpoint_kept(plan, model.config, phase)
+
+
+def pruned_config(config, count: int):
+    """The pruned checkpoint's config: a copy with the routed expert count set to ``count``. Everything
+    else stays: top-k, DeepSeek's n_group and topk_group (groups keep count / n_group experts each),
+    routed_scaling_factor and norm_topk_prob, shared experts and dense layers."""
+    config = type(config).from_dict(config.to_dict())
+    setattr(config, arch_spec(config).experts_key, count)
+    if getattr(config, "_experts_implementation", None) == "moetailor":  # a RoutingController's; not stock
+        config._experts_implementation = None
+    return config
 
 
 def _module_names(model) -> dict[int, str]:
@@ -109,8 +124,7 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
     original_E = spec.num_experts(model.config)
     state, count = pruned_state(model, kept)
 
-    config = type(model.config).from_dict(model.config.to_dict())
-    setattr(config, spec.experts_key, count)
+    config = pruned_config(model.config, count)
     pruned = model_from_state(config, state, next(model.parameters()).dtype, "pruned")
 
     with checkpoint_directory(out, overwrite, inputs) as tmp:

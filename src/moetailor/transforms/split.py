@@ -39,6 +39,12 @@ Router rows (``gate``):
   parent's heaviest parts first. The spread of h.v is reported (``proxy_spread``): the smaller it
   is, the closer the full budget is to exact. For DeepSeek-V3 the e_score_correction_bias (which
   only steers selection) carries a tiny tie-break by share instead, so the full budget stays exact.
+* Grouped routers (DeepSeek ``n_group`` > 1): parent-major children would fill a group's top-2
+  with two parts of its best expert and change which groups win. Instead each routing group becomes
+  N sub-groups (``n_group`` and ``topk_group`` times N; sub-group g*N + p holds part p of every
+  expert of group g, ``models.groups.split_order``): a sub-group scores what its group scored, the
+  N*topk_group winners are the parts of the original topk_group groups, and the full budget is
+  exact; a token's sub-experts still come from at most topk_group original groups.
 * ``"finetune"``: the proxy router, then only router rows are trained to match the original
   model's next-token distribution (``transforms.split_finetune``).
 """
@@ -56,6 +62,7 @@ import torch.nn.functional as F
 from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
 from ..models.adapters import MoeLayer, moe_layers
 from ..models.architectures import arch_spec
+from ..models.groups import chosen_groups, group_size, is_grouped, split_order
 from ..models.loading import model_fingerprint, resolve_model_path
 
 SIDECAR = "moetailor_split.json"
@@ -322,10 +329,6 @@ def plan_split(model, profile: dict[int, LayerProfile], parts: int, method: str 
 def _check_splittable(model, parts: int) -> None:
     layers = moe_layers(model)
     check_parts(expert_width(model), parts)
-    if layers[0].semantics.n_group > 1:
-        raise ValueError(f"this model routes in {layers[0].semantics.n_group} expert groups (DeepSeek n_group); "
-                         "group scores use each group's top-2 experts, which children of one parent would fill, "
-                         "so a split cannot route like the original. Only n_group=1 models can be split")
     if getattr(getattr(getattr(model, "model", model), "layers", [None])[0], "mlp", None) is None:
         raise ValueError("model has no .mlp blocks to split")
 
@@ -353,6 +356,9 @@ def split_model(model, splits: dict[int, LayerSplit], parts: int, gate: str = "p
     setattr(config, _width_key(model.config, I), I // parts)
     if spec.model_type == "deepseek_v3":  # shared experts are n_shared_experts x the moe width: keep them whole
         config.n_shared_experts = int(config.n_shared_experts) * parts
+    order = split_order(sem, parts)                                                 # [E*N] parent-major child at id c
+    if is_grouped(sem):  # N sub-groups per routing group (models/groups.py: split_order)
+        config.n_group, config.topk_group = sem.n_group * parts, sem.topk_group * parts
     if getattr(config, "_experts_implementation", None) == "moetailor":  # a RoutingController's; not stock
         config._experts_implementation = None
 
@@ -375,15 +381,15 @@ def split_model(model, splits: dict[int, LayerSplit], parts: int, gate: str = "p
             offset = torch.log(parts * shares.double().clamp_min(1e-3)).reshape(-1)  # [E*N]
             new_weight += (offset[:, None] * sp.direction[None, :]).to(new_weight.dtype)
         prefix_e, prefix_r = names[id(layer.experts)], names[id(layer.router)]
-        state[f"{prefix_e}.gate_up_proj"] = new_gu.contiguous()
-        state[f"{prefix_e}.down_proj"] = new_down.contiguous()
-        state[f"{prefix_r}.weight"] = new_weight
+        state[f"{prefix_e}.gate_up_proj"] = new_gu[order].contiguous()
+        state[f"{prefix_e}.down_proj"] = new_down[order].contiguous()
+        state[f"{prefix_r}.weight"] = new_weight[order]
         bias = layer.router_bias
         if bias is not None:
             new_bias = bias.detach().repeat_interleave(parts).clone()
             if gate != "exact":  # tie-break by share, far below any gap between parents' scores
                 new_bias -= (1e-6 * torch.arange(parts, dtype=new_bias.dtype)).repeat(E)
-            state[f"{prefix_r}.e_score_correction_bias"] = new_bias
+            state[f"{prefix_r}.e_score_correction_bias"] = new_bias[order]
         for module, prefix in ((layer.experts, prefix_e), (layer.router, prefix_r)):
             for key in module.state_dict():
                 if f"{prefix}.{key}" not in (f"{prefix_e}.gate_up_proj", f"{prefix_e}.down_proj",
@@ -404,6 +410,43 @@ def _down_scale(sem, gate: str, shares: torch.Tensor, parts: int) -> torch.Tenso
     return torch.full_like(shares, float(parts) if sem.normalise else 1.0)  # sigmoid: child score = parent's
 
 
+@torch.no_grad()
+def group_agreement(model, split, batches) -> dict[str, float]:
+    """Grouped routers: per MoE layer, the share of calibration tokens for which the split chooses all
+    N sub-groups of exactly the original's chosen groups, both routers fed the original's layer input
+    (1.0 by construction, ``split_order``; below 1 only where the share tie-break reorders groups
+    whose scores differ by less than about 1e-6)."""
+    from ..routing import RoutingController
+
+    original, children = moe_layers(model), {l.index: l for l in moe_layers(split)}
+    same: dict[int, list[int]] = {l.index: [0, 0] for l in original}
+
+    def observe(layer: MoeLayer, hidden, logits, weights, index):
+        child = children[layer.index]
+        a = chosen_groups(_choice(logits, layer), layer.semantics)                       # [T, G]
+        b = chosen_groups(_choice(child.router_logits(hidden), child), child.semantics)  # [T, G*N]
+        b = b.view(b.shape[0], a.shape[1], -1).all(-1)                                  # every part of a group
+        same[layer.index][0] += int((a == b).all(-1).sum())
+        same[layer.index][1] += a.shape[0]
+
+    installed = getattr(model, "_moetailor_controller", None) is None
+    ctl = RoutingController.of(model)
+    try:
+        with ctl.observing(observe):
+            for batch in batches:
+                getattr(model, "model", model)(input_ids=batch.to(original[0].router.weight.device), use_cache=False)
+    finally:
+        if installed:
+            ctl.remove()
+    return {str(i): s / max(n, 1) for i, (s, n) in same.items()}
+
+
+def _choice(logits: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
+    """Selection scores of a sigmoid router [T, E]: sigmoid + correction bias."""
+    scores = logits.float().sigmoid()
+    return scores + layer.router_bias.float() if layer.router_bias is not None else scores
+
+
 # ---------------------------------------------------------------------------------------------
 # writing
 # ---------------------------------------------------------------------------------------------
@@ -420,7 +463,9 @@ def write_split(result: SplitResult, source_model, out: str | Path, overwrite: b
                    "method": result.method, "source_model": model_fingerprint(source_model),
                    "num_experts_original": layers[0].num_experts, "top_k_original": layers[0].top_k,
                    "width_original": expert_width(source_model),
-                   "child_to_parent": "child e*parts + p is part p of expert e (parts sorted by share)",
+                   "child_to_parent": "child e*parts + p is part p of expert e (parts sorted by share)" if
+                   not is_grouped(layers[0].semantics) else "grouped router: sub-group g*parts + p holds part p "
+                   "of every expert of group g; child (g*parts + p)*E/n_group + j is part p of expert g*E/n_group + j",
                    "layers": {str(i): {"groups": s.groups.tolist(), "shares": [[round(float(x), 6) for x in r]
                                                                                 for r in s.shares],
                                        "proxy_spread": s.spread} for i, s in sorted(result.layers.items())},
@@ -472,6 +517,11 @@ def split_checkpoint(model, data, parts: int, out: str | Path, *, method: str = 
             rand = objective(corr, random_partition(corr.shape[0], corr.shape[1], parts, seed)).mean()
             gains[str(i)] = {"objective": float(objective(corr, s.groups).mean()), "random": float(rand)}
         meta["objective"] = gains
+    sem = moe_layers(model)[0].semantics
+    if is_grouped(sem):  # N sub-groups per routing group, each as large as the original group
+        meta["groups"] = {"n_group": sem.n_group, "topk_group": sem.topk_group, "parts": parts,
+                          "split_n_group": sem.n_group * parts, "split_topk_group": sem.topk_group * parts,
+                          "group_choice_agreement": group_agreement(model, split, batches)}
     result = SplitResult(split, splits, parts, gate, method, meta)
     if gate == "finetune":
         from .split_finetune import finetune_router

@@ -1,0 +1,1 @@
+"""moetailor's techniques inside other serving systems (``vllm``: a vLLM general plugin)."""

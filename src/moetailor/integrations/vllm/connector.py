@@ -1,0 +1,197 @@
+"""A KV connector for phase-aware disaggregation: a prefill instance on the full checkpoint hands
+each prompt's KV to a decode instance on the pruned checkpoint, through a shared directory.
+
+Load it with ``KVTransferConfig(kv_connector="MoetailorConnector",
+kv_connector_module_path="moetailor.integrations.vllm.connector", kv_role="kv_producer" |
+"kv_consumer", kv_connector_extra_config={"storage_path": DIR})``.
+
+The protocol (the proxy in ``disagg.py`` drives it):
+  1. the producer serves the prompt P with max_tokens=1: it computes P's KV on the full model and
+     samples the first token t1 from the full model's logits; when P's last chunk has run, the
+     connector writes every block that holds P (whole blocks, the partial last one included) to
+     DIR/<hash of P>/<layer>.safetensors, then a ``ready`` marker;
+  2. the consumer serves P + [t1]: the connector reports len(P) tokens as already computed (vLLM's
+     scheduler then computes only t1's position) and copies the stored blocks into the request's
+     first blocks before the forward; t1's KV and every later token run on the pruned model.
+That is moetailor's phase-aware schedule: prompt and first token on the full pool, decode on the
+pruned one.
+
+Whole blocks are copied with ``kv_cache[block_ids]``: vLLM (0.32) gives connectors per-layer KV
+views with blocks at dim 0 on every backend, so the same code serves the CPU layout (a block is
+[heads, 2 * block_size, head_dim]: all K rows, then all V rows) and the GPU ones; the two
+instances need the same block size, KV dtype and attention shapes (a pruned checkpoint keeps the
+attention untouched), which ``start_load_kv`` checks. vLLM's ``ExampleConnector`` stores only
+whole blocks and indexes tokens with a GPU layout, so on CPU it moves nothing for short prompts.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = init_logger("moetailor.vllm.connector")
+READY = "ready"
+
+
+def prompt_key(token_ids) -> str:
+    return hashlib.sha256(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()).hexdigest()[:32]
+
+
+@dataclass
+class Transfer:
+    key: str
+    block_ids: list[int]   # the request's blocks holding the transferred tokens, in order
+    store: bool            # True: producer writes them; False: consumer reads them
+
+
+@dataclass
+class MoetailorConnectorMetadata(KVConnectorMetadata):
+    transfers: list[Transfer] = field(default_factory=list)
+
+
+class MoetailorConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.storage = cfg.get_from_extra_config("storage_path", None)
+        if not self.storage:
+            raise ValueError("MoetailorConnector needs kv_connector_extra_config={\"storage_path\": DIR}, a directory "
+                             "both instances can read and write")
+        os.makedirs(self.storage, exist_ok=True)
+        self.producer = cfg.kv_role in ("kv_producer", "kv_both")
+        self.consumer = cfg.kv_role in ("kv_consumer", "kv_both")
+        # scheduler side
+        self._to_load: dict[str, Request] = {}
+        self._to_store: dict[str, tuple[str, list[int], int]] = {}  # req_id -> (key, block ids so far, prompt len)
+        # worker side
+        self._stored: list[str] = []
+
+    # ---- scheduler side -------------------------------------------------------------------------
+    def _folder(self, key: str) -> str:
+        return os.path.join(self.storage, key)
+
+    def _loadable(self, request: "Request") -> int:
+        """Tokens the producer holds for this request: its prompt minus the last token (t1)."""
+        prompt = list(request.prompt_token_ids or [])
+        if not self.consumer or len(prompt) < 2:
+            return 0
+        ready = os.path.exists(os.path.join(self._folder(prompt_key(prompt[:-1])), READY))
+        return len(prompt) - 1 if ready else 0
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return max(0, self._loadable(request) - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        if num_external_tokens > 0:
+            self._to_load[request.request_id] = request
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = MoetailorConnectorMetadata()
+        for req in scheduler_output.scheduled_new_reqs:
+            prompt = list(req.prompt_token_ids or [])
+            blocks = list(req.block_ids[0])
+            if req.req_id in self._to_load:
+                request = self._to_load.pop(req.req_id)
+                n = self._loadable(request)
+                meta.transfers.append(Transfer(prompt_key(prompt[:-1]), blocks[:_blocks_for(n, self.block_size)], False))
+            elif self.producer and prompt:
+                self._to_store[req.req_id] = (prompt_key(prompt), blocks, len(prompt))
+                done = req.num_computed_tokens + scheduler_output.num_scheduled_tokens[req.req_id]
+                self._maybe_store(req.req_id, done, meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in self._to_load:  # resumed after preemption: load again into its new blocks
+                request = self._to_load.pop(req_id)
+                n = self._loadable(request)
+                blocks = list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] else []
+                meta.transfers.append(Transfer(prompt_key(list(request.prompt_token_ids)[:-1]),
+                                               blocks[:_blocks_for(n, self.block_size)], False))
+            if req_id in self._to_store:
+                key, blocks, n = self._to_store[req_id]
+                if cached.new_block_ids[i]:
+                    if req_id in cached.resumed_req_ids:
+                        blocks = []
+                    blocks = blocks + list(cached.new_block_ids[i][0])
+                    self._to_store[req_id] = (key, blocks, n)
+                done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
+                self._maybe_store(req_id, done, meta)
+        return meta
+
+    def _maybe_store(self, req_id: str, computed_after_step: int, meta: MoetailorConnectorMetadata) -> None:
+        """Store once the step that computes the prompt's last token runs (chunked prefill safe)."""
+        key, blocks, n = self._to_store[req_id]
+        if computed_after_step >= n:
+            del self._to_store[req_id]
+            meta.transfers.append(Transfer(key, blocks[:_blocks_for(n, self.block_size)], True))
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._to_store.pop(request.request_id, None)
+        self._to_load.pop(request.request_id, None)
+        if self.consumer and not self.producer:  # the decode instance consumed the prompt's KV: free the files
+            prompt = list(request.prompt_token_ids or [])
+            if len(prompt) >= 2:
+                shutil.rmtree(self._folder(prompt_key(prompt[:-1])), ignore_errors=True)
+        return False, None
+
+    # ---- worker side ----------------------------------------------------------------------------
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        loads = [t for t in meta.transfers if not t.store]
+        if not loads:
+            return
+        for name, layer in forward_context.no_compile_layers.items():
+            kv = getattr(layer, "kv_cache", None)
+            if not isinstance(kv, torch.Tensor):
+                continue
+            for t in loads:
+                blocks = load_file(os.path.join(self._folder(t.key), f"{name}.safetensors"))["kv"]  # [n, ...]
+                ids = torch.tensor(t.block_ids, dtype=torch.long, device=kv.device)
+                if blocks.shape[1:] != kv.shape[1:] or blocks.dtype != kv.dtype or len(ids) != blocks.shape[0]:
+                    raise ValueError(f"stored KV blocks {tuple(blocks.shape)} {blocks.dtype} do not fit this instance's "
+                                     f"cache {tuple(kv.shape)} {kv.dtype} (layer {name}): run both instances with the "
+                                     f"same block size, KV dtype and attention shapes")
+                kv[ids] = blocks.to(kv.device)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for t in meta.transfers:
+            if t.store:
+                ids = torch.tensor(t.block_ids, dtype=torch.long, device=kv_layer.device)
+                os.makedirs(self._folder(t.key), exist_ok=True)
+                path = os.path.join(self._folder(t.key), f"{layer_name}.safetensors")
+                save_file({"kv": kv_layer[ids].detach().cpu().contiguous()}, path + ".tmp")
+                os.replace(path + ".tmp", path)
+                if t.key not in self._stored:
+                    self._stored.append(t.key)
+
+    def wait_for_save(self):
+        for key in self._stored:  # every layer of this step is written: the prompt's KV is complete
+            open(os.path.join(self._folder(key), READY), "w").close()
+        self._stored = []
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)

@@ -1,0 +1,70 @@
+"""Phase-aware disaggregation on vLLM: a prefill instance on the full checkpoint, a decode
+instance on the ``moetailor prune`` checkpoint, ``MoetailorConnector`` between them.
+
+``pair_kwargs`` gives the two engines' arguments; ``generate_pair`` runs prompts through two
+offline engines; ``proxy_app`` is the OpenAI front the ``moetailor serve --backend vllm`` command
+puts before two ``vllm serve`` processes (``serve.py``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...models.loading import resolve_model_path
+from .launch import engine_kwargs
+from .plan import checkpoint_fingerprint
+
+CONNECTOR = "MoetailorConnector"
+CONNECTOR_MODULE = "moetailor.integrations.vllm.connector"
+
+
+def kv_transfer_config(role: str, storage: str | Path) -> dict:
+    return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": role,
+            "kv_connector_extra_config": {"storage_path": str(storage)}}
+
+
+def check_pair(model: str | Path, decode_model: str | Path) -> None:
+    """The decode checkpoint must be a pruning of the prefill model (same attention, same KV)."""
+    from ...transforms import read_sidecar
+
+    try:
+        side = read_sidecar(decode_model)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{decode_model} is not a `moetailor prune` checkpoint (no pruning sidecar); make one "
+                                f"with `moetailor prune MODEL PLAN --out DIR`") from None
+    full = checkpoint_fingerprint(resolve_model_path(model))
+    if side["source_model"].get("router_hash") != full["router_hash"]:
+        raise ValueError(f"{decode_model} was pruned from another model (router hash "
+                         f"{side['source_model'].get('router_hash')} vs {full['router_hash']}); prune this model")
+
+
+def pair_kwargs(model: str | Path, decode_model: str | Path, storage: str | Path, **common) -> tuple[dict, dict]:
+    """Engine arguments of the prefill (full, producer) and decode (pruned, consumer) instances."""
+    check_pair(model, decode_model)
+    prefill = engine_kwargs(model, kv_transfer_config=kv_transfer_config("kv_producer", storage), **common)
+    # the decode instance's cache holds decode-phase KV: never serve it to a later prompt
+    decode = engine_kwargs(decode_model, kv_transfer_config=kv_transfer_config("kv_consumer", storage),
+                           **{**common, "enable_prefix_caching": False})
+    return prefill, decode
+
+
+def generate_pair(prefill_llm, decode_llm, prompt_ids: list[list[int]], sampling) -> list[list[int]]:
+    """Token ids each prompt generates: the first from the prefill instance, the rest from the decode
+    instance, which receives the prompt's KV through the connector."""
+    from vllm import SamplingParams
+
+    first_params = sampling.clone()
+    first_params.max_tokens = 1
+    firsts = prefill_llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], first_params, use_tqdm=False)
+    out, pending = [], []
+    for ids, first in zip(prompt_ids, firsts):
+        token = first.outputs[0].token_ids[0]
+        out.append([token])
+        if sampling.max_tokens > 1 and first.outputs[0].finish_reason != "stop":
+            pending.append((len(out) - 1, ids + [token]))
+    if pending:
+        rest_params: SamplingParams = sampling.clone()
+        rest_params.max_tokens = sampling.max_tokens - 1
+        rest = decode_llm.generate([{"prompt_token_ids": ids} for _, ids in pending], rest_params, use_tqdm=False)
+        for (i, _), r in zip(pending, rest):
+            out[i] += list(r.outputs[0].token_ids)
+    return out

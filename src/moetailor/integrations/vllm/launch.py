@@ -1,0 +1,51 @@
+"""Engine arguments for vLLM with a moetailor plan, checked before vLLM starts.
+
+``engine_kwargs`` gives the keyword arguments of ``vllm.LLM`` / ``EngineArgs`` (the same names as
+``vllm serve`` flags): the plan goes in ``additional_config``, prefix caching is turned off when
+the plan's phases differ, and on the CPU backend the KV cache gets an explicit size instead of a
+share of host memory.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...models.loading import resolve_model_path
+from .plan import DECODE_PLAN_KEY, PLAN_KEY, load_checked_plan, router_tables
+
+
+def engine_kwargs(model: str | Path, plan: str | Path | None = None, decode_plan: str | Path | None = None, *,
+                  dtype: str = "float32", kv_cache_mib: int | None = 512, enforce_eager: bool = True,
+                  **overrides) -> dict:
+    """vLLM engine keyword arguments serving ``model`` ('reference' or a checkpoint directory)."""
+    if plan and decode_plan:
+        raise ValueError("give --plan or --decode-plan, not both")
+    path = resolve_model_path(model)
+    kwargs = dict(model=str(path), dtype=dtype, enforce_eager=enforce_eager)
+    if kv_cache_mib:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_mib) << 20
+    given = plan or decode_plan
+    if given:
+        mode = "plan" if plan else "decode"
+        checked = load_checked_plan(given, mode, path)   # the one-line error, before vLLM starts
+        tables = router_tables(checked, checked.model["num_experts"], checked.model["top_k"])
+        kwargs["additional_config"] = {PLAN_KEY if plan else DECODE_PLAN_KEY: str(Path(given).resolve())}
+        if tables.phase_aware:
+            kwargs["enable_prefix_caching"] = False
+    kwargs.update(overrides)
+    return kwargs
+
+
+def cli_flags(kwargs: dict) -> list[str]:
+    """The same settings as ``vllm serve`` flags."""
+    import json
+
+    flags = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags

@@ -1,0 +1,11 @@
+"""The `moetailor serve` options for the vLLM backend (imports no vLLM)."""
+from __future__ import annotations
+
+
+def add_backend_arguments(p) -> None:
+    p.add_argument("--backend", choices=("engine", "vllm"), default="engine",
+                   help="engine: moetailor's engine; vllm: `vllm serve` with the moetailor plugin (--plan/--decode-plan "
+                        "colocated, --decode-model: a prefill/decode pair with a proxy). Needs `make setup-vllm`")
+    p.add_argument("--vllm-kv-cache-mib", type=int, default=512,
+                   help="--backend vllm: KV cache size per instance (vLLM's CPU build otherwise reserves a share "
+                        "of host memory); 0 = vLLM's default sizing")

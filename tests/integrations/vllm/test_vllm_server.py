@@ -1,0 +1,104 @@
+"""`moetailor serve --backend vllm`: vLLM's OpenAI server with the plugin (colocated, with a
+decode plan and per-request expert_top_k) and the disaggregated pair behind moetailor's proxy."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from vllm_helpers import BUNDLED_PLAN, SKIP_REASON, engine_token_ids
+
+pytest.importorskip("vllm", reason=SKIP_REASON)
+httpx = pytest.importorskip("httpx", reason="httpx is needed to talk to the server")
+
+N_PROMPTS = 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def moetailor_serve(*args, log_path):
+    port = free_port()
+    # the pair takes port+1 and port+2: pick a port whose neighbours are free too
+    while any(p != port and not _port_free(p) for p in (port + 1, port + 2)):
+        port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moetailor.cli.main", "serve", *args, "--port", str(port),
+                             "--vllm-kv-cache-mib", "128", "--max-num-seqs", "8"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            assert proc.poll() is None, f"server exited: {open(log_path).read()[-3000:]}"
+            assert time.time() < deadline, "server did not start in 600 s"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def complete(url: str, prompt: str, **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=300,
+                      json={"model": "reference", "prompt": prompt, "max_tokens": 24, "temperature": 0.0, **extra})
+
+
+def test_colocated_server_decode_plan_and_expert_top_k(prompts, tmp_path):
+    from moetailor.plans import Plan
+
+    plan = Plan.load(BUNDLED_PLAN)
+    plan = plan.phase_aware()
+    prompts = prompts[:N_PROMPTS]
+    with moetailor_serve("reference", "--backend", "vllm", "--decode-plan", str(BUNDLED_PLAN),
+                         "--served-model-name", "reference", log_path=tmp_path / "serve.log") as url:
+        plain = [complete(url, p, return_token_ids=True) for p in prompts]
+        budget = [complete(url, p, return_token_ids=True, expert_top_k=3) for p in prompts]
+        bad = complete(url, prompts[0], expert_top_k=9)
+    assert all(r.status_code == 200 for r in plain + budget)
+    assert [r.json()["choices"][0]["token_ids"] for r in plain] == engine_token_ids(plan, prompts, max_tokens=24)
+    assert [r.json()["choices"][0]["token_ids"] for r in budget] == engine_token_ids(
+        plan, prompts, expert_top_k=[3] * len(prompts), max_tokens=24)
+    assert bad.status_code == 400
+    assert "expert_top_k=9 is out of range" in bad.text
+
+
+def test_disaggregated_pair_behind_the_proxy(prompts, tmp_path):
+    from moetailor.plans import Plan
+    from moetailor.transforms import prune_checkpoint
+
+    plan = Plan.load(BUNDLED_PLAN)
+    pruned = prune_checkpoint("reference", plan, tmp_path / "pruned")
+    prompts = prompts[:N_PROMPTS]
+    with moetailor_serve("reference", "--backend", "vllm", "--decode-model", str(pruned),
+                         "--served-model-name", "reference", log_path=tmp_path / "pair.log") as url:
+        got = [complete(url, p) for p in prompts]
+        streamed = complete(url, prompts[0], stream=True)
+    assert all(r.status_code == 200 for r in got), [r.text for r in got]
+    expected = engine_token_ids(plan.phase_aware(), prompts, max_tokens=24)
+    assert [r.json()["choices"][0]["token_ids"] for r in got] == expected
+    assert streamed.status_code == 400
