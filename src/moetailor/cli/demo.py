@@ -24,8 +24,8 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _decode_summary(llm, since: int) -> dict:
-    steps = [s for s in llm.step_log[since:] if s.phase == "decode"]
+def _decode_summary(llm) -> dict:
+    steps = [s for s in llm.step_log if s.phase == "decode"]
     seconds = sum(s.seconds for s in steps)
     tokens = sum(s.num_tokens for s in steps)
     distinct = [sum(s.distinct_experts.values()) / max(1, len(s.distinct_experts)) for s in steps]
@@ -61,9 +61,9 @@ def run(args) -> int:
     results = {}
     for name, config in (("full", None), ("phase-aware", plan.phase_aware())):
         llm.set_plan(config)
-        since = len(llm.step_log)
+        llm.step_log.clear()
         outputs = llm.generate([ex.prompt for ex in examples], sampling)
-        results[name] = (outputs, _decode_summary(llm, since))
+        results[name] = (outputs, _decode_summary(llm))
 
     rows = []
     shown = set()

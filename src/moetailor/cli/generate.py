@@ -40,12 +40,21 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and KV cache")
     p.add_argument("--prefill-dtype", choices=sorted(DTYPES), default=None,
                    help="autocast dtype for prefill steps (bf16 pays for long prompts on AMX CPUs)")
+    p.add_argument("--decode-expert-dtype", choices=sorted(DTYPES), default=None,
+                   help="expert weights of decode steps in this dtype (a copy; bf16 streams faster than fp32 on "
+                        "AVX-512 BF16 CPUs: measure with `python -m moetailor.bench.kernels`)")
     p.add_argument("--experts-impl", choices=("grouped", "loop"), default="grouped",
                    help="expert execution: one grouped GEMM per projection, or a loop over the routed experts")
     p.add_argument("--k-schedule", choices=("mixed", "max", "lanes", "tiers"), default="mixed",
                    help="how requests with different expert_top_k budgets share steps: mixed (one step, each "
                         "token at its own k), max (each step at its largest k), lanes (online low/high-k "
                         "decode lanes), tiers (offline k tiers; generate only)")
+    p.add_argument("--decode-pools-by-load", metavar="PLAN", nargs="+", default=None,
+                   help="decode pools that follow the load: plans (smaller expert pools) that decode steps switch "
+                        "to as the decode batch grows; the full pool runs while its estimated step time meets "
+                        "--step-slo-ms")
+    p.add_argument("--step-slo-ms", type=float, default=None,
+                   help="per-step decode time target (ms) that sets the --decode-pools-by-load thresholds")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     from .techniques import add_policy_arguments
@@ -70,7 +79,9 @@ def build_engine(args):
                   max_model_len=args.max_model_len, experts_impl=args.experts_impl,
                   k_schedule=getattr(args, "k_schedule", "mixed"),
                   memory_budget=int(args.memory_budget_mb * 2**20) if args.memory_budget_mb else None,
-                  prefill_dtype=getattr(torch, DTYPES[args.prefill_dtype]) if args.prefill_dtype else None)
+                  prefill_dtype=getattr(torch, DTYPES[args.prefill_dtype]) if args.prefill_dtype else None,
+                  decode_expert_dtype=getattr(torch, DTYPES[args.decode_expert_dtype])
+                  if getattr(args, "decode_expert_dtype", None) else None)
     if args.decode_model:
         from ..engine.disagg import DisaggregatedLLM
         return DisaggregatedLLM(args.model, decode_model=args.decode_model, threads=args.threads, **kwargs)
@@ -83,6 +94,13 @@ def build_engine(args):
     llm = LLM(args.model, plan, **kwargs)
     from .techniques import apply_policy_arguments
     apply_policy_arguments(llm, args)
+    if getattr(args, "decode_pools_by_load", None):
+        from ..engine.load_pools import PoolsByLoad
+        if args.step_slo_ms is None:
+            raise ValueError("--decode-pools-by-load needs --step-slo-ms (the decode step time the full pool must meet)")
+        pools = [None] + [Plan.load(path) for path in args.decode_pools_by_load]
+        llm.set_decode_pools(PoolsByLoad.from_slo(pools, llm.k_cost, args.step_slo_ms / 1e3, llm.full_k,
+                                                  args.max_num_seqs))
     return llm
 
 

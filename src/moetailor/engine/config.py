@@ -16,6 +16,10 @@ class EngineConfig:
     memory_budget: int | None = None      # bytes for weights + KV cache; KV gets what the weights leave
     dtype: torch.dtype = torch.float32    # weights and KV cache
     prefill_dtype: torch.dtype | None = None  # autocast dtype for prefill steps (bf16 matmuls pay for long prompts)
+    # expert weights of decode steps in this dtype (a copy beside the model's; prefill keeps the model's):
+    # a decode step streams expert weights, and bf16 streams 2-4x faster than fp32 on AVX-512 BF16 CPUs
+    # (`python -m moetailor.bench.kernels` measures it); None = the model's weights
+    decode_expert_dtype: torch.dtype | None = None
     device: str = "cpu"
     experts_impl: str = "grouped"         # "grouped": one grouped GEMM per projection; "loop": routing's per-expert loop
     # Per-request expert budgets (SamplingParams.expert_top_k) in one engine (engine/k_tiers.py):

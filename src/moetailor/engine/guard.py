@@ -250,10 +250,8 @@ class Guard:
         twin = Sequence(seq.token_ids, sampling, request_id=shadow_id(seq.request_id),
                         prompt=seq.prompt, plan=self.full_plan, plan_key=FULL_KEY)
         twin.block_size = seq.block_size
-        if twin.request_id in self.llm._seqs:
+        if not self.llm.enqueue(twin):
             return
-        self.llm._seqs[twin.request_id] = twin
-        self.llm.scheduler.add(twin)
         self.watches[twin.seq_id] = Watch(key, "shadow")
         self.shadows[twin.seq_id] = twin
 

@@ -5,9 +5,11 @@ policy: prefill steps run ``plan.prefill``, decode steps ``plan.decode`` (None =
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -19,13 +21,14 @@ from ..routing.controller import RoutingController
 from ..routing.policy import FULL_PHASE
 from .block_manager import BlockManager
 from .k_tiers import KRequest, OnlineLanes, StepCost, model_max_k, plan_offline
+from .load_pools import PoolsByLoad
 from .config import EngineConfig
 from .guard import Guard, GuardConfig
 from .logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from .model_runner import ModelRunner
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus, StreamDelta, delta
 from .validation import RequestLimits, check_request, encode_prompt
 
 log = logging.getLogger("moetailor.engine")
@@ -60,24 +63,17 @@ class StepRecord:
     distinct_experts: dict[int, int]    # MoE layer -> distinct experts read this step
     expert_bytes: int                   # expert weight bytes read this step
     mean_k: float = 0.0                 # mean experts per token this step (per-request budgets)
+    pool_size: int | None = None        # decode pool by load: experts per layer the step's pool keeps
 
 
-@dataclass
-class StreamDelta:
-    """What one request gained in one step (streaming)."""
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    error: str | None = None
-    logprobs: list[TokenLogprob] | None = None   # of ``token_ids`` when the request asked for logprobs
-    prompt_logprobs: list[TokenLogprob | None] | None = None   # in the request's first delta, when asked for
+class _FullPlan:
+    """The full router in both phases (a decode-pool rung that keeps every expert)."""
+
+    def phase(self, phase: str):
+        return FULL_PHASE
 
 
-def new_logprobs(seq, start: int, end: int) -> list[TokenLogprob] | None:
-    """The logprobs of completion tokens [start, end) of a sequence that asked for them (else None)."""
-    return None if seq.logprobs is None else seq.logprobs[start:end]
+FULL_PLAN = _FullPlan()
 
 
 def resolve_plan(plan: Plan | str | Path | None, model) -> Plan | None:
@@ -98,7 +94,8 @@ class LLM:
                  max_model_len: int | None = None, memory_budget: int | None = None,
                  prefill_dtype: torch.dtype | None = None, experts_impl: str = "grouped",
                  step_log_size: int = 10_000, guard: GuardConfig | bool | None = None,
-                 k_schedule: str = "mixed", k_cost: StepCost | None = None):
+                 k_schedule: str = "mixed", k_cost: StepCost | None = None,
+                 decode_pools: PoolsByLoad | None = None, decode_expert_dtype: torch.dtype | None = None):
         from ..models.loading import load_model, load_tokenizer
 
         if isinstance(model, (str, Path)):
@@ -116,22 +113,23 @@ class LLM:
         self.config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
                                    memory_budget=memory_budget, dtype=dtype, prefill_dtype=prefill_dtype,
-                                   device=str(device), experts_impl=experts_impl, k_schedule=k_schedule)
+                                   device=str(device), experts_impl=experts_impl, k_schedule=k_schedule,
+                                   decode_expert_dtype=decode_expert_dtype)
         self.controller = RoutingController.of(self.model)
         self.runner = ModelRunner(self.model, self.config)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)
         self.full_k = self.controller.layers[0].top_k
         self.k_cost = k_cost or StepCost.for_model(self.model)     # the k-aware schedules' throughput estimate
         lanes = OnlineLanes(self.k_cost, max_batch=max_num_seqs) if k_schedule == "lanes" else None
-        self.scheduler = Scheduler(self.config, self.block_manager, lanes, self.full_k)
+        self.scheduler = Scheduler(self.config, self.block_manager, lanes, self.full_k, tokenizer, self._eos_ids())
         self.plan: Plan | None = None
         self.guard: Guard | None = None
         self._seqs: dict[str, Sequence] = {}
         self.set_plan(plan)
-        self.eos_token_ids = self._eos_ids()
+        self.decode_pools: PoolsByLoad | None = None
+        self.set_decode_pools(decode_pools)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
-        self.step_log: list[StepRecord] = []
-        self.step_log_size = step_log_size
+        self.step_log: deque[StepRecord] = deque(maxlen=step_log_size)   # the most recent steps
         self.lock = threading.RLock()
         self.tokens_generated = 0
         if guard:   # off unless asked for (the server turns it on): measurements see the raw plan
@@ -152,6 +150,15 @@ class LLM:
         if self.guard is not None:
             self.guard.reset()   # a new plan is judged on fresh evidence
 
+    def set_decode_pools(self, pools: PoolsByLoad | None) -> None:
+        """Decode steps of requests without their own plan run the pool ``pools`` picks for the step's
+        batch size (``load_pools.PoolsByLoad``) instead of the engine plan's decode policy."""
+        for rung in pools.rungs if pools is not None else ():
+            if rung.plan is not None:
+                rung.plan.check_model(self.model)
+                self.controller.compile(rung.plan.decode)   # a bad plan fails here, not inside a step
+        self.decode_pools = pools
+
     def enable_guard(self, config: GuardConfig | None = None) -> Guard:
         """Watch reduced pools and fall back to the full pool when one collapses (engine/guard.py)."""
         self.guard = Guard(self, config)
@@ -160,6 +167,14 @@ class LLM:
     def phase_policy(self, phase: str, plan: Plan | None = None):
         plan = plan or self.plan
         return FULL_PHASE if plan is None else plan.phase(phase)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.scheduler.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: set[int]) -> None:
+        self.scheduler.eos_token_ids = set(ids)
 
     @property
     def max_model_len(self) -> int:
@@ -203,6 +218,16 @@ class LLM:
             self.scheduler.add(seq)
         return seq
 
+    def enqueue(self, seq: Sequence) -> bool:
+        """Queue a sequence built outside ``add_request`` (the guard's full-pool shadows); False when
+        its request id is already in use."""
+        with self.lock:
+            if seq.request_id in self._seqs:
+                return False
+            self._seqs[seq.request_id] = seq
+            self.scheduler.add(seq)
+            return True
+
     def request_limits(self) -> RequestLimits:
         if getattr(self, "_limits", None) is None:   # model_max_k reads a sidecar: once
             self._limits = RequestLimits(self.vocab_size, self.config.max_model_len,
@@ -229,6 +254,7 @@ class LLM:
                 seq.generator.set_state(generator_state)
             if self.tokenizer is not None:
                 seq.text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+                seq.detok_prefix = seq.detok_read = seq.num_completion_tokens
             self._seqs[request_id] = seq
             if len(self.scheduler.running) < self.config.max_num_seqs and self.block_manager.can_allocate(seq):
                 self.block_manager.allocate(seq)
@@ -256,18 +282,18 @@ class LLM:
         return not self.scheduler.is_finished()
 
     # ---- one step ------------------------------------------------------------------------------
-    def _token_top_k(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
-        """Per-token expert budget [T], or None when every request uses the model's k."""
+    def _token_top_k(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor | None, int | None, float]:
+        """Per-token expert budget [T], its max and mean; (None, None, k) when every request uses the model's k."""
         ks = [s.sampling.expert_top_k for s in seqs]
         if all(k is None for k in ks):
-            return None
+            return None, None, float(self.full_k)
         full = self.full_k
         per_seq = [min(k or full, full) for k in ks]
         if self.config.k_schedule == "max":     # the baseline: everyone at the step's largest budget
             per_seq = [max(per_seq)] * len(per_seq)
         counts = [len(s) if is_prefill else 1 for s in seqs]
-        return torch.tensor(per_seq, device=self.runner.device).repeat_interleave(
-            torch.tensor(counts, device=self.runner.device))                # [T]
+        per_token = [k for k, n in zip(per_seq, counts) for _ in range(n)]
+        return torch.tensor(per_token, device=self.runner.device), max(per_seq), sum(per_token) / len(per_token)
 
     def step(self) -> list[Sequence]:
         """Run one prefill or decode step; returns the sequences that got a token or failed. When the
@@ -281,19 +307,21 @@ class LLM:
             meter = self.controller.meter
             meter.reset()
             start = time.perf_counter()
-            top_k = self._token_top_k(seqs, is_prefill)
+            top_k, k_max, mean_k = self._token_top_k(seqs, is_prefill)
+            plan, pool = seqs[0].plan, None
+            if not is_prefill and plan is None and self.decode_pools is not None:
+                rung = self.decode_pools.rung_for(len(seqs))
+                plan, pool = rung.plan or FULL_PLAN, rung.pool_size
             try:
-                logits, tokens = self._forward(seqs, is_prefill, top_k)                   # [B, V], [B]
+                logits, tokens = self._forward(seqs, is_prefill, plan, top_k, k_max)     # [B, V], [B]
             except Exception:
-                return self._step_one_by_one(seqs, is_prefill)
+                return self._step_one_by_one(seqs, is_prefill, plan)
+            distinct = dict(meter.distinct)           # the step's one read of the experts' device counts
             seconds = time.perf_counter() - start
-            mean_k = float(top_k.float().mean()) if top_k is not None else float(self.full_k)
-            self.step_log.append(StepRecord(phase, len(seqs), num_tokens, seconds, dict(meter.distinct),
-                                            meter.bytes_read, mean_k))
-            if len(self.step_log) > self.step_log_size:
-                del self.step_log[: len(self.step_log) - self.step_log_size]
-            for seq, token in zip(seqs, tokens):
-                self._append(seq, token)
+            self.step_log.append(StepRecord(phase, len(seqs), num_tokens, seconds, distinct, meter.bytes_read, mean_k,
+                                            pool))
+            for seq in self.scheduler.postprocess(seqs, tokens):
+                self._seqs.pop(seq.request_id, None)
             if self.guard is not None:
                 self.guard.observe(seqs, logits, is_prefill)
             self.tokens_generated += len(seqs)
@@ -323,57 +351,41 @@ class LLM:
         for i, entry in zip(rows, token_logprobs(logits[rows], [tokens[i] for i in rows], n)):
             seqs[i].logprobs.append(TokenLogprob(entry.token_id, entry.logprob, entry.top[:seqs[i].sampling.logprobs]))
 
-    def _forward(self, seqs: list[Sequence], is_prefill: bool, top_k) -> tuple[torch.Tensor, list[int]]:
-        phase = "prefill" if is_prefill else "decode"
+    def _forward(self, seqs: list[Sequence], is_prefill: bool, plan, top_k: torch.Tensor | None,
+                 k_max: int | None) -> tuple[torch.Tensor, list[int]]:
         every = [is_prefill and s.sampling.prompt_logprobs is not None and s.prompt_logprobs is None
                  for s in seqs]                                                    # prompt logprobs still to compute
-        with self.controller.policy(self.phase_policy(phase, seqs[0].plan), token_top_k=top_k):
-            logits = self.runner.run(seqs, is_prefill, self.block_manager,
-                                     every if any(every) else None)               # [B, V] (or [K, V])
+        policy = self.controller.compile(self.phase_policy("prefill" if is_prefill else "decode", plan))  # cached
+        logits = self.runner.run(seqs, is_prefill, self.block_manager, policy, top_k, k_max,
+                                 every if any(every) else None)                    # [B, V] (or [K, V])
         if any(every):
             logits = self._take_prompt_logprobs(seqs, every, logits)              # [B, V]
         tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
         self._record_logprobs(seqs, logits, tokens)
         return logits, tokens
 
-    def _step_one_by_one(self, seqs: list[Sequence], is_prefill: bool) -> list[Sequence]:
+    def _step_one_by_one(self, seqs: list[Sequence], is_prefill: bool, plan) -> list[Sequence]:
         """A failed step again, one request at a time (same KV slots, so nothing is written twice):
         a request that fails alone ends with a short error (the traceback goes to the log), its
         guard shadow with it; the others get their token."""
         done, rows = [], []
         for seq in seqs:
             try:
-                logits, tokens = self._forward([seq], is_prefill, self._token_top_k([seq], is_prefill))
+                top_k, k_max, _ = self._token_top_k([seq], is_prefill)
+                logits, tokens = self._forward([seq], is_prefill, plan, top_k, k_max)
             except Exception as e:
                 log.exception("request %s failed in a %s step", seq.request_id, "prefill" if is_prefill else "decode")
                 self.abort(seq.request_id, reason="error", error=f"internal error ({type(e).__name__}) in the engine "
                                                                  "step; the server log has the details")
                 continue
-            self._append(seq, tokens[0])
+            for finished in self.scheduler.postprocess([seq], tokens):
+                self._seqs.pop(finished.request_id, None)
             done.append(seq)
             rows.append(logits)
         if self.guard is not None and done:
             self.guard.observe(done, torch.cat(rows), is_prefill)
         self.tokens_generated += len(done)
         return list(seqs)
-
-    def _append(self, seq: Sequence, token: int) -> None:
-        seq.append_token(token)
-        p = seq.sampling
-        reason = None
-        if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
-            cut = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.text, reason = seq.text[:cut], "stop"
-        if reason is None and not p.ignore_eos and token in self.eos_token_ids:
-            reason = "stop"
-        if reason is None and (seq.num_completion_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len):
-            reason = "length"
-        if reason is not None:
-            seq.finish(reason)
-            self.scheduler.finish(seq)
-            self._seqs.pop(seq.request_id, None)
 
     # ---- front ends ----------------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]] | str, sampling: SamplingParams | list[SamplingParams]
@@ -434,20 +446,15 @@ class LLM:
         """Yield the request's new text and tokens after each step (other requests advance too).
         Closing the iterator early aborts the request and frees its blocks."""
         seq = self.add_request(prompt, sampling, request_id)
-        sent_text, sent_tokens = 0, 0
+        sent_text = sent_tokens = 0
         try:
             while True:
                 if not seq.is_finished:
                     self.step()
-                text = seq.text
-                if not seq.is_finished and text.endswith("\ufffd"):
-                    text = text[:-1]   # an incomplete UTF-8 sequence: wait for the next token
-                tokens = seq.completion_token_ids
-                if len(tokens) > sent_tokens or seq.is_finished:
-                    yield StreamDelta(seq.request_id, text[sent_text:], tokens[sent_tokens:], seq.is_finished,
-                                      seq.finish_reason, seq.error, new_logprobs(seq, sent_tokens, len(tokens)),
-                                      seq.prompt_logprobs if sent_tokens == 0 else None)
-                    sent_text, sent_tokens = len(text), len(tokens)
+                if seq.num_completion_tokens > sent_tokens or seq.is_finished:
+                    d = delta(seq, sent_text, sent_tokens)
+                    sent_text, sent_tokens = sent_text + len(d.text), sent_tokens + len(d.token_ids)
+                    yield d
                 if seq.is_finished:
                     return
         finally:
@@ -457,7 +464,7 @@ class LLM:
     # ---- numbers -------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Queue and pool state for /metrics and logs."""
-        recent = [r for r in self.step_log[-50:] if r.phase == "decode"]
+        recent = [r for r in itertools.islice(reversed(self.step_log), 50) if r.phase == "decode"]
         secs = sum(r.seconds for r in recent)
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_blocks_total": self.block_manager.num_blocks, "kv_blocks_free": self.block_manager.num_free,

@@ -1,5 +1,7 @@
-"""Runs one engine step on the model: packs the step's tokens, sets the paged-attention context,
-holds the KV block pool, and returns the next-token logits of each sequence."""
+"""Runs one engine step on the model: packs the step's tokens, builds the step context (KV slots,
+block tables, the phase's expert policy and budgets) once, holds the KV block pool, and returns the
+next-token logits of each sequence. Paged attention and the experts implementation are installed
+on the model once, here; nothing about the model changes per step."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -7,8 +9,8 @@ from contextlib import nullcontext
 import torch
 
 from . import attention
+from ..models.step_context import StepContext, reset_context, set_context
 from ..routing import experts
-from .attention import Context, paged_mode, step_context
 from .config import EngineConfig
 from .sequence import Sequence
 
@@ -26,9 +28,14 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.device = torch.device(config.device)
-        attention.register()
+        attention.install(model)
         experts.register()
-        self.experts_impl = experts.GROUPED_IMPLEMENTATION if config.experts_impl == "grouped" else None
+        self.grouped_experts = config.experts_impl == "grouped"
+        # a 4-D attention mask tells transformers the mask is built (engine steps need none: paged
+        # attention reads the step context), so it skips mask preparation in every step
+        self._mask_built = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self._kv_buffers: dict = {}     # decode gather buffers, reused by every layer and step
+        self.decode_expert_weights = self._expert_copies(config.decode_expert_dtype)
         limit = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
         if config.max_model_len is None:
             config.max_model_len = min(limit, 4096)
@@ -41,6 +48,16 @@ class ModelRunner:
         self.weight_bytes = model_bytes(model)
         self.num_blocks = self._num_blocks()
         self.kv_cache = self._allocate()
+
+    def _expert_copies(self, dtype: torch.dtype | None) -> dict | None:
+        """MoE layer -> its experts' (gate_up, down) in ``dtype``, for decode steps; None = the model's."""
+        from ..models.adapters import moe_layers
+
+        layers = moe_layers(self.model)
+        if dtype is None or all(l.experts.gate_up_proj.dtype == dtype for l in layers):
+            return None
+        return {l.index: (l.experts.gate_up_proj.detach().to(dtype), l.experts.down_proj.detach().to(dtype))
+                for l in layers}
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -56,10 +73,15 @@ class ModelRunner:
     def _probe_kv_shapes(self) -> dict:
         """Run one token through the model to learn each layer's k/v head shapes (works for MLA too)."""
         probe: dict = {}
-        ctx = Context(is_prefill=True, slot_mapping=torch.zeros(1, dtype=torch.long, device=self.device), probe=probe)
+        ctx = StepContext(is_prefill=True, slot_mapping=torch.zeros(1, dtype=torch.long, device=self.device),
+                          probe=probe)
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        with paged_mode(self.model), step_context(ctx), torch.inference_mode():
-            self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+        set_context(ctx)
+        try:
+            with torch.inference_mode():
+                self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+        finally:
+            reset_context()
         if not probe:
             raise ValueError(f"{type(self.model).__name__} did not call transformers' attention interface; "
                              "the paged engine needs a model whose attention uses AttentionInterface")
@@ -110,7 +132,7 @@ class ModelRunner:
                 kv[0][slots] = new[0].to(kv[0].device, kv[0].dtype)
                 kv[1][slots] = new[1].to(kv[1].device, kv[1].dtype)
 
-    def prepare_prefill(self, seqs: list[Sequence], block_manager) -> tuple[list[int], list[int], Context]:
+    def prepare_prefill(self, seqs: list[Sequence], block_manager) -> tuple[torch.Tensor, StepContext]:
         ids, positions, slots, cu = [], [], [], [0]
         for seq in seqs:
             n = len(seq)
@@ -118,37 +140,54 @@ class ModelRunner:
             positions += range(n)
             slots += block_manager.slots(seq, 0, n)
             cu.append(cu[-1] + n)
-        ctx = Context(is_prefill=True, slot_mapping=self._tensor(slots), cu_seqlens=cu,
-                      kv_cache=self.kv_cache, block_size=self.config.block_size)
-        return ids, positions, ctx
+        packed = self._tensor([ids, positions, slots])                               # [3, T]
+        ctx = StepContext(is_prefill=True, slot_mapping=packed[2], cu_seqlens=cu, kv_cache=self.kv_cache,
+                          block_size=self.config.block_size, grouped_experts=self.grouped_experts)
+        return packed, ctx
 
-    def prepare_decode(self, seqs: list[Sequence], block_manager) -> tuple[list[int], list[int], Context]:
+    def prepare_decode(self, seqs: list[Sequence], block_manager) -> tuple[torch.Tensor, StepContext]:
+        """Inputs [3, B] (ids, positions, slots) and the context. Attention reads each sequence's
+        first S = max length cached positions: a slice of the pool for a lone sequence whose blocks
+        are contiguous, else the pool slots of its blocks ``kv_slots`` [B*S] (masked past its length
+        unless every sequence has the same length)."""
         bs = self.config.block_size
+        lens = [len(seq) for seq in seqs]
+        tables = [seq.block_table for seq in seqs]
         ids = [seq.token_ids[-1] for seq in seqs]
-        positions = [len(seq) - 1 for seq in seqs]
-        slots = [block_manager.slots(seq, len(seq) - 1, len(seq))[0] for seq in seqs]
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs],
-                              dtype=torch.long, device=self.device)                   # [B, nb]
-        lens = torch.tensor([len(seq) for seq in seqs], device=self.device)           # [B]
-        mask = torch.arange(width * bs, device=self.device)[None, :] < lens[:, None]  # [B, S]
-        ctx = Context(is_prefill=False, slot_mapping=self._tensor(slots), block_tables=tables,
-                      kv_mask=mask[:, None, None, :], kv_cache=self.kv_cache, block_size=bs)
-        return ids, positions, ctx
+        positions = [n - 1 for n in lens]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        packed = self._tensor([ids, positions, slots])                               # [3, B]
+        longest = max(lens)
+        ctx = StepContext(is_prefill=False, slot_mapping=packed[2], kv_cache=self.kv_cache, block_size=bs,
+                          kv_len=longest, kv_buffers=self._kv_buffers, grouped_experts=self.grouped_experts,
+                          expert_weights=self.decode_expert_weights)
+        first = tables[0][0]
+        if len(seqs) == 1 and tables[0] == list(range(first, first + len(tables[0]))):
+            ctx.kv_slots = slice(first * bs, first * bs + longest)
+            return packed, ctx
+        width = (longest + bs - 1) // bs
+        table = self._tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables])   # [B, nb]
+        kv_slots = (table[:, :, None] * bs + torch.arange(bs, device=self.device)).view(len(seqs), -1)  # [B, nb*bs]
+        ctx.kv_slots = kv_slots[:, :longest].flatten()                               # [B*S]
+        if min(lens) != longest:
+            length = self._tensor(lens)                                               # [B]
+            ctx.kv_mask = (torch.arange(longest, device=self.device) < length[:, None])[:, None, None, :]  # [B,1,1,S]
+        return packed, ctx
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
+    def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, block_manager,
+    def run(self, seqs: list[Sequence], is_prefill: bool, block_manager, policy: dict | None = None,
+            token_top_k: torch.Tensor | None = None, k_max: int | None = None,
             every_position: list[bool] | None = None) -> torch.Tensor:
-        """Next-token logits [B, V] (float32) for the step's sequences. In a prefill step,
-        ``every_position[i]`` keeps all of sequence i's rows instead of its last one (prompt
-        logprobs): then the result is [sum of kept rows, V], in sequence order."""
+        """Next-token logits [B, V] (float32) for the step's sequences. ``policy`` (MoE layer ->
+        CompiledPolicy), ``token_top_k`` [T] and its max ``k_max`` are the step's routing. In a
+        prefill step, ``every_position[i]`` keeps all of sequence i's rows instead of its last one
+        (prompt logprobs): then the result is [sum of kept rows, V], in sequence order."""
         prepare = self.prepare_prefill if is_prefill else self.prepare_decode
-        ids, positions, ctx = prepare(seqs, block_manager)
-        input_ids = self._tensor(ids)[None]                                           # [1, T]
-        position_ids = self._tensor(positions)[None]                                  # [1, T]
+        packed, ctx = prepare(seqs, block_manager)
+        ctx.policy, ctx.token_top_k, ctx.k_max = policy or {}, token_top_k, k_max
         keep = 0
         if is_prefill:
             every = every_position or [False] * len(seqs)
@@ -158,6 +197,11 @@ class ModelRunner:
         cast = self.config.prefill_dtype if is_prefill else None
         autocast = torch.autocast(self.device.type, dtype=cast) if cast is not None and cast != self.config.dtype \
             else nullcontext()
-        with paged_mode(self.model), experts.experts_mode(self.model, self.experts_impl), step_context(ctx), autocast:
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
+        set_context(ctx)
+        try:
+            with autocast:
+                out = self.model(input_ids=packed[0][None], position_ids=packed[1][None],      # [1, T] each
+                                 attention_mask=self._mask_built, use_cache=False, logits_to_keep=keep)
+        finally:
+            reset_context()
         return out.logits[0].float()                                                  # [B or K, V]

@@ -7,6 +7,7 @@ expert plan, ``seq.plan_key``, or another offline k tier, ``seq.tier``) never sh
 takes the group at the head of its queue, and a decode step sends its group to the back so groups
 take turns. With decode lanes (``k_schedule="lanes"``) a decode step runs the lane of per-request
 expert budgets that ``OnlineLanes`` picks; the other sequences keep their blocks and wait.
+After a step, ``postprocess`` appends each sequence's token and finishes the ones that are done.
 """
 from __future__ import annotations
 
@@ -14,15 +15,19 @@ from collections import deque
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .detokenizer import Detokenizer
 from .k_tiers import KRequest, OnlineLanes
 from .sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, lanes: OnlineLanes | None = None,
-                 full_k: int | None = None):
+                 full_k: int | None = None, tokenizer=None, eos_token_ids: set[int] = frozenset()):
         self.lanes = lanes                  # decode lanes by expert budget (None: one lane)
         self.full_k = full_k                # the budget of a request that set none
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = config.max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
@@ -87,6 +92,28 @@ class Scheduler:
         batch = self.lanes.next_batch([KRequest(s.request_id, s.sampling.expert_top_k or self.full_k, s.arrival)
                                        for s in group])
         return set(batch.request_ids)
+
+    def postprocess(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """Append each sequence's new token; finish (and release) those that hit a stop string,
+        EOS, max_tokens or the context limit. Returns the finished ones."""
+        finished = []
+        for seq, token in zip(seqs, tokens):
+            seq.append_token(token)
+            p = seq.sampling
+            reason = None
+            if self.detokenizer is not None and self.detokenizer.update(seq):
+                reason = "stop"
+            elif not p.ignore_eos and token in self.eos_token_ids:
+                reason = "stop"
+            elif seq.num_completion_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                if self.detokenizer is not None:
+                    self.detokenizer.finalize(seq)
+                seq.finish(reason)
+                self.finish(seq)
+                finished.append(seq)
+        return finished
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it first; its prompt + completion are prefilled again."""

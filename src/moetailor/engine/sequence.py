@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
@@ -38,6 +39,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""                      # completion text (stop strings already cut)
+        self.detok_prefix = 0               # incremental detokenization window: completion tokens
+        self.detok_read = 0                 # [prefix, read) are context, [read, ...) not yet in text
         self.logprobs: list | None = [] if sampling.logprobs is not None else None   # TokenLogprob per completion token
         self.prompt_logprobs: list | None = None   # TokenLogprob per prompt token (first None), once prefilled
         self.num_preemptions = 0
@@ -89,3 +92,35 @@ class Sequence:
         ttft = (self.first_token_time - self.arrival) if self.first_token_time else None
         return {"ttft_s": ttft, "total_s": end - self.arrival, "num_preemptions": self.num_preemptions,
                 "prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_completion_tokens}
+
+
+@dataclass
+class StreamDelta:
+    """What one request gained since it was last reported (streaming)."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list | None = None            # TokenLogprob of ``token_ids`` when the request asked for logprobs
+    prompt_logprobs: list | None = None     # in the request's first delta, when asked for
+
+
+def new_logprobs(seq, start: int, end: int) -> list | None:
+    """The logprobs of completion tokens [start, end) of a sequence that asked for them (else None)."""
+    logprobs = getattr(seq, "logprobs", None)
+    return None if logprobs is None else logprobs[start:end]
+
+
+def delta(seq, sent_text: int, sent_tokens: int) -> StreamDelta:
+    """``seq``'s text and tokens past the first ``sent_text`` characters and ``sent_tokens`` tokens;
+    a ``Sequence`` or the disaggregated front end's ``RemoteSequence`` (both engines stream with it).
+    An unfinished text ending in an incomplete UTF-8 character holds that character back."""
+    text = seq.text
+    if not seq.is_finished and text.endswith("\ufffd"):
+        text = text[:-1]
+    tokens = seq.completion_token_ids
+    return StreamDelta(seq.request_id, text[sent_text:], list(tokens[sent_tokens:]), seq.is_finished,
+                       seq.finish_reason, seq.error, new_logprobs(seq, sent_tokens, len(tokens)),
+                       getattr(seq, "prompt_logprobs", None) if sent_tokens == 0 else None)

@@ -27,8 +27,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..models.chat import chat_prompt
-from .llm import LLM, StreamDelta, new_logprobs
+from .llm import LLM, StreamDelta
 from .logprobs import MAX_LOGPROBS, chat_logprobs, completion_logprobs
+from .sequence import delta as stream_delta
 from .sampling import SamplingParams
 
 log = logging.getLogger("moetailor.server")
@@ -121,14 +122,8 @@ class AsyncEngine:
         entry = self.requests.get(seq.request_id)
         if entry is None:
             return
-        text = seq.text
-        if not seq.is_finished and text.endswith("\ufffd"):
-            text = text[:-1]
-        tokens = seq.completion_token_ids
-        delta = StreamDelta(seq.request_id, text[entry.sent_text:], tokens[entry.sent_tokens:], seq.is_finished,
-                            seq.finish_reason, seq.error, new_logprobs(seq, entry.sent_tokens, len(tokens)),
-                            seq.prompt_logprobs if entry.sent_tokens == 0 else None)
-        entry.sent_text, entry.sent_tokens = len(text), len(tokens)
+        delta = stream_delta(seq, entry.sent_text, entry.sent_tokens)
+        entry.sent_text, entry.sent_tokens = entry.sent_text + len(delta.text), entry.sent_tokens + len(delta.token_ids)
         if seq.is_finished:
             self.requests.pop(seq.request_id, None)
         entry.loop.call_soon_threadsafe(entry.queue.put_nowait, delta)

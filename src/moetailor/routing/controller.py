@@ -14,8 +14,9 @@ import torch.nn as nn
 
 from ..models.adapters import MoeLayer, moe_layers
 from ..models.architectures import arch_spec
+from ..models.step_context import get_context
 from . import experts as experts_impl
-from .policy import PhasePolicy
+from .policy import FULL, PhasePolicy
 from .router import CompiledPolicy, FoldTables, route
 
 # observer(layer, hidden [T, H], logits [T, E], weights [T, K], index [T, K])
@@ -48,6 +49,7 @@ class RoutingController:
         self.token_top_k: torch.Tensor | None = None  # [T] per-token budget (per-request k), or None
         self._active: dict[int, CompiledPolicy] = {}
         self._cache: dict[int, tuple[PhasePolicy, dict[int, CompiledPolicy]]] = {}
+        self._full: dict[int, CompiledPolicy] = {}   # layer -> the full router compiled (per-token budgets only)
         experts_impl.register()
         for layer in self.layers:
             layer.router.__class__ = _controlled(type(layer.router))
@@ -115,19 +117,25 @@ class RoutingController:
             self.observers.remove(observer)
 
     def _route(self, layer: MoeLayer, hidden_states: torch.Tensor):
+        """The layer's routes under the engine step's context when one is set, else under ``policy``."""
         router = layer.router
-        cp = self._active.get(layer.index)
-        if cp is None and self.token_top_k is None:
+        ctx = get_context()
+        if ctx is not None:
+            cp, token_k, k_max = ctx.policy.get(layer.index), ctx.token_top_k, ctx.k_max
+        else:
+            cp, token_k, k_max = self._active.get(layer.index), self.token_top_k, None
+        if cp is None and token_k is None:
             logits, weights, index = router._moetailor_base.forward(router, hidden_states)
         else:
             hidden = hidden_states.reshape(-1, hidden_states.shape[-1])       # [T, H]
             logits = layer.router_logits(hidden)                              # [T, E]
             if cp is None:
-                cp = CompiledPolicy.build(layer_identity(), layer.semantics, logits.device)
-            token_k = self.token_top_k
+                cp = self._full.get(layer.index)
+                if cp is None:
+                    cp = self._full[layer.index] = CompiledPolicy.build(FULL, layer.semantics, logits.device)
             if token_k is not None and token_k.numel() != logits.shape[0]:
                 raise RuntimeError(f"token_top_k has {token_k.numel()} entries for {logits.shape[0]} tokens")
-            weights, index = route(logits, layer.semantics, cp, layer.router_bias, token_k)
+            weights, index = route(logits, layer.semantics, cp, layer.router_bias, token_k, k_max)
             if self.spec.cast_weights_to_logits_dtype:
                 weights = weights.to(logits.dtype)
         if self.observers:
@@ -147,7 +155,3 @@ class RoutingController:
             self.model.set_experts_implementation(self._previous_impl)
         self.model._moetailor_controller = None
 
-
-def layer_identity():
-    from .policy import FULL
-    return FULL

@@ -1,49 +1,66 @@
-"""moetailor's experts implementations: grouped by expert, touching only the routed union.
+"""moetailor's experts implementation: grouped by expert, touching only the routed union.
 
-Both are registered in transformers' ``ExpertsInterface`` and share one contract: sentinel routes
-(index E, from ``route``) cost nothing, and each call records how many distinct experts it read and
-how many weight bytes that was (``TrafficMeter``), the quantity decode speed is bound by.
+One function is registered in transformers' ``ExpertsInterface`` ("moetailor", installed by the
+routing controller) and it picks its path from the step context (``models.step_context``):
 
-- "moetailor" (``loop_experts_forward``): a Python loop over the routed experts; runs any expert
-  layout, and is what the controller installs for analysis and evaluation passes.
-- "moetailor_grouped" (``grouped_experts_forward``): the routes, sorted by expert, go through
-  ``grouped_mm`` once per projection; experts with no rows are skipped by the kernel (their weights
-  are not read) and the per-expert call overhead, which bounds a small model's decode step,
-  disappears. The engine selects it for its own steps (``experts_mode``).
+- in an engine step with grouped experts (the default): the routes, sorted by expert, go through
+  ``grouped_mm`` once per projection (``grouped_experts_forward``); experts with no rows are
+  skipped by the kernel (their weights are not read) and nothing waits on the host: per-expert
+  counts and offsets stay on the device, dropped routes sort last and are masked out;
+- otherwise (analysis and evaluation passes, or ``experts_impl="loop"``): a Python loop over the
+  routed experts (``loop_experts_forward``), which runs any expert layout.
+
+Both share one contract: sentinel routes (index E, from ``route``) cost nothing, and each call
+records how many distinct experts it read (``TrafficMeter``; a device count, read once when the
+meter is read), the quantity decode speed is bound by.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
+
+from ..models.step_context import get_context
 
 IMPLEMENTATION = "moetailor"
 GROUPED_IMPLEMENTATION = "moetailor_grouped"
 
 
-@dataclass
 class TrafficMeter:
-    """Per forward pass: distinct experts read per MoE layer and expert weight bytes read."""
+    """Per forward pass: distinct experts read per MoE layer and expert weight bytes read. Layers
+    record device counts; they are read back together, once, when ``distinct`` is first read."""
 
-    enabled: bool = True
-    distinct: dict[int, int] = field(default_factory=dict)   # layer -> distinct experts in the last call
-    bytes_read: int = 0
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._distinct: dict[int, int | torch.Tensor] = {}     # layer -> distinct experts (0-d tensor until read)
+        self._bytes_per_expert: dict[int, int] = {}
 
     def reset(self) -> None:
-        self.distinct.clear()
-        self.bytes_read = 0
+        self._distinct.clear()
+        self._bytes_per_expert.clear()
 
-    def record(self, layer: int, n_experts: int, bytes_per_expert: int) -> None:
-        self.distinct[layer] = n_experts
-        self.bytes_read += n_experts * bytes_per_expert
+    def record(self, layer: int, n_experts: int | torch.Tensor, bytes_per_expert: int) -> None:
+        self._distinct[layer] = n_experts
+        self._bytes_per_expert[layer] = bytes_per_expert
+
+    @property
+    def distinct(self) -> dict[int, int]:
+        """MoE layer -> distinct experts read in the last forward (one host read for all layers)."""
+        pending = [layer for layer, n in self._distinct.items() if isinstance(n, torch.Tensor)]
+        if pending:
+            for layer, n in zip(pending, torch.stack([self._distinct[l] for l in pending]).tolist()):
+                self._distinct[layer] = int(n)
+        return self._distinct
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(n * self._bytes_per_expert[layer] for layer, n in self.distinct.items())
 
 
-def _record(self, n_distinct: int) -> None:
+def _record(self, n_distinct: int | torch.Tensor, gu: torch.Tensor | None = None, down: torch.Tensor | None = None) -> None:
     meter = getattr(self, "_moetailor_meter", None)
     if meter is not None and meter.enabled:
-        per_expert = (self.gate_up_proj[0].numel() + self.down_proj[0].numel()) * self.gate_up_proj.element_size()
+        gu, down = (self.gate_up_proj, self.down_proj) if gu is None else (gu, down)
+        per_expert = (gu.shape[1] * gu.shape[2] + down.shape[1] * down.shape[2]) * gu.element_size()
         meter.record(getattr(self, "_moetailor_layer", -1), n_distinct, per_expert)
 
 
@@ -77,45 +94,46 @@ def loop_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.T
 
 def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The routes sorted by expert through one ``grouped_mm`` per projection, without a host sync:
+    dropped routes (index E) sort last, past the last offset, so the kernel never computes them
+    and their rows are masked out. Decode steps use the decode copy of the weights when the engine
+    made one (``StepContext.expert_weights``: e.g. bf16, which streams faster than fp32)."""
     from transformers.integrations.moe import _grouped_mm
 
-    if getattr(self, "has_bias", False) or getattr(self, "is_transposed", False) or not getattr(self, "has_gate", True):
-        return loop_experts_forward(self, hidden_states, top_k_index, top_k_weights)   # layouts grouped_mm skips
-    k = top_k_index.shape[1]                                                # [T, K]
-    out = torch.zeros_like(hidden_states)                                   # [T, H]
-    experts, slots = sorted_routes(top_k_index, self.num_experts)           # [S], [S]
-    if slots.numel() == 0:                                                  # every route dropped
-        _record(self, 0)
-        return out
-    rows = slots // k                                                       # [S] token of each route
-    counts = torch.bincount(experts, minlength=self.num_experts)            # [E]
+    gu, down = self.gate_up_proj, self.down_proj                            # [E, 2I, H], [E, H, I]
+    ctx = get_context()
+    if ctx is not None and ctx.expert_weights:
+        gu, down = ctx.expert_weights.get(getattr(self, "_moetailor_layer", -1), (gu, down))
+    E, k = self.num_experts, top_k_index.shape[1]                           # top_k_index [T, K]
+    flat = top_k_index.reshape(-1)                                          # [T*K]
+    experts, order = torch.sort(flat, stable=True)                          # [T*K], sentinels last
+    counts = torch.bincount(flat, minlength=E + 1)[:E]                      # [E]
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)                    # [E]
-    x = hidden_states[rows]                                                 # [S, H]
-    gate, up = _grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)  # [S, I]
-    y = _grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)        # [S, H]
-    out.index_add_(0, rows, (y * top_k_weights.reshape(-1)[slots, None]).to(out.dtype))
-    _record(self, int((counts > 0).sum()))
+    rows = order // k                                                       # [T*K] token of each route
+    x = hidden_states[rows].to(gu.dtype)                                    # [T*K, H]
+    gate, up = _grouped_mm(x, gu.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)  # [T*K, I]
+    y = _grouped_mm(self.act_fn(gate) * up, down.transpose(-2, -1), offs=offsets)   # [T*K, H]
+    w = top_k_weights.reshape(-1)[order, None]                              # [T*K, 1]
+    y = torch.where(experts[:, None] < E, y * w, 0.0)                      # rows past the offsets are garbage
+    out = torch.zeros_like(hidden_states)                                   # [T, H]
+    out.index_add_(0, rows, y.to(out.dtype))
+    _record(self, (counts > 0).sum(), gu, down)
     return out
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The registered implementation: grouped in engine steps that ask for it, the loop otherwise."""
+    ctx = get_context()
+    grouped = ctx is not None and ctx.grouped_experts and getattr(self, "has_gate", True) and not (
+        getattr(self, "has_bias", False) or getattr(self, "is_transposed", False))   # layouts grouped_mm skips
+    forward = grouped_experts_forward if grouped else loop_experts_forward
+    return forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 def register() -> None:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    for name, forward in ((IMPLEMENTATION, loop_experts_forward), (GROUPED_IMPLEMENTATION, grouped_experts_forward)):
+    for name, forward in ((IMPLEMENTATION, experts_forward), (GROUPED_IMPLEMENTATION, grouped_experts_forward)):
         if name not in ALL_EXPERTS_FUNCTIONS:
             ALL_EXPERTS_FUNCTIONS.register(name, forward)
-
-
-@contextmanager
-def experts_mode(model, implementation: str | None):
-    """Run the model's experts through ``implementation`` for the duration (None = leave as is)."""
-    if implementation is None:
-        yield
-        return
-    config = model.config
-    previous = config._experts_implementation
-    config._experts_implementation = implementation
-    try:
-        yield
-    finally:
-        config._experts_implementation = previous

@@ -89,12 +89,13 @@ def select(logits: torch.Tensor, sem: RouterSemantics, k: int, allowed: torch.Te
 
 
 def route(logits: torch.Tensor, sem: RouterSemantics, cp: CompiledPolicy, bias: torch.Tensor | None = None,
-          token_top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply a compiled layer policy to router logits [T, E] -> (weights [T, K], index [T, K])."""
+          token_top_k: torch.Tensor | None = None, k_max: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply a compiled layer policy to router logits [T, E] -> (weights [T, K], index [T, K]).
+    ``k_max`` is ``token_top_k.max()`` when the caller knows it (an engine step: one value per step)."""
     p, E = cp.policy, sem.num_experts
     k = p.top_k or sem.top_k
     if token_top_k is not None:  # per-request budgets: route at the batch's largest k, then trim each row
-        k = int(min(k, int(token_top_k.max())))
+        k = min(k, k_max if k_max is not None else int(token_top_k.max()))
     allowed = cp.keep_mask if p.pool_mode == "mask" else None
     weights, index = select(logits, sem, k, allowed, bias)                 # [T, k]
     sentinel = torch.full_like(index, E)

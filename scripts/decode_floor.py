@@ -1,0 +1,72 @@
+"""Decode against the bandwidth floor, per expert weight format, side by side in one run.
+
+    flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/decode_floor.py --batches 1 8 --layers 1 --experts 32
+
+The synthetic bandwidth-bound model (OLMoE-1B-7B layer shapes, seeded random weights, built in memory)
+decodes through the engine with its fp32 expert weights and with a bf16 decode copy
+(``LLM(decode_expert_dtype=torch.bfloat16)``); for each, per batch: median decode step, bytes a step
+reads (routed experts measured by the engine, plus the other weights and the KV cache) and that as a
+share of the machine's read bandwidth (``torch.sum`` over 1 GiB, measured in the same run). The
+GEMV-format probe (``moetailor.bench.kernels``) runs first, so the kernel ceiling sits beside each
+step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--layers", type=int, default=1, help="MoE layers of the synthetic model (1.6 GB of fp32 experts each)")
+    ap.add_argument("--experts", type=int, default=64, help="routed experts per layer (25 MB each in fp32)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--probe-experts", type=int, default=12)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from moetailor.bench.bandwidth import read_bandwidth
+    from moetailor.bench.kernels import probe
+    from moetailor.bench.measure import engine_decode, make_llm
+    from moetailor.bench.synthetic import synthetic_model
+
+    read_bw = read_bandwidth()
+    print(json.dumps({"read_gb_s": round(read_bw / 1e9, 1), "threads": torch.get_num_threads()}), flush=True)
+    for r in probe(formats=("fp32", "bf16"), rows=args.batches, experts=args.probe_experts):
+        print(json.dumps({"probe": r["format"], "rows": r["rows"], "ms_per_expert": round(r["ms_per_expert"], 3),
+                          "weight_gb_s": round(r["weight_gb_s"], 2),
+                          "of_read_bw": round(r["weight_gb_s"] * 1e9 / read_bw, 3)}), flush=True)
+    model = synthetic_model(layers=args.layers, experts=args.experts)
+    max_len = args.prompt_len + args.steps + 4
+    rows = []
+    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        llm = make_llm(model, max(args.batches), max_len)
+        if dtype is not None:
+            from moetailor.engine import LLM
+            llm = LLM(model, max_num_seqs=llm.config.max_num_seqs, num_kv_blocks=llm.config.num_kv_blocks,
+                      max_model_len=llm.config.max_model_len, decode_expert_dtype=dtype)
+        engine_decode(llm, 1, args.prompt_len, 2)                              # warm-up
+        for b in args.batches:
+            r = engine_decode(llm, b, args.prompt_len, args.steps)
+            row = {"weights": name, "batch": b, "step_ms": round(1e3 * r.step_s, 2),
+                   "tok_s": round(r.tokens_per_s, 1), "distinct_per_layer": round(r.distinct, 1),
+                   "gb_per_step": round(r.total_bytes / 1e9, 3), "gb_s": round(r.bandwidth / 1e9, 2),
+                   "of_read_bw": round(r.bandwidth / read_bw, 3)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del llm
+    fp32 = {r["batch"]: r for r in rows if r["weights"] == "fp32"}
+    print("\n| batch | weights | step ms | tok/s | GB read/step | GB/s | of read BW | speed vs fp32 |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['weights']} | {r['step_ms']} | {r['tok_s']} | {r['gb_per_step']} | {r['gb_s']} | "
+              f"{100 * r['of_read_bw']:.0f}% | {fp32[r['batch']]['step_ms'] / r['step_ms']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Incremental detokenization and stop strings: each step decodes only a short window of tokens.
+
+A sequence's ``text`` grows by the text of its newest tokens, decoded together with the token
+before them (a tokenizer may render a token differently at the start of a string); a window that
+ends inside a multi-byte character waits for the next token. When the sequence finishes, its text
+is decoded once in full (the exact ``tokenizer.decode`` of the completion) and cut at the first
+stop string, so the final text never depends on how it was streamed.
+"""
+from __future__ import annotations
+
+from .sequence import Sequence
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def update(self, seq: Sequence) -> bool:
+        """Extend ``seq.text`` by its new tokens; True when a stop string has appeared."""
+        ids, start = seq.token_ids, seq.num_prompt_tokens
+        prefix = self._decode(ids[start + seq.detok_prefix:start + seq.detok_read])
+        window = self._decode(ids[start + seq.detok_prefix:])
+        before, new = len(seq.text), window[len(prefix):]
+        if new.endswith("\ufffd"):   # an incomplete UTF-8 sequence: keep the window open for the next token
+            text = seq.text + new.rstrip("\ufffd")
+        else:
+            text = seq.text = seq.text + new
+            seq.detok_prefix, seq.detok_read = seq.detok_read, len(ids) - start
+        stops = seq.sampling.stop
+        if not stops:
+            return False
+        longest = max(map(len, stops))
+        return any(text.find(s, max(0, before - longest + 1)) >= 0 for s in stops)
+
+    def finalize(self, seq: Sequence) -> None:
+        """The exact text of the completion, cut at the first stop string."""
+        seq.text = self._decode(seq.completion_token_ids)
+        cut = min((i for i in (seq.text.find(s) for s in seq.sampling.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            seq.text = seq.text[:cut]
