@@ -44,7 +44,6 @@ def check_output(out: str | Path, *, overwrite: bool = False, inputs=(), directo
     Raises FileExistsError when ``out`` exists and ``overwrite`` is false.
     """
     out = Path(out)
-    what = "directory" if directory else "file"
     if out.exists():
         if directory and not out.is_dir():
             raise ValueError(f"{flag} {out} is an existing file, but this writes a directory there; choose another "

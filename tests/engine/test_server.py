@@ -2,8 +2,6 @@
 400s for bad input, metrics, per-request expert plans, and blocks freed on client disconnect."""
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import httpx
@@ -15,40 +13,19 @@ from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
 
-from engine_helpers import char_tokenizer
+from engine_helpers import char_tokenizer, start_server
 
 NUM_BLOCKS = 64
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    import uvicorn
-
     model = tiny_model("qwen2_moe", vocab=128, seed=4)
     llm = LLM(model, tokenizer=char_tokenizer(), block_size=4, num_kv_blocks=NUM_BLOCKS, max_model_len=128)
     plans = {"half": uniform_plan(model, decode=LayerPolicy(keep=(0, 1, 2, 3)))}
-    app = create_app(llm, model_name="tiny", plans=plans)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    base, _, stop = start_server(create_app(llm, model_name="tiny", plans=plans))
     yield base, llm
-    srv.should_exit = True
-    thread.join(timeout=5)
-    app.state.engine.close()
+    stop()
 
 
 @pytest.fixture(scope="module")

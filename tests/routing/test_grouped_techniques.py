@@ -55,7 +55,7 @@ def test_top_k_reduction_keeps_the_groups_and_takes_the_best_experts(ctl):
     full, _ = routes(ctl, None)
     fewer, _ = routes(ctl, top_k_policy(Shape.of(ctl.model), 2))
     first = moe_layers(ctl.model)[0].index  # same input under both policies (later layers' inputs differ)
-    (w, idx), (fw, fidx) = fewer[first], full[first]
+    (w, idx), (_, fidx) = fewer[first], full[first]
     assert idx.shape[1] == 2
     for t in range(idx.shape[0]):
         assert set(idx[t].tolist()) <= set(fidx[t].tolist())  # 2 of the token's 4, inside its chosen groups

@@ -11,7 +11,7 @@ from moetailor.models.groups import (balanced_keep, checkpoint_problem, per_grou
 from moetailor.models.tiny import tiny_grouped_model
 from moetailor.plans import uniform_plan
 from moetailor.plans.criteria import expert_scores, make_plan
-from moetailor.routing import LayerPolicy, PhasePolicy, RoutingController
+from moetailor.routing import LayerPolicy, RoutingController
 from moetailor.transforms import prune_checkpoint
 from moetailor.transforms.prune import checkpoint_kept, pruned_config
 

@@ -27,7 +27,6 @@ Reused by distillation and evaluation (next-token KL on calibration text).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from dataclasses import dataclass

@@ -45,13 +45,14 @@ def run(args) -> int:
     check_output(args.out, overwrite=args.overwrite,
                  inputs=(args.stats, resolve_model_path(args.model) if args.model else None))
     stats = ExpertStats.load(args.stats)
+    command = command_line(args, positional=("stats",))
+    if args.layers == "search":   # measures each layer's sensitivity: runs the whole model
+        from ..models import load_model
+        return run_search(args, stats, load_model(args.model) if args.model else None, command)
     model = None
     if args.model:   # only its routers are read (a meta-device skeleton): any size fits
         from ..models.checkpoint import skeleton
         model, _ = skeleton(args.model)
-    command = command_line(args, positional=("stats",))
-    if args.layers == "search":
-        return run_search(args, stats, model, command)
     plan = make_plan(stats, model, args.criterion, keep=args.keep, keep_experts=args.keep_experts, layers=args.layers,
                      phase=args.phase, seed=args.seed, stats_path=str(args.stats), command=command,
                      groups=args.groups)
