@@ -43,7 +43,7 @@ def test_launcher_checks_the_plan_before_vllm_starts(bad_plans):
     from moetailor.integrations.vllm.launch import engine_kwargs
     from moetailor.plans.plan import PlanMismatch
 
-    with pytest.raises(ValueError, match=r"expert ids \[99\] out of range 0..63 \(decode layer 0\)"):
+    with pytest.raises(ValueError, match=r"expert ids \[99\] out of range 0..63 \(.*decode layer 0\)"):
         engine_kwargs("reference", decode_plan=bad_plans["out_of_range"])
     with pytest.raises(PlanMismatch, match="router_hash"):
         engine_kwargs("reference", decode_plan=bad_plans["other_model"])
