@@ -3,9 +3,24 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_helpers import task_prompts
+from vllm_helpers import BUNDLED_PLAN, task_prompts
 
 
 @pytest.fixture(scope="session")
 def prompts():
     return task_prompts()
+
+
+@pytest.fixture(scope="session")
+def quarter_plan(tmp_path_factory):
+    """The bundled decode plan cut to its first 16 kept experts per layer (a quarter of 64). The
+    task-calibrated 50% plan leaves these prompts' greedy outputs unchanged, and a plan that changes
+    nothing could not make an equality test fail; this one changes them."""
+    import json
+
+    data = json.loads(BUNDLED_PLAN.read_text())
+    for layer in data["decode"].values():
+        layer["keep"] = layer["keep"][:16]
+    path = tmp_path_factory.mktemp("plans") / "quarter.json"
+    path.write_text(json.dumps(data))
+    return path

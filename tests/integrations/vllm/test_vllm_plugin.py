@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_helpers import BUNDLED_PLAN, SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
+from vllm_helpers import SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
 
 @pytest.fixture(scope="module")
-def phase_aware_vllm():
+def phase_aware_vllm(quarter_plan):
     from moetailor.integrations.vllm.launch import engine_kwargs
 
     # 32 tokens per step: prompts are split into chunks and decode tokens of early requests share
     # steps with prefill chunks of later ones (the per-token phase is what the plugin must get right)
-    kwargs = engine_kwargs("reference", decode_plan=BUNDLED_PLAN, kv_cache_mib=128, max_num_batched_tokens=32,
+    kwargs = engine_kwargs("reference", decode_plan=quarter_plan, kv_cache_mib=128, max_num_batched_tokens=32,
                            max_num_seqs=8)
     assert kwargs["enable_prefix_caching"] is False
     with vllm_engine(**kwargs) as llm:
@@ -23,10 +23,10 @@ def phase_aware_vllm():
 
 
 @pytest.fixture(scope="module")
-def plan():
+def plan(quarter_plan):
     from moetailor.plans import Plan
 
-    p = Plan.load(BUNDLED_PLAN)
+    p = Plan.load(quarter_plan)
     return p.phase_aware()
 
 
