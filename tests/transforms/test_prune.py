@@ -28,6 +28,15 @@ def load_stock(path):
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
 
 
+def max_diff_from_masked(out, model, policy: PhasePolicy) -> float:
+    """Largest logit difference between the stock checkpoint at ``out`` and ``model`` masked by ``policy``."""
+    pruned = load_stock(out)
+    x = torch.randint(0, 96, (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = pruned(input_ids=x, use_cache=False).logits
+    return float((got - masked_logits(model, policy, x)).abs().max())
+
+
 def weight_bytes(path):
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
@@ -42,15 +51,10 @@ def test_pruned_checkpoint_equals_masked_model(arch, tmp_path):
     model.save_pretrained(full_dir)
     plan = uniform_plan(model, decode=LayerPolicy(keep=KEEP))
     out = prune_checkpoint(model, plan, tmp_path / "pruned")
-    pruned = load_stock(out)
-    x = torch.randint(0, 96, (3, 20), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        got = pruned(input_ids=x, use_cache=False).logits
-    want = masked_logits(model, plan.decode, x)
-    assert (got - want).abs().max() <= 1e-5
+    assert max_diff_from_masked(out, model, plan.decode) <= 1e-5
     # a wrong mask (another kept set) computes another function
-    wrong = masked_logits(model, PhasePolicy.uniform([l.index for l in moe_layers(model)], LayerPolicy(keep=(1, 2, 3, 6))), x)
-    assert (got - wrong).abs().max() > 1e-3
+    wrong = PhasePolicy.uniform([l.index for l in moe_layers(model)], LayerPolicy(keep=(1, 2, 3, 6)))
+    assert max_diff_from_masked(out, model, wrong) > 1e-3
     # the checkpoint lost exactly the dropped experts' weights and router rows
     layers = moe_layers(model)
     dropped = 8 - len(KEEP)
@@ -63,7 +67,7 @@ def test_pruned_checkpoint_equals_masked_model(arch, tmp_path):
     assert side["kept"] == {str(l.index): list(KEEP) for l in layers}
     assert side["num_experts_original"] == 8 and side["num_experts_kept"] == 4
     from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(out)
+    config, pruned = AutoConfig.from_pretrained(out), load_stock(out)
     assert arch_spec(config).num_experts(config) == 4 == len(moe_layers(pruned)[0].router.weight)
     if arch == "deepseek_v3":
         bias = moe_layers(pruned)[0].router.e_score_correction_bias
