@@ -210,3 +210,35 @@ def test_calibration_data_axis_gives_the_cross_domain_matrix(model, char_tok, tm
         Sweep(other, out, model=model, tokenizer=char_tok, command="x").run()
     third = Sweep(other, out, model=model, tokenizer=char_tok, command="x", overwrite=True).run()
     assert third["timing"]["computed_cells"] > 0
+
+
+def test_cross_domain_matrix_from_user_files(model, char_tok, tmp_path):
+    """The per-domain plan x per-domain evaluation matrix from the user's own files in one run:
+    each traffic file of the data= axis calibrates a plan, each --tasks file is a column."""
+    def write(path, records):
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        return str(path)
+
+    chat = write(tmp_path / "chat.jsonl", [{"prompt": f"say {w}\n", "completion": f"{w} {w}\n"}
+                                          for w in ("hi", "yes", "ok", "no", "fine", "sure")] * 6)
+    code = write(tmp_path / "code.jsonl", [{"text": f"def f{i}(x):\n    return x * {i} + {i % 3}\n"}
+                                          for i in range(40)])
+    chat_eval = write(tmp_path / "chat-eval.jsonl", [{"prompt": "say hi\n", "answer": "hi", "match": "contains"},
+                                                     {"prompt": "say ok\n", "answer": "ok", "match": "contains"}])
+    code_eval = write(tmp_path / "code-eval.jsonl", [{"prompt": "def f2(x):\n", "answer": "2", "match": "number"},
+                                                     {"prompt": "def f5(x):\n", "answer": "5", "match": "number"}])
+    settings = small_settings(sweep=f"criteria=frequency;keep=0.5;data={chat}|{code}", tasks=[chat_eval, code_eval],
+                              configs=parse_configs("baseline,phase-aware"), seeds=1)
+    out = tmp_path / "cross"
+    results = Sweep(settings, out, model=model, tokenizer=char_tok, command="x").run()
+    labels = {f"frequency-0.5@{chat}", f"frequency-0.5@{code}"}
+    assert set(results["plans"]) == labels
+    records = results["settings"]["calibration"]
+    assert {c["data"] for c in records} == {"chat.jsonl", "code.jsonl"} and len({c["sha256"] for c in records}) == 2
+    keeps = {tuple(results["plans"][l]["decode"]["0"]["keep"]) for l in labels}
+    assert len(keeps) == 2   # the two traffic files choose different experts
+    tasks = {r["task"] for r in results["rows"]}
+    assert {"chat-eval", "code-eval"} <= tasks
+    md = (out / "results.md").read_text()
+    assert "| plan | calibrated on | chat-eval | code-eval | all tasks |" in md
+    assert "| frequency 50% phase-aware | code.jsonl |" in md
