@@ -78,6 +78,21 @@ def depth_view(src: Path, layers: int, out: Path) -> Path:
     return out
 
 
+def routing_summary(stats_path: Path) -> list[dict]:
+    """Per MoE layer: experts chosen at all, the 8 hottest experts' share of all routes, and the share of
+    tokens that chose the hottest expert (top-k routing: an expert is chosen at most once per token)."""
+    from moetailor.calibration import ExpertStats
+
+    stats = ExpertStats.load(stats_path)
+    tokens, k = stats.meta["tokens"], stats.model["top_k"]
+    rows = []
+    for i, layer in sorted(stats.layers.items()):
+        f = layer.frequency.double()                                      # [E] tokens that chose each expert
+        rows.append({"layer": i, "used": int((f > 0).sum()), "top8_share": round(float(f.topk(8).values.sum() / f.sum()), 3),
+                     "hottest_tokens": round(float(f.max() / tokens), 3), "tokens": tokens, "top_k": k})
+    return rows
+
+
 def olmoe(args) -> dict:
     out, model = Path(args.out) / "olmoe", Path(args.model)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,6 +102,7 @@ def olmoe(args) -> dict:
                               str(args.tokens), "--batch-tokens", "4096", "--seq-len", "512", "--out", str(stats)],
                              out / "calibrate.log")
     res["calibrate"]["tokens_per_s"] = round(args.tokens / res["calibrate"]["seconds"], 1)
+    res["routing"] = routing_summary(stats)
     res["plan"] = timed([MOETAILOR, "plan", str(stats), "--criterion", "reap", "--keep", "0.5", "--model", str(model),
                          "--out", str(plan)], out / "plan.log")
     shutil.rmtree(pruned, ignore_errors=True)
