@@ -146,7 +146,8 @@ class ModelRunner:
             cu.append(cu[-1] + n)
         packed = self._tensor([ids, positions, slots])                               # [3, T]
         ctx = StepContext(is_prefill=True, slot_mapping=packed[2], cu_seqlens=cu, kv_cache=self.kv_cache,
-                          block_size=self.config.block_size, grouped_experts=self.grouped_experts)
+                          block_size=self.config.block_size, grouped_experts=self.grouped_experts,
+                          native_experts=self.native_experts)
         return packed, ctx
 
     def prepare_decode(self, seqs: list[Sequence], block_manager) -> tuple[torch.Tensor, StepContext]:

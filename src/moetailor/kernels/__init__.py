@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("experts.cpp", "attention.cpp", "bindings.cpp")]
+_HEADERS = [Path(__file__).with_name("vec.h")]
 
 
 def _cpu_flags() -> str:
@@ -37,7 +38,7 @@ def _module():
     from torch.utils import cpp_extension
 
     digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     try:
         return cpp_extension.load(name=f"moetailor_kernels_{digest.hexdigest()[:12]}", sources=[str(s) for s in _SOURCES],

@@ -16,26 +16,24 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-
 inline float dot(const float* a, const float* b, int64_t n) {
-  if (n % 16 == 0) {
-    v16 acc = {};
-    for (int64_t d = 0; d < n; d += 16) {
-      v16 x, y;
-      std::memcpy(&x, a + d, sizeof(x));
-      std::memcpy(&y, b + d, sizeof(y));
-      acc += x * y;
-    }
-    float s = 0.f;
-    for (int i = 0; i < 16; ++i) s += acc[i];
-    return s;
-  }
   float s = 0.f;
   for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
   return s;
+}
+
+// scores[p] = dot(q, k_p) for 16 positions at once (one transpose-add for the 16 sums)
+inline v16 dot16(const float* q, const float* const* k, int64_t n) {
+  v16 acc[16] = {};
+  for (int64_t d = 0; d < n; d += 16) {
+    const v16 qv = load16(q + d);
+    for (int p = 0; p < 16; ++p) acc[p] += qv * load16(k[p] + d);
+  }
+  return sum16(acc);
 }
 
 }  // namespace
@@ -60,27 +58,50 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t* len = lengths.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float s = (float)scale;
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(len[b] >= 1 && len[b] <= nb * block_size, "sequence length outside its block table");
 
   at::parallel_for(0, B * nKV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<const float*> krows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / nKV, g = task % nKV, n = len[b];
-      TORCH_CHECK(n >= 1 && n <= nb * block_size, "sequence length outside its block table");
       scores.resize(group * n);
-      for (int64_t p = 0; p < n; ++p) {                          // scores[h][p] = q_h . k_p * scale
+      const int64_t padded = (n + 15) / 16 * 16;
+      krows.resize(padded);
+      for (int64_t p = 0; p < n; ++p) {
         const int64_t slot = table[b * nb + p / block_size] * block_size + p % block_size;
-        const float* kr = kp + (slot * nKV + g) * Dk;
-        for (int64_t h = 0; h < group; ++h) {
-          scores[h * n + p] = dot(qp + (b * nH + g * group + h) * Dk, kr, Dk) * s;
+        krows[p] = kp + (slot * nKV + g) * Dk;
+      }
+      for (int64_t p = n; p < padded; ++p) krows[p] = krows[n - 1];   // the last block of 16, padded
+      for (int64_t h = 0; h < group; ++h) {                      // scores[h][p] = q_h . k_p * scale
+        const float* qr = qp + (b * nH + g * group + h) * Dk;
+        float* sc = scores.data() + h * n;
+        if (Dk % 16 == 0) {
+          for (int64_t p = 0; p < n; p += 16) {
+            const v16 block = dot16(qr, krows.data() + p, Dk) * s;
+            if (p + 16 <= n) store16(sc + p, block);
+            else for (int64_t i = 0; p + i < n; ++i) sc[p + i] = block[i];
+          }
+        } else {
+          for (int64_t p = 0; p < n; ++p) sc[p] = dot(qr, krows[p], Dk) * s;
         }
       }
       for (int64_t h = 0; h < group; ++h) {                      // softmax over positions
         float* sc = scores.data() + h * n;
         const float mx = *std::max_element(sc, sc + n);
         float sum = 0.f;
-        for (int64_t p = 0; p < n; ++p) sum += (sc[p] = std::exp(sc[p] - mx));
+        int64_t p = 0;
+        v16 sums = {};
+        for (; p + 16 <= n; p += 16) {
+          const v16 e = exp16(load16(sc + p) - mx);
+          store16(sc + p, e);
+          sums += e;
+        }
+        for (int i = 0; i < 16; ++i) sum += sums[i];
+        for (; p < n; ++p) sum += (sc[p] = std::exp(sc[p] - mx));
         const float inv = 1.f / sum;
-        for (int64_t p = 0; p < n; ++p) sc[p] *= inv;
+        for (p = 0; p < n; ++p) sc[p] *= inv;
         std::fill(op + (b * nH + g * group + h) * Dv, op + (b * nH + g * group + h + 1) * Dv, 0.f);
       }
       for (int64_t p = 0; p < n; ++p) {                          // out_h = sum_p w_hp v_p
@@ -89,7 +110,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         for (int64_t h = 0; h < group; ++h) {
           const float w = scores[h * n + p];
           float* o = op + (b * nH + g * group + h) * Dv;
-          for (int64_t d = 0; d < Dv; ++d) o[d] += w * vr[d];
+          int64_t d = 0;
+          for (; d + 16 <= Dv; d += 16) store16(o + d, load16(o + d) + w * load16(vr + d));
+          for (; d < Dv; ++d) o[d] += w * vr[d];
         }
       }
     }

@@ -18,17 +18,14 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t u16x __attribute__((vector_size(64)));
 typedef uint16_t h16 __attribute__((vector_size(32)));
 
-inline v16 load(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+inline v16 load(const float* p) { return load16(p); }
 
 inline v16 load(const at::BFloat16* p) {   // bf16 -> fp32 is a 16-bit left shift
   h16 h;
@@ -37,12 +34,6 @@ inline v16 load(const at::BFloat16* p) {   // bf16 -> fp32 is a 16-bit left shif
   v16 v;
   std::memcpy(&v, &w, sizeof(v));
   return v;
-}
-
-inline float hsum(v16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
 }
 
 // out[r][j] = dot(a[r], w[j]) for r < rows, j < cols; a[r] and w[j] have `depth` (multiple of 16)
@@ -55,16 +46,17 @@ void rows_times_weight(const float* const* a, int rows, const W* w, int cols, in
     for (int j0 = 0; j0 < cols; j0 += 4) {
       const W* wr[4];
       for (int j = 0; j < 4; ++j) wr[j] = w + (int64_t)std::min(j0 + j, cols - 1) * depth;
-      v16 acc[4][4] = {};
+      v16 acc[16] = {};                                         // acc[r * 4 + j]
       for (int d = 0; d < depth; d += 16) {
         v16 av[4], wv[4];
         for (int r = 0; r < 4; ++r) av[r] = load(ar[r] + d);
         for (int j = 0; j < 4; ++j) wv[j] = load(wr[j] + d);
         for (int r = 0; r < 4; ++r)
-          for (int j = 0; j < 4; ++j) acc[r][j] += av[r] * wv[j];
+          for (int j = 0; j < 4; ++j) acc[r * 4 + j] += av[r] * wv[j];
       }
+      const v16 sums = sum16(acc);
       for (int r = 0; r < 4 && r0 + r < rows; ++r)
-        for (int j = 0; j < 4 && j0 + j < cols; ++j) out[(int64_t)(r0 + r) * ldo + j0 + j] = hsum(acc[r][j]);
+        for (int j = 0; j < 4 && j0 + j < cols; ++j) out[(int64_t)(r0 + r) * ldo + j0 + j] = sums[r * 4 + j];
     }
   }
 }
@@ -104,7 +96,10 @@ void run_experts(const float* x, const W* gate_up, const W* down, const int64_t*
       rows_times_weight(rows.data(), n, gate_up + e * 2 * inter * hidden, 2 * inter, hidden, h.data(), 2 * inter);
       for (int64_t r = 0; r < n; ++r) {                       // SwiGLU: silu(gate) * up
         const float* g = h.data() + r * 2 * inter;
-        for (int64_t c = 0; c < inter; ++c) act[r * inter + c] = g[c] / (1.f + std::exp(-g[c])) * g[inter + c];
+        for (int64_t c = 0; c < inter; c += 16) {
+          const v16 gate = load16(g + c);
+          store16(act.data() + r * inter + c, gate / (1.f + exp16(-gate)) * load16(g + inter + c));
+        }
       }
       for (int64_t r = 0; r < n; ++r) rows[r] = act.data() + r * inter;
       // each route's expert output goes to its own row of `routed`, so threads never write the same row

@@ -3,7 +3,7 @@
 One function is registered in transformers' ``ExpertsInterface`` ("moetailor", installed by the
 routing controller) and it picks its path from the step context (``models.step_context``):
 
-- in an engine step whose context carries the native kernel (decode steps, by default): the routed
+- in an engine step whose context carries the native kernel (the default on CPU): the routed
   tokens' SwiGLU experts in one C++ call (``moetailor/kernels``, ``native_experts_forward``), which
   pays one dispatch per layer instead of a library GEMM per expert;
 - in an engine step with grouped experts: the routes, sorted by expert, go through
