@@ -18,12 +18,13 @@ Two rules keep routing token-dependent through the layers (without them every to
 experts: the hottest expert took 94-100% of tokens in every layer). Random attention mixes each
 position with the average of its context, and that average is nearly the same for every token: the
 shared direction u (half of every embedding row's energy) and the frequency-weighted mean of the
-embeddings. At N(0, 0.02) the attention output is ~30x the embeddings' norm, so this common vector
-swamped each token's own part of the router input. Hence (1) the projections that read the residual
-stream into attention (q, k, v; MLA's q and kv_a) have u projected out of their input: attention does
-not see the shared direction; (2) the attention output projection is drawn with std
-0.02 / sqrt(hidden), so a layer's attention adds at most about the embeddings' norm. Routed experts
-keep N(0, 0.02): their outputs differ per token (they are routed), which spreads routing further.
+embeddings. At N(0, 0.02) the attention output is several times the embeddings' norm (5.6x at hidden
+512, growing with the hidden size), so this common vector swamped each token's own part of the router
+input. Hence (1) the projections that read the residual stream into attention (q, k, v; MLA's q and
+kv_a) have u projected out of their input: attention does not see the shared direction; (2) the
+attention output projection is drawn with std 0.02 / sqrt(hidden), so a layer's attention adds at most
+about the embeddings' norm. Routed experts keep N(0, 0.02): their outputs differ per token (they are
+routed), which spreads routing further.
 docs/scale.md gives the measured expert frequencies.
 """
 from __future__ import annotations
