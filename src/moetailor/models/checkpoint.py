@@ -67,7 +67,7 @@ class Checkpoint:
     page of every shard it has read."""
 
     def __init__(self, path: str | Path):
-        from .loading import resolve_model_path
+        from .paths import resolve_model_path
 
         self.path = resolve_model_path(path)
         index = self.path / INDEX
@@ -286,7 +286,7 @@ def load_whole(path: str | Path, dtype: torch.dtype | None = None):
 
 def stored_dtype(path: str | Path) -> torch.dtype:
     """The dtype a checkpoint stores its weights in (config ``dtype``/``torch_dtype``; fp32 if unset)."""
-    from .loading import resolve_model_path
+    from .paths import resolve_model_path
 
     config = json.loads((resolve_model_path(path) / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype") or "float32"

@@ -7,21 +7,7 @@ from pathlib import Path
 
 import torch
 
-REFERENCE_DIR = Path(__file__).resolve().parent.parent / "assets" / "reference"
-
-
-def resolve_model_path(name: str | Path) -> Path:
-    """'reference' -> the bundled model; otherwise a local checkpoint directory."""
-    if str(name) == "reference":
-        if not (REFERENCE_DIR / "config.json").exists():
-            raise FileNotFoundError(f"the bundled reference model is missing from {REFERENCE_DIR}; "
-                                    "reinstall moetailor or run `make train-reference`")
-        return REFERENCE_DIR
-    path = Path(name)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{name!r} is neither 'reference' nor a local checkpoint directory with a config.json "
-                                "(moetailor never downloads from a hub: pass a local path)")
-    return path
+from .paths import REFERENCE_DIR, resolve_model_path  # noqa: F401  (re-exported)
 
 
 def load_model(name: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
