@@ -6,8 +6,8 @@ Each verb runs as its own process under ``/usr/bin/time -v`` (wall time, peak RS
 from ``moetailor synth``; the depth-reduced copies are views of one deeper synthetic checkpoint (its
 shards linked, config and index cut to the first N layers), so only one is written.
 
-    python scripts/scale.py olmoe --model build/olmoe-1b-7b --tokens 4096 --out build/scale
-    python scripts/scale.py depth --model build/qwen3-30b-a3b-12 --layers 3,6,12 --tokens 2048 --out build/scale
+    python scripts/scale.py olmoe --model build/olmoe-1b-7b --tokens 100000 --out build/scale
+    python scripts/scale.py depth --model build/qwen3-30b-a3b-16 --layers 2,4,8,16 --tokens 2048 --out build/scale
     python scripts/scale.py decode --model build/olmoe-1b-7b --pruned build/scale/olmoe/pruned \
         --plan build/scale/olmoe/plan.json --out build/scale
 
