@@ -15,7 +15,8 @@ shards linked, config and index cut to the first N layers), so only one is writt
 full one serving the plan's pool in decode (full router in prefill), one model in memory at a time (each
 in its own process, bf16 as stored: no fp32 copy), each next to its read-bandwidth floor: the bytes a
 step reads (distinct routed experts, counted by the engine, + every other weight except the embedding
-+ the KV cache) divided by the read bandwidth measured in the same process.
++ the KV cache) divided by the read bandwidth (measured in each process before its model loads; the table
+uses the best of the run).
 """
 from __future__ import annotations
 
