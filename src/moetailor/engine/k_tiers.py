@@ -76,15 +76,10 @@ def validate_expert_top_k(k: int | None, max_k: int, parts: int | None = None) -
 def model_max_k(model) -> tuple[int, int | None]:
     """(max budget, parts) of a loaded model: its top-k, and N when it is a moetailor split."""
     from ..models.adapters import moe_layers
+    from ..models.sidecars import sidecars_of
 
-    max_k = moe_layers(model)[0].top_k
-    source = getattr(model, "moetailor_source", None)
-    parts = None
-    if source:
-        from ..transforms.split import read_split_sidecar
-        side = read_split_sidecar(source)
-        parts = side["parts"] if side else None
-    return max_k, parts
+    split = sidecars_of(model).split
+    return moe_layers(model)[0].top_k, split.parts if split else None
 
 
 # ---------------------------------------------------------------------------------------------

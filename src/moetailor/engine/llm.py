@@ -16,6 +16,7 @@ from typing import Iterator
 
 import torch
 
+from ..models.loading import load_checked
 from ..plans.plan import Plan
 from ..routing.controller import RoutingController
 from ..routing.policy import FULL_PHASE
@@ -76,15 +77,6 @@ class _FullPlan:
 FULL_PLAN = _FullPlan()
 
 
-def resolve_plan(plan: Plan | str | Path | None, model) -> Plan | None:
-    if plan is None:
-        return None
-    if not isinstance(plan, Plan):
-        plan = Plan.load(plan)
-    plan.check_model(model)
-    return plan
-
-
 class LLM:
     """Continuous-batching engine over a transformers MoE model with a paged KV cache."""
 
@@ -138,7 +130,7 @@ class LLM:
     # ---- configuration -------------------------------------------------------------------------
     def set_plan(self, plan: Plan | str | Path | None) -> None:
         """Use ``plan`` from the next step on (None = the full router in both phases)."""
-        plan = resolve_plan(plan, self.model)
+        plan = load_checked(plan, Plan, self.model)
         needs_tables = plan is not None and (plan.prefill.needs_fold_statistics or plan.decode.needs_fold_statistics)
         if needs_tables and plan.fold_stats:
             from ..plans.techniques import attach_fold_tables
@@ -205,7 +197,7 @@ class LLM:
         bs = self.config.block_size
         with self.lock:
             if plan is not None:
-                plan = resolve_plan(plan, self.model)
+                plan = load_checked(plan, Plan, self.model)
                 self.controller.compile(plan.prefill), self.controller.compile(plan.decode)
                 plan_key = plan_key or f"plan-{id(plan)}"
             seq = Sequence(ids, sampling, request_id=request_id, prompt=text, plan=plan, plan_key=plan_key)
@@ -229,7 +221,7 @@ class LLM:
             return True
 
     def request_limits(self) -> RequestLimits:
-        if getattr(self, "_limits", None) is None:   # model_max_k reads a sidecar: once
+        if getattr(self, "_limits", None) is None:
             self._limits = RequestLimits(self.vocab_size, self.config.max_model_len,
                                          self.config.max_num_batched_tokens, self.block_manager.num_blocks,
                                          self.config.block_size, model_max_k(self.model))

@@ -224,6 +224,7 @@ def skeleton(path: str | Path, dtype: torch.dtype | None = None):
 
     from .adapters import moe_layers
     from .architectures import arch_spec
+    from .loading import read_sidecars
 
     ckpt = Checkpoint(path)
     dtype = dtype or stored_dtype(ckpt.path)
@@ -243,6 +244,7 @@ def skeleton(path: str | Path, dtype: torch.dtype | None = None):
     if hasattr(base, "norm"):
         load_module(base.norm, names[id(base.norm)], ckpt, config.model_type, E, dtype)
     model.moetailor_source = str(ckpt.path)
+    model.moetailor_sidecars = read_sidecars(ckpt.path)
     model.moetailor_checkpoint = ckpt
     return model, ckpt
 
