@@ -19,8 +19,10 @@ from .sequence import Sequence
 
 class BudgetPolicy:
     def __init__(self, full_k: int, num_layers: int, num_experts: int, schedule: str = "mixed",
-                 cost: StepCost | None = None, max_batch: int = 64, device: str | torch.device = "cpu"):
-        self.full_k = full_k                # the budget of a request that set none
+                 cost: StepCost | None = None, max_batch: int = 64, device: str | torch.device = "cpu",
+                 parts: int | None = None):
+        self.full_k = full_k                # the budget of a request that set none (the model's top-k)
+        self.parts = parts                  # sub-experts per expert of a `moetailor split` model (messages)
         self.num_layers, self.num_experts = num_layers, num_experts
         self.schedule = schedule
         self.max_batch = max_batch
@@ -33,10 +35,17 @@ class BudgetPolicy:
            device: str | torch.device = "cpu") -> "BudgetPolicy":
         """The model's k and shapes; without ``cost``, ``StepCost.for_model``'s first estimate."""
         from ..models.adapters import moe_layers
+        from ..models.sidecars import sidecars_of
 
         layers = moe_layers(model)
+        split = sidecars_of(model).split
         return cls(layers[0].top_k, len(layers), layers[0].num_experts, schedule, cost or StepCost.for_model(model),
-                   max_batch, device)
+                   max_batch, device, split.parts if split else None)
+
+    @property
+    def limits(self) -> tuple[int, int | None]:
+        """(largest budget a request may ask for, parts): what ``validate_expert_top_k`` checks against."""
+        return self.full_k, self.parts
 
     def k_of(self, sampling: SamplingParams) -> int:
         return min(sampling.expert_top_k or self.full_k, self.full_k)

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from .llm import RequestOutput
 from .sampling import SamplingParams
+from .sequence import RequestOutput, Sequence
 from .validation import encode_prompt, check_request
 
 log = logging.getLogger("moetailor.disagg")
@@ -223,14 +223,32 @@ def _decode_llm(model, plan, kwargs):
     return llm
 
 
+def adopted(token_ids: list[int], num_prompt_tokens: int, sampling: SamplingParams, request_id: str,
+            generator_state: torch.Tensor | None = None, prompt: str | None = None, logprobs: list | None = None,
+            prompt_logprobs: list | None = None) -> Sequence:
+    """A sequence the prefill worker started, as the decode worker continues it: its tokens so far,
+    its sampler's state and the logprobs already computed for it (the engine's ``enqueue`` adds its
+    KV blocks and text)."""
+    seq = Sequence(token_ids[:num_prompt_tokens], sampling, request_id=request_id, prompt=prompt)
+    seq.token_ids = list(token_ids)
+    if seq.logprobs is not None:
+        seq.logprobs = list(logprobs or [])
+    seq.prompt_logprobs = prompt_logprobs
+    seq.first_token_time = time.perf_counter()
+    if generator_state is not None and seq.generator is not None:
+        seq.generator.set_state(generator_state)
+    return seq
+
+
 def decode_worker(model, plan, kwargs: dict, inbox, conn, parent_pid: int) -> None:
     """Pruned (or masked) pool. Adopt prefilled sequences and decode them."""
     llm = _start_worker("decode", parent_pid, conn, lambda: _decode_llm(model, plan, kwargs))
 
     def adopt(msg) -> None:
         _, rid, ids, n_prompt, sampling, state, kv, prompt, logprobs, prompt_logprobs = msg
-        llm.adopt(ids, n_prompt, sampling, kv, request_id=rid, generator_state=state, prompt=prompt,
-                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        seq = adopted(ids, n_prompt, sampling, rid, state, prompt, logprobs, prompt_logprobs)
+        if not llm.enqueue(seq, kv):
+            raise ValueError(f"request id {rid!r} is already in use in the decode worker")
 
     _serve("decode", llm, inbox, conn, adopt, lambda seq: conn.send(_delta(seq, "decode")))
 
