@@ -124,7 +124,7 @@ def synthetic_part(args) -> dict:
     cost = llm.fit_k_cost()
     full_ms = {b: 1e3 * statistics.median([r.seconds for r in calib if r.num_seqs == b])
                for b in sorted({r.num_seqs for r in calib})}
-    slo_s = args.slo_ms / 1e3 if args.slo_ms else full_ms[min(8, max_batch)] / 1e3
+    slo_s = args.slo_ms / 1e3 if args.slo_ms else args.slo_factor * full_ms[min(8, max_batch)] / 1e3
     plans = {f"pruned {keep:.0%}": mask_plan(model, keep) for keep in args.keeps}
     pools = PoolsByLoad.from_slo([None, *plans.values()], cost, slo_s, k, max_batch)
     print(json.dumps({"fitted_cost": {f: getattr(cost, f) for f in ("per_expert", "per_route", "per_token", "fixed")},
@@ -213,7 +213,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=160)
     ap.add_argument("--max-tokens-range", type=int, nargs=2, default=[8, 32])
     ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--slo-ms", type=float, default=None, help="per decode step (default: the full pool's at batch 8)")
+    ap.add_argument("--slo-ms", type=float, default=None,
+                    help="per decode step (default: --slo-factor x the full pool's measured step at batch 8)")
+    ap.add_argument("--slo-factor", type=float, default=1.15)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reference", action="store_true", help="also score accuracy on the reference model")
