@@ -3,8 +3,8 @@
     flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/decode_floor.py --batches 1 8 --layers 1 --experts 32
 
 The synthetic bandwidth-bound model (OLMoE-1B-7B layer shapes, seeded random weights, built in memory)
-decodes through the engine with its fp32 expert weights and with a bf16 decode copy
-(``LLM(decode_expert_dtype=torch.bfloat16)``); for each, per batch: median decode step, bytes a step
+decodes through the engine with its fp32 expert weights (with the native kernels, and with torch's
+ops only) and with a bf16 decode copy (``LLM(decode_expert_dtype=torch.bfloat16)``); for each, per batch: median decode step, bytes a step
 reads (routed experts measured by the engine, plus the other weights and the KV cache) and that as a
 share of the machine's read bandwidth (``torch.sum`` over 1 GiB, measured in the same run). The
 GEMV-format probe (``moetailor.bench.kernels``) runs first, so the kernel ceiling sits beside each
@@ -45,12 +45,12 @@ def main() -> None:
     model = synthetic_model(layers=args.layers, experts=args.experts)
     max_len = args.prompt_len + args.steps + 4
     rows = []
-    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+    for name, dtype, native in (("fp32", None, True), ("fp32, torch ops", None, False), ("bf16", torch.bfloat16, True)):
         llm = make_llm(model, max(args.batches), max_len)
-        if dtype is not None:
+        if dtype is not None or not native:
             from moetailor.engine import LLM
             llm = LLM(model, max_num_seqs=llm.config.max_num_seqs, num_kv_blocks=llm.config.num_kv_blocks,
-                      max_model_len=llm.config.max_model_len, decode_expert_dtype=dtype)
+                      max_model_len=llm.config.max_model_len, decode_expert_dtype=dtype, native_kernels=native)
         engine_decode(llm, 1, args.prompt_len, 2)                              # warm-up
         for b in args.batches:
             r = engine_decode(llm, b, args.prompt_len, args.steps)

@@ -44,7 +44,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert weights of decode steps in this dtype (a copy; bf16 streams faster than fp32 on "
                         "AVX-512 BF16 CPUs: measure with `python -m moetailor.bench.kernels`)")
     p.add_argument("--experts-impl", choices=("grouped", "loop"), default="grouped",
-                   help="expert execution: one grouped GEMM per projection, or a loop over the routed experts")
+                   help="expert execution where the native kernels do not run: one grouped GEMM per projection, or "
+                        "a loop over the routed experts")
+    p.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
+                   help="decode with torch's ops only, not moetailor's compiled CPU kernels (experts, paged attention)")
     p.add_argument("--k-schedule", choices=("mixed", "max", "lanes", "tiers"), default="mixed",
                    help="how requests with different expert_top_k budgets share steps: mixed (one step, each "
                         "token at its own k), max (each step at its largest k), lanes (online low/high-k "
@@ -77,6 +80,7 @@ def build_engine(args):
     kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, dtype=dtype, device=args.device,
                   max_model_len=args.max_model_len, experts_impl=args.experts_impl,
+                  native_kernels=getattr(args, "native_kernels", True),
                   k_schedule=getattr(args, "k_schedule", "mixed"),
                   memory_budget=int(args.memory_budget_mb * 2**20) if args.memory_budget_mb else None,
                   prefill_dtype=getattr(torch, DTYPES[args.prefill_dtype]) if args.prefill_dtype else None,

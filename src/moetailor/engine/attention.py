@@ -48,12 +48,43 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             out[start:end] = o[0].transpose(0, 1)
         return out.unsqueeze(0), None                                     # [1, T, nH, Dv]
     # decode: one new token per sequence, attending over its cached positions read in place
+    if ctx.native_attention is not None and _native_ok(k_cache, query, kwargs):
+        q = query[0].transpose(0, 1).contiguous()                         # [B, nH, Dk]
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        o = ctx.native_attention(q, k_cache, v_cache, ctx.block_table, ctx.context_lens, ctx.block_size, scale)
+        return o.unsqueeze(0), None                                       # [1, B, nH, Dv]
+    _slots(ctx)
     k_all = _cached(ctx, k_cache, query.dtype, "k")                       # [B, nKV, S, Dk]
     v_all = _cached(ctx, v_cache, query.dtype, "v")                       # [B, nKV, S, Dv]
     q = query[0].transpose(0, 1).unsqueeze(2)                             # [B, nH, 1, Dk]
     o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=ctx.kv_mask, scale=scaling,
                                        enable_gqa=True)                   # [B, nH, 1, Dv]
     return o.transpose(1, 2).reshape(1, num_tokens, query.shape[1], -1), None  # [1, B, nH, Dv]
+
+
+def _native_ok(cache: torch.Tensor, query: torch.Tensor, kwargs: dict) -> bool:
+    """The native kernel covers plain (grouped-query) softmax attention over an fp32 cache: no
+    sinks, soft-capping or sliding window."""
+    return (cache.dtype == torch.float32 and query.dtype == torch.float32 and kwargs.get("s_aux") is None
+            and kwargs.get("sinks") is None and kwargs.get("softcap") is None and kwargs.get("sliding_window") is None)
+
+
+def _slots(ctx: StepContext) -> None:
+    """Pool slots of every cached position, for the gather path (once per step, from the block
+    table): a slice of the pool for a lone sequence whose blocks are contiguous, else ``kv_slots``
+    [B*S] and, unless every sequence has the same length, ``kv_mask``."""
+    if ctx.kv_slots is not None:
+        return
+    table, lens, bs, longest = ctx.block_table, ctx.context_lens, ctx.block_size, ctx.kv_len
+    width = (longest + bs - 1) // bs
+    first = int(table[0, 0])
+    if table.shape[0] == 1 and bool((table[0, :width] == torch.arange(first, first + width)).all()):
+        ctx.kv_slots = slice(first * bs, first * bs + longest)
+        return
+    kv_slots = (table[:, :width, None] * bs + torch.arange(bs, device=table.device)).view(table.shape[0], -1)
+    ctx.kv_slots = kv_slots[:, :longest].flatten()                       # [B*S]
+    if int(lens.min()) != longest:
+        ctx.kv_mask = (torch.arange(longest, device=table.device) < lens[:, None])[:, None, None, :]  # [B,1,1,S]
 
 
 def _cached(ctx: StepContext, cache: torch.Tensor, dtype: torch.dtype, which: str) -> torch.Tensor:

@@ -22,6 +22,9 @@ class EngineConfig:
     decode_expert_dtype: torch.dtype | None = None
     device: str = "cpu"
     experts_impl: str = "grouped"         # "grouped": one grouped GEMM per projection; "loop": routing's per-expert loop
+    # decode steps run the compiled CPU kernels (moetailor/kernels: experts in one call per layer, paged
+    # attention read in place) where they apply and build; the torch ops above otherwise
+    native_kernels: bool = True
     # which requests with per-request expert budgets share a step (engine/budgets.py): "mixed": any,
     # each token at its own k; "max": every step at its largest member's k (the usual baseline);
     # "lanes": online low-k and high-k decode lanes; "tiers": generate() plans k tiers offline

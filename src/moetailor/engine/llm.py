@@ -61,7 +61,8 @@ class LLM:
                  prefill_dtype: torch.dtype | None = None, experts_impl: str = "grouped",
                  step_log_size: int = 10_000, guard: GuardConfig | bool | None = None,
                  k_schedule: str = "mixed", k_cost: StepCost | None = None,
-                 decode_pools: PoolsByLoad | None = None, decode_expert_dtype: torch.dtype | None = None):
+                 decode_pools: PoolsByLoad | None = None, decode_expert_dtype: torch.dtype | None = None,
+                 native_kernels: bool = True):
         from ..models.loading import load_model, load_tokenizer
 
         if isinstance(model, (str, Path)):
@@ -80,7 +81,7 @@ class LLM:
                                    max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
                                    memory_budget=memory_budget, dtype=dtype, prefill_dtype=prefill_dtype,
                                    device=str(device), experts_impl=experts_impl, k_schedule=k_schedule,
-                                   decode_expert_dtype=decode_expert_dtype)
+                                   decode_expert_dtype=decode_expert_dtype, native_kernels=native_kernels)
         self.controller = RoutingController.of(self.model)
         self.runner = ModelRunner(self.model, self.config)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)

@@ -10,6 +10,7 @@ import torch
 
 from . import attention
 from ..models.step_context import StepContext, reset_context, set_context
+from .. import kernels
 from ..routing import experts
 from .config import EngineConfig
 from .sequence import Sequence
@@ -31,6 +32,9 @@ class ModelRunner:
         attention.install(model)
         experts.register()
         self.grouped_experts = config.experts_impl == "grouped"
+        native = config.native_kernels and self.device.type == "cpu"
+        self.native_experts = kernels.swiglu_experts() if native else None
+        self.native_attention = kernels.paged_decode_attention() if native else None
         # a 4-D attention mask tells transformers the mask is built (engine steps need none: paged
         # attention reads the step context), so it skips mask preparation in every step
         self._mask_built = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -142,36 +146,27 @@ class ModelRunner:
             cu.append(cu[-1] + n)
         packed = self._tensor([ids, positions, slots])                               # [3, T]
         ctx = StepContext(is_prefill=True, slot_mapping=packed[2], cu_seqlens=cu, kv_cache=self.kv_cache,
-                          block_size=self.config.block_size, grouped_experts=self.grouped_experts)
+                          block_size=self.config.block_size, grouped_experts=self.grouped_experts,
+                          native_experts=self.native_experts)
         return packed, ctx
 
     def prepare_decode(self, seqs: list[Sequence], block_manager) -> tuple[torch.Tensor, StepContext]:
-        """Inputs [3, B] (ids, positions, slots) and the context. Attention reads each sequence's
-        first S = max length cached positions: a slice of the pool for a lone sequence whose blocks
-        are contiguous, else the pool slots of its blocks ``kv_slots`` [B*S] (masked past its length
-        unless every sequence has the same length)."""
+        """Inputs [3, B] (ids, positions, slots) and the context: each sequence's block table
+        [B, nb] and cached length [B], which attention reads the cache through (in place with the
+        native kernel; else it derives the gather slots from them, once per step)."""
         bs = self.config.block_size
         lens = [len(seq) for seq in seqs]
         tables = [seq.block_table for seq in seqs]
-        ids = [seq.token_ids[-1] for seq in seqs]
         positions = [n - 1 for n in lens]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
-        packed = self._tensor([ids, positions, slots])                               # [3, B]
-        longest = max(lens)
+        packed = self._tensor([[seq.token_ids[-1] for seq in seqs], positions, slots])   # [3, B]
+        width = max(map(len, tables))
         ctx = StepContext(is_prefill=False, slot_mapping=packed[2], kv_cache=self.kv_cache, block_size=bs,
-                          kv_len=longest, kv_buffers=self._kv_buffers, grouped_experts=self.grouped_experts,
-                          expert_weights=self.decode_expert_weights)
-        first = tables[0][0]
-        if len(seqs) == 1 and tables[0] == list(range(first, first + len(tables[0]))):
-            ctx.kv_slots = slice(first * bs, first * bs + longest)
-            return packed, ctx
-        width = (longest + bs - 1) // bs
-        table = self._tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables])   # [B, nb]
-        kv_slots = (table[:, :, None] * bs + torch.arange(bs, device=self.device)).view(len(seqs), -1)  # [B, nb*bs]
-        ctx.kv_slots = kv_slots[:, :longest].flatten()                               # [B*S]
-        if min(lens) != longest:
-            length = self._tensor(lens)                                               # [B]
-            ctx.kv_mask = (torch.arange(longest, device=self.device) < length[:, None])[:, None, None, :]  # [B,1,1,S]
+                          kv_len=max(lens), kv_buffers=self._kv_buffers, grouped_experts=self.grouped_experts,
+                          expert_weights=self.decode_expert_weights, native_experts=self.native_experts,
+                          native_attention=self.native_attention)
+        ctx.context_lens = self._tensor(lens)                                         # [B]
+        ctx.block_table = self._tensor([t + [0] * (width - len(t)) for t in tables])  # [B, nb]
         return packed, ctx
 
     def _tensor(self, values: list) -> torch.Tensor:

@@ -9,6 +9,7 @@ It lives here, below both ``routing`` and ``engine``, because both read it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -21,7 +22,10 @@ class StepContext:
     kv_cache: list | None = None                # per attention layer (k, v): [N*bs, nKV, D]
     block_size: int = 16
     cu_seqlens: list[int] | None = None         # prefill: token offsets of each sequence (len B+1)
-    kv_slots: torch.Tensor | None = None        # decode: [B*S] pool slot of every cached position
+    block_table: torch.Tensor | None = None     # decode: [B, nb] pool block ids of each sequence (0-padded)
+    context_lens: torch.Tensor | None = None    # decode: [B] cached positions of each sequence (new token included)
+    native_attention: Callable | None = None    # decode: the compiled paged attention kernel (moetailor/kernels)
+    kv_slots: torch.Tensor | slice | None = None  # decode gather path: [B*S] pool slot of every cached position
     kv_mask: torch.Tensor | None = None         # decode: [B, 1, 1, S] True = attend; None = attend to all
     kv_len: int = 0                             # decode: S, cached positions per sequence (padded)
     kv_buffers: dict | None = None              # decode: reused gather buffers, (shape, dtype) -> tensor
@@ -33,6 +37,7 @@ class StepContext:
     # experts
     grouped_experts: bool = True                # grouped GEMM over the routed union (else a per-expert loop)
     expert_weights: dict | None = None          # MoE layer -> (gate_up, down) to use instead of the model's
+    native_experts: Callable | None = None      # the compiled experts kernel, for steps it serves (moetailor/kernels)
 
 
 _CONTEXT: StepContext | None = None

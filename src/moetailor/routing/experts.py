@@ -3,7 +3,10 @@
 One function is registered in transformers' ``ExpertsInterface`` ("moetailor", installed by the
 routing controller) and it picks its path from the step context (``models.step_context``):
 
-- in an engine step with grouped experts (the default): the routes, sorted by expert, go through
+- in an engine step whose context carries the native kernel (the default on CPU): the routed
+  tokens' SwiGLU experts in one C++ call (``moetailor/kernels``, ``native_experts_forward``), which
+  pays one dispatch per layer instead of a library GEMM per expert;
+- in an engine step with grouped experts: the routes, sorted by expert, go through
   ``grouped_mm`` once per projection (``grouped_experts_forward``); experts with no rows are
   skipped by the kernel (their weights are not read) and nothing waits on the host: per-expert
   counts and offsets stay on the device, dropped routes sort last and are masked out;
@@ -121,10 +124,47 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     return out
 
 
+def native_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor, kernel) -> torch.Tensor:
+    """All routed experts in one native call (fp32 activations; fp32 or bf16 weights, the decode
+    copy when the engine made one). Same contract as the other two: sentinels cost nothing, the
+    meter gets the distinct-expert count."""
+    gu, down = self.gate_up_proj, self.down_proj                            # [E, 2I, H], [E, H, I]
+    ctx = get_context()
+    if ctx.expert_weights:
+        gu, down = ctx.expert_weights.get(getattr(self, "_moetailor_layer", -1), (gu, down))
+    out, distinct = kernel(hidden_states.float().contiguous(), gu, down,    # [T, H], [] (experts read)
+                           top_k_index.long().contiguous(), top_k_weights.float().contiguous())
+    _record(self, distinct, gu, down)
+    return out.to(hidden_states.dtype)
+
+
+def native_layout(experts_module) -> bool:
+    """Whether the native kernel runs this experts module: SwiGLU with a gate, no biases, the fused
+    [E, 2I, H] / [E, H, I] layout, fp32 or bf16, and sizes in whole 16-wide vectors."""
+    m = experts_module
+    gu, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    if not isinstance(gu, torch.Tensor) or not isinstance(down, torch.Tensor) or gu.dim() != 3 or down.dim() != 3:
+        return False
+    silu = isinstance(getattr(m, "act_fn", None), torch.nn.SiLU) or type(getattr(m, "act_fn", None)).__name__ == "SiLUActivation"
+    E, two_i, H = gu.shape
+    return (silu and getattr(m, "has_gate", True) and not getattr(m, "has_bias", False)
+            and not getattr(m, "is_transposed", False) and gu.dtype in (torch.float32, torch.bfloat16)
+            and down.dtype == gu.dtype and gu.is_contiguous() and down.is_contiguous()
+            and tuple(down.shape) == (E, H, two_i // 2) and H % 16 == 0 and (two_i // 2) % 16 == 0)
+
+
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The registered implementation: grouped in engine steps that ask for it, the loop otherwise."""
+    """The registered implementation: native or grouped in engine steps that ask for it, the loop
+    otherwise."""
     ctx = get_context()
+    if ctx is not None and ctx.native_experts is not None:
+        native = getattr(self, "_moetailor_native", None)
+        if native is None:
+            native = self._moetailor_native = native_layout(self)
+        if native:
+            return native_experts_forward(self, hidden_states, top_k_index, top_k_weights, ctx.native_experts)
     grouped = ctx is not None and ctx.grouped_experts and getattr(self, "has_gate", True) and not (
         getattr(self, "has_bias", False) or getattr(self, "is_transposed", False))   # layouts grouped_mm skips
     forward = grouped_experts_forward if grouped else loop_experts_forward

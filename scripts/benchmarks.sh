@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The speed benchmarks of docs/benchmarks.md in one run, back to back, each with the load average
+# before it, so the numbers share one machine state. Run it on an idle machine:
+#     flock /tmp/moetailor-heavy.lock bash scripts/benchmarks.sh [OUT_DIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-build/bench-$(date -u +%Y%m%d-%H%M)}
+mkdir -p "$out"
+py=.venv/bin/python
+run() {
+  local name=$1; shift
+  echo "== $name start $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/index.txt"
+  "$@" > "$out/$name.txt" 2>&1
+  echo "== $name exit $? end $(date -u +%T)" | tee -a "$out/index.txt"
+}
+lscpu | grep -E "Model name|^CPU\(s\)|L3" > "$out/machine.txt"
+run engine_vs_hf $py scripts/engine_vs_hf.py --batch 1 8 32 --out "$out/engine_vs_hf"
+run engine_vs_hf_1thread $py scripts/engine_vs_hf.py --batch 1 8 32 --threads 1 --no-vllm --out "$out/engine_vs_hf"
+run decode_floor $py scripts/decode_floor.py --batches 1 8 --layers 1 --experts 32
+run decode_floor_1thread $py scripts/decode_floor.py --batches 1 8 --layers 1 --experts 32 --threads 1
+run bench_decode .venv/bin/moetailor bench decode --model both --batches 1,8,32,64 --steps 4 --out "$out/decode"
+run bench_slo .venv/bin/moetailor bench slo --model both --steps 4 --out "$out/slo"
+run bench_prefill .venv/bin/moetailor bench prefill --model both --out "$out/prefill"
+echo "done $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/index.txt"

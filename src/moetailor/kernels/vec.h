@@ -1,0 +1,57 @@
+// 16-wide fp32 vectors (GCC/Clang vector extensions: one AVX-512 register, or two AVX2 ones) shared
+// by the kernels.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// The 16 horizontal sums of a[0..15] as one vector (lane i = sum of a[i]'s lanes): a transpose-add
+// tree, 15 shuffle pairs instead of 16 separate reductions.
+inline v16 sum16(const v16* a) {
+  v16 z[8], y[4], x[2];
+  for (int i = 0; i < 8; ++i)
+    z[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    y[i] = __builtin_shufflevector(z[2 * i], z[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(z[2 * i], z[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    x[i] = __builtin_shufflevector(y[2 * i], y[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(y[2 * i], y[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+// exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial (relative
+// error ~1e-7), times 2^n built in the exponent bits. Inputs are clamped to [-87.3, 88.7].
+inline v16 exp16(v16 x) {
+  const v16 lo = v16{} - 87.3f, hi = v16{} + 88.7f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const i16v n = __builtin_convertvector(x * 1.44269504f + 128.5f, i16v) - 128;   // floor(x / ln2 + 1/2)
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  v16 p = v16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v16 e = p * r * r + r + 1.f;
+  const i16v bits = (n + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return e * scale;
+}
