@@ -43,12 +43,25 @@ def parse_trace(spec: str) -> list[tuple[int, int]]:
     return out
 
 
-def run_trace(llm, requests: list, segments: list[tuple[int, int]]) -> tuple[dict, list, float]:
+def run_trace(llm, requests: list, segments: list[tuple[int, int]]) -> tuple[dict, list, float, dict]:
     """Serve ``requests`` [(prompt, SamplingParams)] in order, keeping each segment's number of
     requests running for its decode steps (segments repeat until every request has started), then
-    drain. Returns the sequences by index, the step log and the wall seconds."""
+    drain. Returns the sequences by index, the step log, the wall seconds and, per request index,
+    the batch sizes of the decode steps it took part in."""
     llm.step_log.clear()
-    seqs, live, nxt = {}, [], 0
+    seqs, live, nxt, loads = {}, [], 0, {}
+    index = {f"r{i}": i for i in range(len(requests))}
+
+    def step() -> int:
+        last = llm.step_log[-1] if llm.step_log else None
+        stepped = llm.step()
+        rec = llm.step_log[-1] if llm.step_log else None
+        if rec is None or rec is last or rec.phase != "decode":
+            return 0
+        for seq in stepped:
+            loads.setdefault(index[seq.request_id], []).append(rec.num_seqs)
+        return 1
+
     start = time.perf_counter()
     while nxt < len(requests):
         for n, steps in segments:
@@ -60,14 +73,19 @@ def run_trace(llm, requests: list, segments: list[tuple[int, int]]) -> tuple[dic
                     seqs[nxt] = llm.add_request(prompt, sp, request_id=f"r{nxt}")
                     live.append(seqs[nxt])
                     nxt += 1
-                before = len(llm.step_log)
-                llm.step()
-                decode_steps += sum(r.phase == "decode" for r in list(llm.step_log)[before:])
+                decode_steps += step()
             if nxt >= len(requests):
                 break
     while llm.has_unfinished():
-        llm.step()
-    return seqs, list(llm.step_log), time.perf_counter() - start
+        step()
+    return seqs, list(llm.step_log), time.perf_counter() - start, loads
+
+
+def load_class(batches: list[int], threshold: int) -> str:
+    """'low' when every decode step of a request ran below the batch ``threshold``, 'high' when
+    every one ran at or above it, else 'mixed'."""
+    below = [b < threshold for b in batches]
+    return "low" if all(below) else "high" if not any(below) else "mixed"
 
 
 def agreement(tokens: list[int], reference: list[int]) -> float:
@@ -147,22 +165,33 @@ def synthetic_part(args) -> dict:
             plan, by_load = policies[name]
             llm.set_plan(plan)
             llm.set_decode_pools(by_load)
-            seqs, log, wall = run_trace(llm, requests, segments)
-            runs[name].append(({i: s.completion_token_ids for i, s in seqs.items()}, log, wall))
+            seqs, log, wall, loads = run_trace(llm, requests, segments)
+            runs[name].append(({i: s.completion_token_ids for i, s in seqs.items()}, log, wall, loads))
             print(json.dumps({"repeat": rep, "policy": name, "wall_s": round(wall, 1)}), flush=True)
     reference = runs["full"][0][0]
+    threshold = min([r.min_batch for r in pools.rungs if r.pool_size < m] or [max_batch + 1])
+    classes = {i: load_class(b, threshold) for i, b in runs["full"][0][3].items()}
     rows = {}
     for name, reps in runs.items():
-        summaries = [summarize(log, wall, slo_s, m, name in plans) for _, log, wall in reps]
+        summaries = [summarize(log, wall, slo_s, m, name in plans) for _, log, wall, _ in reps]
+        pooled = summarize([r for _, log, _, _ in reps for r in log], 0.0, slo_s, m, name in plans)
         outs = reps[0][0]
-        rows[name] = {**{key: statistics.fmean(s[key] for s in summaries) for key in
-                         ("decode_tok_s", "slo_token_share", "tok_s_at_slo", "reduced_token_share", "wall_s")},
+        by_class = {}
+        for c in ("low", "mixed", "high"):
+            ids = [i for i in reference if classes[i] == c]
+            if ids:
+                by_class[c] = {"requests": len(ids), "identical": sum(outs[i] == reference[i] for i in ids) / len(ids),
+                               "agreement": statistics.fmean(agreement(outs[i], reference[i]) for i in ids)}
+        rows[name] = {**{key: statistics.median(s[key] for s in summaries) for key in
+                         ("decode_tok_s", "slo_token_share", "reduced_token_share", "wall_s")},
+                      "tok_s_at_slo": pooled["tok_s_at_slo"],
                       "identical": sum(outs[i] == reference[i] for i in reference) / len(reference),
                       "agreement": statistics.fmean(agreement(outs[i], reference[i]) for i in reference),
-                      "repeats_identical": all(r[0] == reps[0][0] for r in reps),
-                      "median_step_ms": summaries[0]["median_step_ms"]}
+                      "by_load": by_class, "repeats_identical": all(r[0] == reps[0][0] for r in reps),
+                      "median_step_ms": pooled["median_step_ms"]}
         print(json.dumps({"policy": name, **rows[name]}), flush=True)
     return {"model": f"synthetic ({args.layers} MoE layer(s), {m} experts top-{k})", "slo_ms": 1e3 * slo_s,
+            "threshold_batch": threshold,
             "by_load": pools.describe(), "thresholds": [(r.pool_size, r.min_batch) for r in pools.rungs],
             "trace": args.trace, "requests": args.requests, "repeats": args.repeats, "rows": rows}
 
@@ -187,17 +216,21 @@ def reference_part(args, thresholds: list[tuple[int, int]], m_synthetic: int) ->
     examples = [ex for group in zip(*(eval_examples(t, per_task, seed=0) for t in TASKS.values())) for ex in group]
     sampling = SamplingParams(max_tokens=160, temperature=0.0)
     requests = [(ex.prompt, sampling) for ex in examples]
-    rows = {}
+    rows, classes = {}, None
     for name, (p, pools) in {"full": (None, None), "pruned 50% (REAP)": (plan, None), "by load": (None, by_load)}.items():
         llm.set_plan(p)
         llm.set_decode_pools(pools)
-        seqs, log, wall = run_trace(llm, requests, segments)
+        seqs, log, wall, loads = run_trace(llm, requests, segments)
+        classes = classes or {i: load_class(loads.get(i, [1]), threshold) for i in range(len(examples))}
         decode = [r for r in log if r.phase == "decode"]
         tokens = sum(r.num_seqs for r in decode)
         reduced = tokens if p is not None else sum(r.num_seqs for r in decode if (r.pool_size or m) < m)
-        rows[name] = {"accuracy": sum(score(ex, seqs[i].text) for i, ex in enumerate(examples)) / len(examples),
-                      "reduced_token_share": reduced / tokens,
-                      "decode_tokens": tokens, "wall_s": wall}
+        correct = {i: score(ex, seqs[i].text) for i, ex in enumerate(examples)}
+        by_class = {c: {"requests": sum(v == c for v in classes.values()),
+                        "accuracy": statistics.fmean(correct[i] for i, v in classes.items() if v == c)}
+                    for c in ("low", "mixed", "high") if c in classes.values()}
+        rows[name] = {"accuracy": statistics.fmean(correct.values()), "reduced_token_share": reduced / tokens,
+                      "by_load": by_class, "decode_tokens": tokens, "wall_s": wall}
         print(json.dumps({"reference policy": name, **rows[name]}), flush=True)
     return {"threshold_batch": threshold, "requests": len(examples), "trace": args.reference_trace, "rows": rows}
 
@@ -216,11 +249,11 @@ def main() -> None:
     ap.add_argument("--slo-ms", type=float, default=None,
                     help="per decode step (default: --slo-factor x the full pool's measured step at batch 8)")
     ap.add_argument("--slo-factor", type=float, default=1.15)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reference", action="store_true", help="also score accuracy on the reference model")
-    ap.add_argument("--reference-trace", default="1x40,4x40,16x40,32x40,8x40,2x40")
-    ap.add_argument("--reference-requests", type=int, default=120)
+    ap.add_argument("--reference-trace", default="1x300,4x200,32x100,8x200,2x300,16x100")
+    ap.add_argument("--reference-requests", type=int, default=600)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     args.max_tokens = args.max_tokens_range[1]
@@ -233,17 +266,27 @@ def main() -> None:
     syn = result["synthetic"]
     print(f"\n{syn['model']}, trace {syn['trace']} ({syn['requests']} requests, {syn['repeats']} repeats), "
           f"SLO {syn['slo_ms']:.0f} ms per decode step; by load: {syn['by_load']}\n")
-    print("| policy | decode tok/s | tokens within SLO | tok/s at SLO | tokens on a reduced pool | identical to full | "
-          "agreement with full |\n|---|---|---|---|---|---|---|")
+    low = syn["rows"]["full"]["by_load"].get("low", {}).get("requests", 0)
+    print(f"low load: requests whose every decode step ran at batch < {syn['threshold_batch']} ({low} of "
+          f"{syn['requests']})\n")
+    print("| policy | decode tok/s | tokens within SLO | tok/s at SLO | tokens on a reduced pool | identical to full "
+          "(all / low load) | agreement with full (all / low load) |\n|---|---|---|---|---|---|---|")
     for name, r in syn["rows"].items():
+        lo = r["by_load"].get("low", {"identical": float("nan"), "agreement": float("nan")})
         print(f"| {name} | {r['decode_tok_s']:.0f} | {r['slo_token_share']:.0%} | {r['tok_s_at_slo']:.0f} | "
-              f"{r['reduced_token_share']:.0%} | {r['identical']:.0%} | {r['agreement']:.0%} |")
+              f"{r['reduced_token_share']:.0%} | {r['identical']:.0%} / {lo['identical']:.0%} | "
+              f"{r['agreement']:.0%} / {lo['agreement']:.0%} |")
     if "reference" in result:
         ref = result["reference"]
-        print(f"\nreference model, {ref['requests']} task prompts, trace {ref['trace']}, REAP-50 decode pool from "
-              f"batch {ref['threshold_batch']}\n\n| policy | accuracy | tokens on the reduced pool |\n|---|---|---|")
+        classes = list(ref["rows"]["full"]["by_load"])
+        counts = ", ".join(f"{c} {ref['rows']['full']['by_load'][c]['requests']}" for c in classes)
+        print(f"\nreference model, {ref['requests']} task prompts ({counts}), trace {ref['trace']}, REAP-50 decode "
+              f"pool from batch {ref['threshold_batch']}\n\n| policy | accuracy | "
+              + " | ".join(f"{c} load" for c in classes) + " | tokens on the reduced pool |\n|---"
+              + "|---" * (len(classes) + 2) + "|")
         for name, r in ref["rows"].items():
-            print(f"| {name} | {r['accuracy']:.1%} | {r['reduced_token_share']:.0%} |")
+            print(f"| {name} | {r['accuracy']:.1%} | " + " | ".join(f"{r['by_load'][c]['accuracy']:.1%}" for c in classes)
+                  + f" | {r['reduced_token_share']:.0%} |")
     if args.out:
         from moetailor.outputs import write_json
         write_json(args.out, result, indent=1)
