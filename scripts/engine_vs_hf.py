@@ -7,7 +7,8 @@ tokens, and decode throughput is measured the same way for all: B * (N - 1) / (t
 time of an N-token generate minus a 1-token (prefill-only) generate, best of ``--repeats``.
 - transformers: a fresh model object, left-padded batch, its stock experts implementation;
 - engine: `LLM` with the compiled CPU kernels (default), with torch's ops only (`native_kernels=False`),
-  and with bf16 decode experts (`decode_expert_dtype=torch.bfloat16`, changes numerics);
+  with bf16 decode experts (`decode_expert_dtype=torch.bfloat16`) and with the whole model and KV
+  cache in bf16 (`dtype=torch.bfloat16`, what vLLM bf16 runs); the bf16 rows change numerics;
 - vLLM: when `.venv-vllm` exists (`make setup-vllm`), its unmodified engine (no plugin) in a
   subprocess, fp32 and bf16, on random prompts of the same length (`--no-vllm` skips it).
 Greedy outputs of the engine are compared with transformers' token for token (they agree up to
@@ -113,7 +114,8 @@ def main() -> None:
     n = max(args.batch)
     engines = {"engine": LLM(args.model, max_num_seqs=n),
                "engine, torch ops": LLM(args.model, max_num_seqs=n, native_kernels=False),
-               "engine, bf16 decode experts": LLM(args.model, max_num_seqs=n, decode_expert_dtype=torch.bfloat16)}
+               "engine, bf16 decode experts": LLM(args.model, max_num_seqs=n, decode_expert_dtype=torch.bfloat16),
+               "engine, bf16 model": LLM(args.model, max_num_seqs=n, dtype=torch.bfloat16)}
     if args.decode_plan:
         plan = Plan.load(args.decode_plan)
         engines["engine + decode plan"] = LLM(args.model, plan.with_phases(decode=plan.decode), max_num_seqs=n)

@@ -48,11 +48,13 @@ def test_swiglu_experts_refuse_bad_shapes():
                                  torch.ones(2, 1))
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (6, 6, 24)])
-def test_paged_decode_attention_equals_sdpa(heads, kv_heads, dim):
+@pytest.mark.parametrize("heads,kv_heads,dim,dtype", [(4, 2, 64, torch.float32), (6, 6, 24, torch.float32),
+                                                      (4, 2, 64, torch.bfloat16)])
+def test_paged_decode_attention_equals_sdpa(heads, kv_heads, dim, dtype):
     torch.manual_seed(heads)
-    bs, num_blocks, lens = 4, 40, [1, 7, 16, 13]
-    k_cache, v_cache = torch.randn(num_blocks * bs, kv_heads, dim), torch.randn(num_blocks * bs, kv_heads, dim)
+    bs, num_blocks, lens = 4, 40, [1, 7, 16, 37]
+    k_cache = torch.randn(num_blocks * bs, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(num_blocks * bs, kv_heads, dim).to(dtype)
     free = torch.randperm(num_blocks).tolist()                      # scattered blocks
     tables = [[free.pop() for _ in range((n + bs - 1) // bs)] for n in lens]
     width = max(map(len, tables))
@@ -61,6 +63,6 @@ def test_paged_decode_attention_equals_sdpa(heads, kv_heads, dim):
     out = kernels.paged_decode_attention()(q, k_cache, v_cache, table, torch.tensor(lens), bs, dim ** -0.5)
     for b, n in enumerate(lens):
         slots = torch.tensor([tables[b][p // bs] * bs + p % bs for p in range(n)])
-        k, v = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)      # [nKV, n, D]
+        k, v = k_cache[slots].transpose(0, 1).float(), v_cache[slots].transpose(0, 1).float()  # [nKV, n, D]
         expected = F.scaled_dot_product_attention(q[b][:, None], k, v, enable_gqa=True)[:, 0]  # [nH, D]
         torch.testing.assert_close(out[b], expected, rtol=1e-5, atol=1e-5)

@@ -48,11 +48,11 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             out[start:end] = o[0].transpose(0, 1)
         return out.unsqueeze(0), None                                     # [1, T, nH, Dv]
     # decode: one new token per sequence, attending over its cached positions read in place
-    if ctx.native_attention is not None and _native_ok(k_cache, query, kwargs):
-        q = query[0].transpose(0, 1).contiguous()                         # [B, nH, Dk]
+    if ctx.native_attention is not None and _native_ok(k_cache, kwargs):
+        q = query[0].transpose(0, 1).float().contiguous()                 # [B, nH, Dk]
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         o = ctx.native_attention(q, k_cache, v_cache, ctx.block_table, ctx.context_lens, ctx.block_size, scale)
-        return o.unsqueeze(0), None                                       # [1, B, nH, Dv]
+        return o.to(query.dtype).unsqueeze(0), None                       # [1, B, nH, Dv]
     _slots(ctx)
     k_all = _cached(ctx, k_cache, query.dtype, "k")                       # [B, nKV, S, Dk]
     v_all = _cached(ctx, v_cache, query.dtype, "v")                       # [B, nKV, S, Dv]
@@ -62,10 +62,10 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     return o.transpose(1, 2).reshape(1, num_tokens, query.shape[1], -1), None  # [1, B, nH, Dv]
 
 
-def _native_ok(cache: torch.Tensor, query: torch.Tensor, kwargs: dict) -> bool:
-    """The native kernel covers plain (grouped-query) softmax attention over an fp32 cache: no
-    sinks, soft-capping or sliding window."""
-    return (cache.dtype == torch.float32 and query.dtype == torch.float32 and kwargs.get("s_aux") is None
+def _native_ok(cache: torch.Tensor, kwargs: dict) -> bool:
+    """The native kernel covers plain (grouped-query) softmax attention over an fp32 or bf16 cache
+    (computed in fp32): no sinks, soft-capping or sliding window."""
+    return (cache.dtype in (torch.float32, torch.bfloat16) and kwargs.get("s_aux") is None
             and kwargs.get("sinks") is None and kwargs.get("softcap") is None and kwargs.get("sliding_window") is None)
 
 

@@ -23,19 +23,8 @@
 
 namespace {
 
-typedef uint32_t u16x __attribute__((vector_size(64)));
-typedef uint16_t h16 __attribute__((vector_size(32)));
-
 inline v16 load(const float* p) { return load16(p); }
-
-inline v16 load(const at::BFloat16* p) {   // bf16 -> fp32 is a 16-bit left shift
-  h16 h;
-  std::memcpy(&h, p, sizeof(h));
-  u16x w = __builtin_convertvector(h, u16x) << 16;
-  v16 v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-}
+inline v16 load(const at::BFloat16* p) { return load16(p); }
 
 // out[r][j0 + j] = dot(a[r], w[j0 + j]) for r < RB, j < 16 / RB (columns past `cols` are not stored):
 // 16 accumulators, summed by one transpose-add.

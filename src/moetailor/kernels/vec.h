@@ -2,6 +2,8 @@
 // by the kernels.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -10,6 +12,17 @@ typedef float v16 __attribute__((vector_size(64)));
 inline v16 load16(const float* p) {
   v16 v;
   std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v16 load16(const c10::BFloat16* p) {   // bf16 -> fp32 is a 16-bit left shift
+  typedef uint16_t h16 __attribute__((vector_size(32)));
+  typedef uint32_t u16x __attribute__((vector_size(64)));
+  h16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u16x w = __builtin_convertvector(h, u16x) << 16;
+  v16 v;
+  std::memcpy(&v, &w, sizeof(v));
   return v;
 }
 
