@@ -56,13 +56,18 @@ def make_llm(model, max_batch: int, max_len: int):
 
 
 def engine_decode(llm, batch: int, prompt_len: int, steps: int, expert_top_k: int | None = None,
-                  seed: int = 0) -> DecodeResult:
-    """Decode ``steps`` tokens (after one warm-up step) for ``batch`` sequences through ``llm``."""
+                  seed: int = 0, prompt_ids: list[list[int]] | None = None) -> DecodeResult:
+    """Decode ``steps`` tokens (after one warm-up step) for ``batch`` sequences through ``llm``
+    (``prompt_ids``: ``batch`` prompts of ``prompt_len`` tokens instead of seeded random ids)."""
     from ..engine import SamplingParams
 
+    if prompt_ids is None:
+        prompt_ids = prompts(batch, prompt_len, llm.vocab_size, seed)
+    elif len(prompt_ids) != batch or any(len(p) != prompt_len for p in prompt_ids):
+        raise ValueError(f"prompt_ids must hold {batch} prompts of {prompt_len} tokens")
     llm.step_log.clear()
     sp = SamplingParams(max_tokens=steps + 2, ignore_eos=True, expert_top_k=expert_top_k)
-    outs = llm.generate(prompts(batch, prompt_len, llm.vocab_size, seed), sp)
+    outs = llm.generate(prompt_ids, sp)
     records = [r for r in llm.step_log if r.phase == "decode" and r.num_seqs == batch][1:]
     if not records:
         raise RuntimeError(f"no full-batch decode steps were logged for batch {batch}")

@@ -13,11 +13,16 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..models import describe, load_model
+    from ..models import describe, load_model, resolve_model_path
+    from ..models.checkpoint import stored_dtype
+    from ..models.loading import read_config
 
     if str(args.model).endswith(".json"):
         return run_plan(args.model)
-    facts = describe(load_model(args.model))
+    # the checkpoint's own dtype: its true bytes per expert, and half the memory of fp32 for bf16 weights
+    path = resolve_model_path(args.model)
+    read_config(path)   # a broken config.json: one clear line before its dtype is read
+    facts = describe(load_model(args.model, dtype=stored_dtype(path)))
     rows = []
     for key, value in facts.items():
         if key.startswith("parameters") or key == "bytes_per_expert":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .calibrate import command_line
+from ..memory import peak_rss_gib
 from ..tables import print_table
 
 
@@ -75,6 +76,7 @@ def run(args) -> int:
     print_table(title, headers, rows)
     for note in notes:
         print(note)
+    print(f"peak RSS {peak_rss_gib():.2f} GiB" + (" (read only the routers of --model)" if args.model else ""))
     return 0
 
 
@@ -97,5 +99,5 @@ def run_search(args, stats, model, command: str) -> int:
                 [(i, u, k) for i, u, k in zip(stats.model["moe_layers"], s["uniform"], s["ks"])])
     print(f"next-token KL to the full model on {summary['tokens']:,} tokens of {summary['data']}: "
           f"{s['uniform_kl']:.4f} uniform -> {s['kl']:.4f} searched ({s['evaluations']} allocations scored, "
-          f"{summary['seconds']:.0f} s)")
+          f"{summary['seconds']:.0f} s); peak RSS {peak_rss_gib():.2f} GiB")
     return 0

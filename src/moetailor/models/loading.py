@@ -7,28 +7,14 @@ from pathlib import Path
 
 import torch
 
+from .paths import REFERENCE_DIR, resolve_model_path  # noqa: F401  (re-exported)
 from .sidecars import DISTILL_PLAN_FILE, DISTILL_SIDECAR, SPLIT_SIDECAR, DistillSidecar, Sidecars, SplitSidecar
-
-REFERENCE_DIR = Path(__file__).resolve().parent.parent / "assets" / "reference"
-
-
-def resolve_model_path(name: str | Path) -> Path:
-    """'reference' -> the bundled model; otherwise a local checkpoint directory."""
-    if str(name) == "reference":
-        if not (REFERENCE_DIR / "config.json").exists():
-            raise FileNotFoundError(f"the bundled reference model is missing from {REFERENCE_DIR}; "
-                                    "reinstall moetailor or run `make train-reference`")
-        return REFERENCE_DIR
-    path = Path(name)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{name!r} is neither 'reference' nor a local checkpoint directory with a config.json "
-                                "(moetailor never downloads from a hub: pass a local path)")
-    return path
 
 
 def load_model(name: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Load a supported MoE causal LM (fp32 by default: fastest for decode on CPU). The model carries
-    where it came from (``moetailor_source``) and what transforms recorded beside it
+    """Load a supported MoE causal LM (fp32 by default: fastest for decode on CPU). Safetensors checkpoints
+    are read tensor by tensor (``checkpoint.load_whole``): resident memory is the weights, not twice them.
+    The model carries where it came from (``moetailor_source``) and what transforms recorded beside it
     (``moetailor_sidecars``, see ``sidecars.py``)."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
@@ -38,8 +24,12 @@ def load_model(name: str | Path, dtype: torch.dtype = torch.float32, device: str
     path = resolve_model_path(name)
     arch_spec(read_config(path))  # clear error before loading weights
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
-    except (OSError, SafetensorError) as e:
+        if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+            from .checkpoint import load_whole   # plain reads: resident memory = the weights
+            model = load_whole(path, dtype).to(device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    except (OSError, SafetensorError, ValueError, KeyError) as e:   # incl. a truncated or incomplete checkpoint
         raise ValueError(f"cannot read the weights of {name} ({_first_line(e)}); a weights file may be truncated or "
                          "missing: copy or export the checkpoint again") from None
     model.eval()

@@ -12,9 +12,20 @@ that a few experts are hot, as in real traffic: every embedding row carries a sh
 u (as long as the random part), and router row e of each layer is a random row orthogonal to u,
 scaled to unit logit std, plus a multiple of u with b_e ~ N(0, 1) drawn per layer, scaled so that on
 the embeddings it adds ``skew * b_e`` to expert e's logit for every token: experts with large b_e are
-hot in every batch (without skew, routing is near uniform). The share of u in the residual stream shrinks
-as layers add random outputs, so the skew is strongest in early layers (docs/scale.md gives the
-measured expert frequencies).
+hot in every batch (without skew, routing is near uniform).
+
+Two rules keep routing token-dependent through the layers (without them every token picked the same
+experts: the hottest expert took 94-100% of tokens in every layer). Random attention mixes each
+position with the average of its context, and that average is nearly the same for every token: the
+shared direction u (half of every embedding row's energy) and the frequency-weighted mean of the
+embeddings. At N(0, 0.02) the attention output is several times the embeddings' norm (5.6x at hidden
+512, growing with the hidden size), so this common vector swamped each token's own part of the router
+input. Hence (1) the projections that read the residual stream into attention (q, k, v; MLA's q and
+kv_a) have u projected out of their input: attention does not see the shared direction; (2) the
+attention output projection is drawn with std 0.02 / sqrt(hidden), so a layer's attention adds at most
+about the embeddings' norm. Routed experts keep N(0, 0.02): their outputs differ per token (they are
+routed), which spreads routing further.
+docs/scale.md gives the measured expert frequencies.
 """
 from __future__ import annotations
 
@@ -56,6 +67,9 @@ TOKEN_IDS = dict(bos_token_id=None, eos_token_id=0, pad_token_id=1)   # the bund
 HOT_DIRECTION = 1.0        # |u component| / |random part| of every embedding row
 DEFAULT_SKEW = 1.0         # router logit offset scale of the hot direction
 INIT_STD = 0.02
+# attention projections that read the residual stream (hub names), and the one that writes it back
+ATTN_INPUTS = tuple(f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa"))
+ATTN_OUTPUT = "self_attn.o_proj.weight"
 SIDECAR = "moetailor_synthetic.json"
 
 
@@ -114,6 +128,11 @@ class _Init:
             x *= 1.0 / (math.sqrt(1 - share**2) * math.sqrt(H))
             b = torch.randn(E, generator=g)                               # [E] per-expert hotness
             x += (self.skew / (share * math.sqrt(H))) * b[:, None] * self.u[None, :]
+        elif name.endswith(ATTN_INPUTS) and shape[-1] == self.hidden:     # [out, H]: blind to u
+            x.normal_(0.0, self.std, generator=g)
+            x -= (x @ self.u)[:, None] * self.u[None, :]
+        elif name.endswith(ATTN_OUTPUT):                                       # [H, heads * D]
+            x.normal_(0.0, self.std / math.sqrt(self.hidden), generator=g)
         else:
             x.normal_(0.0, self.std, generator=g)
         return x.to(dtype)
@@ -160,7 +179,8 @@ def write_synthetic(preset: str, out: str | Path, *, layers: int | None = None, 
         params = sum(math.prod(s) for _, s in tensors)
         (tmp / SIDECAR).write_text(json.dumps({
             "format": "moetailor-synthetic", "preset": preset, "layers": config.num_hidden_layers, "seed": seed,
-            "skew": skew, "hot_direction": HOT_DIRECTION, "init_std": init.std, "parameters": params,
+            "skew": skew, "hot_direction": HOT_DIRECTION, "init_std": init.std,
+            "attention_init": "q/k/v blind to the hot direction; o_proj std init_std / sqrt(hidden)", "parameters": params,
             "bytes": total, "note": "random weights: task accuracy is meaningless; compare models by held-out KL"},
             indent=1))
     return Path(out)
