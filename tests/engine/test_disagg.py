@@ -73,3 +73,34 @@ def test_decode_worker_death_ends_requests_with_error_and_serving_continues(chec
         again = dis.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0]
     assert again.finish_reason == "length"
     assert again.token_ids == colocated(model, plan, [prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_an_adopted_sequence_continues_as_if_colocated(checkpoints, room):
+    """The decode side's half of a hand-over, in one process: a sequence prefilled by one engine
+    joins another engine's decode batch with its KV blocks written in unchanged (``room``: it
+    continues exactly as the colocated engine does; greedy, so a wrong cache changes the tokens),
+    or, when that engine has no free slot, waits and is prefilled again there (as a preempted
+    sequence is: prompt and first token in one prefill)."""
+    from moetailor.engine.disagg import adopted
+
+    _, model, plan = checkpoints
+    prompt = random_prompts([11], seed=6)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ref = colocated(model, plan, [prompt], params)[0]
+    prefill = LLM(model, block_size=4)
+    first = prefill.add_request(prompt, params, request_id="r")
+    prefill.step()                                                      # prefill + the first token
+    kv = prefill.runner.read_blocks(first.block_table)
+    decode = LLM(model, plan, block_size=4, max_num_seqs=1)
+    busy = None if room else decode.add_request(random_prompts([5], seed=7)[0], SamplingParams(max_tokens=3))
+    if busy is not None:
+        decode.step()                                                   # the only slot is taken
+    seq = adopted(first.token_ids, first.num_prompt_tokens, params, "r")
+    assert decode.enqueue(seq, kv) and not decode.enqueue(seq, kv)      # a request id is used once
+    assert (seq in decode.scheduler.running) == room
+    while not seq.is_finished:
+        decode.step()
+    again = colocated(model, plan, [first.token_ids], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))
+    assert seq.completion_token_ids == (ref.token_ids if room else first.completion_token_ids + again[0].token_ids)
+    assert seq.num_preemptions == 0 and (busy is None or busy.is_finished)

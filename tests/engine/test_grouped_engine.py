@@ -6,14 +6,13 @@ from __future__ import annotations
 import pytest
 
 from moetailor.engine import LLM, SamplingParams
-from moetailor.engine.guard import GuardConfig
 from moetailor.models.tiny import tiny_grouped_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
 
 from engine_helpers import hf_greedy, random_prompts
 from test_engine import handover_reference
-from test_guard import eos_needs_experts
+from test_guard import length_hits, with_and_without_guard
 
 BALANCED = (0, 1, 4, 5, 8, 9, 12, 13)      # 2 of 4 in every group: a prunable decode pool
 DROPPED = (2, 3, 6, 7, 10, 11, 14, 15)
@@ -59,14 +58,9 @@ def test_guard_catches_a_collapsing_balanced_pool(model):
     prompts = random_prompts([5 + i % 7 for i in range(32)], seed=7)
     params = SamplingParams(max_tokens=48)
     plan = uniform_plan(model, decode=LayerPolicy(keep=BALANCED))
-    with eos_needs_experts(model, DROPPED):
-        off = LLM(model, plan, block_size=4, max_num_seqs=8).generate(prompts, params)
-        llm = LLM(model, plan, block_size=4, max_num_seqs=8, guard=GuardConfig(shadow_fraction=0.25))
-        on = llm.generate(prompts, params)
-        full = LLM(model, block_size=4, max_num_seqs=8).generate(prompts, params)
-    hits_off = sum(o.finish_reason == "length" for o in off)
-    hits_on = sum(o.finish_reason == "length" for o in on)
-    assert sum(o.finish_reason == "length" for o in full) <= 2
+    off, llm, on, full = with_and_without_guard(model, plan, prompts, params, DROPPED)
+    hits_off, hits_on = length_hits(off), length_hits(on)
+    assert length_hits(full) <= 2
     assert hits_off >= 8, hits_off  # the reduced pool collapses without the guard
     snap = llm.guard.snapshot()["policies"]["default"]
     assert snap["state"] == "tripped" and hits_on <= hits_off // 2, (snap, hits_on, hits_off)

@@ -58,6 +58,21 @@ def eos_needs_experts(model, experts=GATE):
         h1.remove(), h2.remove()
 
 
+def with_and_without_guard(model, plan, prompts, params, experts=GATE):
+    """``prompts`` served on ``plan`` without the guard, with it (1 in 4 shadowed) and on the full pool,
+    while EOS needs ``experts``: (unguarded outputs, guarded engine, its outputs, full-pool outputs)."""
+    with eos_needs_experts(model, experts):
+        off = LLM(model, plan, block_size=4, max_num_seqs=8).generate(prompts, params)
+        llm = LLM(model, plan, block_size=4, max_num_seqs=8, guard=GuardConfig(shadow_fraction=0.25))
+        on = llm.generate(prompts, params)
+        full = LLM(model, block_size=4, max_num_seqs=8).generate(prompts, params)
+    return off, llm, on, full
+
+
+def length_hits(outputs) -> int:
+    return sum(o.finish_reason == "length" for o in outputs)
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("qwen2_moe", seed=5)
@@ -82,14 +97,9 @@ def test_degenerate_decoder_trips_guard_and_requests_finish_on_full_pool(model):
     prompts = random_prompts([5 + i % 7 for i in range(32)], seed=5)
     params = SamplingParams(max_tokens=48)
     plan = decode_plan(model, DEGENERATE)
-    with eos_needs_experts(model):
-        off = LLM(model, plan, block_size=4, max_num_seqs=8).generate(prompts, params)
-        llm = LLM(model, plan, block_size=4, max_num_seqs=8, guard=GuardConfig(shadow_fraction=0.25))
-        on = llm.generate(prompts, params)
-        full = LLM(model, block_size=4, max_num_seqs=8).generate(prompts, params)
-    hits_off = sum(o.finish_reason == "length" for o in off)
-    hits_on = sum(o.finish_reason == "length" for o in on)
-    assert sum(o.finish_reason == "length" for o in full) <= 2   # the full pool ends (almost) every request
+    off, llm, on, full = with_and_without_guard(model, plan, prompts, params)
+    hits_off, hits_on = length_hits(off), length_hits(on)
+    assert length_hits(full) <= 2   # the full pool ends (almost) every request
     assert hits_off >= 16                                         # the reduced pool collapses without the guard
     snap = llm.guard.snapshot()["policies"]["default"]
     assert snap["state"] == "tripped" and snap["trips"] == 1, snap

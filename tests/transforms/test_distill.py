@@ -121,6 +121,11 @@ def test_merged_checkpoint_is_stock_and_equals_se1_plus_se2(arch, tmp_path):
     with torch.no_grad(), RoutingController(loaded).policy(saved.decode):
         got = loaded(input_ids=x, use_cache=False).logits
     assert (want - got).abs().max() <= 1e-5
+    # load_model carries the plan on the model: the disaggregated decode worker reads it there
+    from moetailor.engine.disagg import distilled_plan
+    from moetailor.models.loading import load_model
+    assert distilled_plan(load_model(out)).to_json() == saved.to_json()
+    assert distilled_plan(loaded) is None     # a model loaded without load_model has no sidecars
 
 
 def test_architecture_without_shared_expert_refuses_se2_and_trains_router_and_norms(tmp_path):

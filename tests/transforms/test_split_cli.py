@@ -29,6 +29,12 @@ def test_split_cli_finetune(src, tmp_path, capsys):
     model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     assert moe_layers(model)[0].num_experts == 16 and model.config.num_experts_per_tok == 4
     assert (out / "tokenizer.json").exists()
+    # the engine learns the parts from the loaded model: a budget above 2 x 2 is refused, naming them
+    from moetailor.engine import LLM, SamplingParams
+    llm = LLM(str(out))
+    assert llm.model.moetailor_sidecars.split.parts == 2
+    with pytest.raises(ValueError, match=r"1\.\.4 .*2 sub-experts x 2 experts"):
+        llm.add_request([1, 2, 3], SamplingParams(max_tokens=1, expert_top_k=5))
     assert main(args) == 2                                              # exists, no --overwrite
     assert "--overwrite" in capsys.readouterr().err
 

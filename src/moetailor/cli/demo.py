@@ -39,6 +39,7 @@ def run(args) -> int:
     from ..engine import LLM, SamplingParams
     from ..data.tasks import TASKS, eval_examples, extract_answer, score
     from ..models import describe
+    from ..models.loading import load_checked
     from ..plans import Plan
 
     t0 = time.time()
@@ -46,8 +47,7 @@ def run(args) -> int:
     facts = describe(llm.model)
     print(f"model: {facts['architecture']}, {facts['layers']} layers, {facts['routed_experts_per_layer']} routed "
           f"experts top-{facts['top_k']}, {facts['parameters_total'] / 1e6:.1f}M parameters")
-    plan = Plan.load(args.plan)
-    plan.check_model(llm.model)
+    plan = load_checked(args.plan, Plan, llm.model)
     kept = plan.kept_experts("decode")
     shown = f"bundled {BUNDLED_PLAN.name}" if Path(args.plan).resolve() == BUNDLED_PLAN else args.plan
     print(f"decode plan: {shown} ({plan.meta.get('criterion', '?')}, keeps "

@@ -103,7 +103,7 @@ def build_engine(args):
         if args.step_slo_ms is None:
             raise ValueError("--decode-pools-by-load needs --step-slo-ms (the decode step time the full pool must meet)")
         pools = [None] + [Plan.load(path) for path in args.decode_pools_by_load]
-        llm.set_decode_pools(PoolsByLoad.from_slo(pools, llm.k_cost, args.step_slo_ms / 1e3, llm.full_k,
+        llm.set_decode_pools(PoolsByLoad.from_slo(pools, llm.budgets.cost, args.step_slo_ms / 1e3, llm.budgets.full_k,
                                                   args.max_num_seqs))
     return llm
 

@@ -37,6 +37,7 @@ def register(sub) -> None:
 
 
 def parse_named_plans(items: list[str], model) -> dict:
+    from ..models.loading import load_checked
     from ..plans.plan import Plan
 
     plans = {}
@@ -49,8 +50,7 @@ def parse_named_plans(items: list[str], model) -> dict:
             raise ValueError(f"--expert-plan {item!r} must look like NAME=PATH (e.g. half=plans/half.json)")
         if name in ("default", "full") or name in plans:
             raise ValueError(f"--expert-plan name {name!r} is reserved or repeated; choose another name")
-        plans[name] = Plan.load(path)
-        plans[name].check_model(model)
+        plans[name] = load_checked(path, Plan, model)
     return plans
 
 

@@ -25,10 +25,9 @@ class EngineConfig:
     # decode steps run the compiled CPU kernels (moetailor/kernels: experts in one call per layer, paged
     # attention read in place) where they apply and build; the torch ops above otherwise
     native_kernels: bool = True
-    # Per-request expert budgets (SamplingParams.expert_top_k) in one engine (engine/k_tiers.py):
-    # "mixed": one decode step for everyone, each token at its own k (the batch reads the union);
-    # "max": every step at its largest member's k (the usual baseline); "lanes": online low-k and
-    # high-k decode lanes with an adaptive boundary; "tiers": generate() plans k tiers offline.
+    # which requests with per-request expert budgets share a step (engine/budgets.py): "mixed": any,
+    # each token at its own k; "max": every step at its largest member's k (the usual baseline);
+    # "lanes": online low-k and high-k decode lanes; "tiers": generate() plans k tiers offline
     k_schedule: str = "mixed"
 
     EXPERTS_IMPLS = ("grouped", "loop")

@@ -18,6 +18,12 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def resume(self, seq: Sequence) -> None:
+        """A sequence that arrives with completion tokens (prefilled elsewhere): its text so far,
+        decoded once; the next ``update`` starts after them."""
+        seq.text = self._decode(seq.completion_token_ids)
+        seq.detok_prefix = seq.detok_read = seq.num_completion_tokens
+
     def update(self, seq: Sequence) -> bool:
         """Extend ``seq.text`` by its new tokens; True when a stop string has appeared."""
         ids, start = seq.token_ids, seq.num_prompt_tokens

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from .llm import RequestOutput
 from .sampling import SamplingParams
+from .sequence import RequestOutput, Sequence
 from .validation import encode_prompt, check_request
 
 log = logging.getLogger("moetailor.disagg")
@@ -205,14 +205,50 @@ def prefill_worker(model, kwargs: dict, inbox, conn, parent_pid: int) -> None:
     _serve("prefill", llm, inbox, conn, add, hand_over)
 
 
+def distilled_plan(model):
+    """The plan a ``moetailor distill`` decoder was trained with (its expert pool; ``load_model``
+    read it beside the weights), or None for any other model."""
+    from ..plans.plan import Plan
+    from ..models.sidecars import sidecars_of
+
+    distill = sidecars_of(model).distill
+    return None if distill is None else Plan.from_json(distill.plan, where=f"plan file {distill.plan_file}")
+
+
+def _decode_llm(model, plan, kwargs):
+    """The decode worker's engine; a distilled decoder given without a plan decodes under its own."""
+    llm = _build_llm(model, plan, kwargs)
+    if plan is None:
+        llm.set_plan(distilled_plan(llm.model))
+    return llm
+
+
+def adopted(token_ids: list[int], num_prompt_tokens: int, sampling: SamplingParams, request_id: str,
+            generator_state: torch.Tensor | None = None, prompt: str | None = None, logprobs: list | None = None,
+            prompt_logprobs: list | None = None) -> Sequence:
+    """A sequence the prefill worker started, as the decode worker continues it: its tokens so far,
+    its sampler's state and the logprobs already computed for it (the engine's ``enqueue`` adds its
+    KV blocks and text)."""
+    seq = Sequence(token_ids[:num_prompt_tokens], sampling, request_id=request_id, prompt=prompt)
+    seq.token_ids = list(token_ids)
+    if seq.logprobs is not None:
+        seq.logprobs = list(logprobs or [])
+    seq.prompt_logprobs = prompt_logprobs
+    seq.first_token_time = time.perf_counter()
+    if generator_state is not None and seq.generator is not None:
+        seq.generator.set_state(generator_state)
+    return seq
+
+
 def decode_worker(model, plan, kwargs: dict, inbox, conn, parent_pid: int) -> None:
     """Pruned (or masked) pool. Adopt prefilled sequences and decode them."""
-    llm = _start_worker("decode", parent_pid, conn, lambda: _build_llm(model, plan, kwargs))
+    llm = _start_worker("decode", parent_pid, conn, lambda: _decode_llm(model, plan, kwargs))
 
     def adopt(msg) -> None:
         _, rid, ids, n_prompt, sampling, state, kv, prompt, logprobs, prompt_logprobs = msg
-        llm.adopt(ids, n_prompt, sampling, kv, request_id=rid, generator_state=state, prompt=prompt,
-                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        seq = adopted(ids, n_prompt, sampling, rid, state, prompt, logprobs, prompt_logprobs)
+        if not llm.enqueue(seq, kv):
+            raise ValueError(f"request id {rid!r} is already in use in the decode worker")
 
     _serve("decode", llm, inbox, conn, adopt, lambda seq: conn.send(_delta(seq, "decode")))
 
@@ -235,15 +271,6 @@ class Worker:
         self.closed = self.retired = True
 
 
-def _distilled_plan(decode_model):
-    """A ``moetailor distill`` output decodes with its own plan (its expert pool); others need none."""
-    from ..transforms.distill import SIDECAR, load_distilled
-
-    if isinstance(decode_model, (str, Path)) and (Path(decode_model) / SIDECAR).is_file():
-        return load_distilled(decode_model).plan
-    return None
-
-
 class WorkerUnavailable(RuntimeError):
     """A worker kept failing and is left down (the server answers 503 and /health says why)."""
 
@@ -258,8 +285,6 @@ class DisaggregatedLLM:
                  startup_timeout: float = 300.0, **engine_kwargs):
         from ..models.loading import load_tokenizer
 
-        if decode_model is not None and plan is None:
-            plan = _distilled_plan(decode_model)
         if decode_model is None and plan is None:
             raise ValueError("disaggregated serving needs a pruned decode checkpoint (decode_model=DIR from "
                              "`moetailor prune`), a distilled decoder (`moetailor distill`) or a plan whose "

@@ -249,7 +249,6 @@ class Guard:
         sampling = replace(seq.sampling, logprobs=None, prompt_logprobs=None)   # a shadow returns nothing
         twin = Sequence(seq.token_ids, sampling, request_id=shadow_id(seq.request_id),
                         prompt=seq.prompt, plan=self.full_plan, plan_key=FULL_KEY)
-        twin.block_size = seq.block_size
         if not self.llm.enqueue(twin):
             return
         self.watches[twin.seq_id] = Watch(key, "shadow")
@@ -387,7 +386,7 @@ class Guard:
         p.state, p.reason, p.tripped_at, p.probes_left = "tripped", reason, self.step_count, 0
         p.trips += 1
         moved = 0
-        for seq in list(self.llm.scheduler.running) + list(self.llm.scheduler.waiting):
+        for seq in self.llm.unfinished():
             w = self.watches.get(seq.seq_id)
             if w is not None and w.policy == key and w.role == "reduced":
                 self._to_full(seq)

@@ -32,10 +32,9 @@ longest ago first. The boundary adapts every ``adapt_every`` steps to the candid
 minimises the estimated time to give every running request one token, moving only when that
 saves more than ``hysteresis`` (a soft boundary), and may collapse to a single lane.
 
-Wiring into the engine (scheduler/llm belong to the engine): see ``OnlineLanes`` and
-``plan_offline`` docstrings; in short, the engine's decode step asks ``lanes.next_batch(running)``
-for which running sequences to step and passes ``batch.k`` as every member's token budget (or
-each member's own k: both respect the guarantee, since route() trims per token).
+``budgets.BudgetPolicy`` wires these to the engine's sequences: a decode step asks
+``lanes.next_batch(running)`` which running sequences to step, and each member runs at its own k
+(which respects the guarantee, since route() trims per token).
 """
 from __future__ import annotations
 
@@ -71,20 +70,6 @@ def validate_expert_top_k(k: int | None, max_k: int, parts: int | None = None) -
         raise ValueError(f"expert_top_k={k} is out of range: this model routes 1..{max_k} experts per token{what}; "
                          f"ask for a budget in [1, {max_k}] or leave it unset for the full budget")
     return k
-
-
-def model_max_k(model) -> tuple[int, int | None]:
-    """(max budget, parts) of a loaded model: its top-k, and N when it is a moetailor split."""
-    from ..models.adapters import moe_layers
-
-    max_k = moe_layers(model)[0].top_k
-    source = getattr(model, "moetailor_source", None)
-    parts = None
-    if source:
-        from ..transforms.split import read_split_sidecar
-        side = read_split_sidecar(source)
-        parts = side["parts"] if side else None
-    return max_k, parts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,10 +198,9 @@ def estimated_seconds(batches: list[Batch], cost: StepCost) -> float:
 class OnlineLanes:
     """Decode lanes for low-k (k <= boundary) and high-k requests.
 
-    Engine wiring: keep one ``OnlineLanes`` per engine; at each decode step call
-    ``next_batch([KRequest(seq.request_id, seq.k, seq.arrival) for seq in running])`` and step only
-    the returned ids (the others keep their KV blocks and wait), with ``token_top_k`` = ``batch.k``
-    for each (or each member's own k). ``max_batch`` should equal the engine's max_num_seqs per step.
+    The engine keeps one (``budgets.BudgetPolicy.lanes``): each decode step calls ``next_batch`` on the
+    running requests and steps only the returned ids (the others keep their KV blocks and wait);
+    ``max_batch`` is the engine's max_num_seqs.
     """
 
     cost: StepCost

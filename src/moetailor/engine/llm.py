@@ -2,6 +2,9 @@
 
 Each step is all-prefill or all-decode (see ``Scheduler``), so the step's phase selects the expert
 policy: prefill steps run ``plan.prefill``, decode steps ``plan.decode`` (None = the full router).
+What else decides a step lives beside it: per-request expert budgets in ``budgets.py``, decode pools
+that follow the load in ``load_pools.py``, the collapse guard in ``guard.py``; ``disagg.py`` runs two
+engines as prefill and decode workers.
 """
 from __future__ import annotations
 
@@ -10,48 +13,30 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
+from ..models.loading import load_checked
 from ..plans.plan import Plan
 from ..routing.controller import RoutingController
 from ..routing.policy import FULL_PHASE
 from .block_manager import BlockManager
-from .k_tiers import KRequest, OnlineLanes, StepCost, model_max_k, plan_offline
-from .load_pools import PoolsByLoad
+from .budgets import BudgetPolicy
 from .config import EngineConfig
 from .guard import Guard, GuardConfig
-from .logprobs import TokenLogprob, prompt_logprobs, token_logprobs
+from .k_tiers import StepCost
+from .load_pools import FULL_PLAN, PoolsByLoad
+from .logprobs import record_logprobs, take_prompt_logprobs
 from .model_runner import ModelRunner
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus, StreamDelta, delta
+from .sequence import RequestOutput, Sequence, StreamDelta, delta
 from .validation import RequestLimits, check_request, encode_prompt
 
 log = logging.getLogger("moetailor.engine")
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None          # "stop" | "length" | "abort" | "error"; None while running
-    metrics: dict = field(default_factory=dict)
-    error: str | None = None
-    logprobs: list[TokenLogprob] | None = None                 # per completion token (SamplingParams.logprobs)
-    prompt_logprobs: list[TokenLogprob | None] | None = None   # per prompt token, first None (prompt_logprobs)
-
-    @classmethod
-    def of(cls, seq: Sequence) -> "RequestOutput":
-        return cls(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], seq.text,
-                   list(seq.completion_token_ids), seq.finish_reason, seq.metrics(), seq.error,
-                   None if seq.logprobs is None else list(seq.logprobs), seq.prompt_logprobs)
 
 
 @dataclass
@@ -64,25 +49,6 @@ class StepRecord:
     expert_bytes: int                   # expert weight bytes read this step
     mean_k: float = 0.0                 # mean experts per token this step (per-request budgets)
     pool_size: int | None = None        # decode pool by load: experts per layer the step's pool keeps
-
-
-class _FullPlan:
-    """The full router in both phases (a decode-pool rung that keeps every expert)."""
-
-    def phase(self, phase: str):
-        return FULL_PHASE
-
-
-FULL_PLAN = _FullPlan()
-
-
-def resolve_plan(plan: Plan | str | Path | None, model) -> Plan | None:
-    if plan is None:
-        return None
-    if not isinstance(plan, Plan):
-        plan = Plan.load(plan)
-    plan.check_model(model)
-    return plan
 
 
 class LLM:
@@ -119,10 +85,8 @@ class LLM:
         self.controller = RoutingController.of(self.model)
         self.runner = ModelRunner(self.model, self.config)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)
-        self.full_k = self.controller.layers[0].top_k
-        self.k_cost = k_cost or StepCost.for_model(self.model)     # the k-aware schedules' throughput estimate
-        lanes = OnlineLanes(self.k_cost, max_batch=max_num_seqs) if k_schedule == "lanes" else None
-        self.scheduler = Scheduler(self.config, self.block_manager, lanes, self.full_k, tokenizer, self._eos_ids())
+        self.budgets = BudgetPolicy.of(self.model, k_schedule, k_cost, max_num_seqs, self.runner.device)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.budgets, tokenizer, self._eos_ids())
         self.plan: Plan | None = None
         self.guard: Guard | None = None
         self._seqs: dict[str, Sequence] = {}
@@ -139,7 +103,7 @@ class LLM:
     # ---- configuration -------------------------------------------------------------------------
     def set_plan(self, plan: Plan | str | Path | None) -> None:
         """Use ``plan`` from the next step on (None = the full router in both phases)."""
-        plan = resolve_plan(plan, self.model)
+        plan = load_checked(plan, Plan, self.model)
         needs_tables = plan is not None and (plan.prefill.needs_fold_statistics or plan.decode.needs_fold_statistics)
         if needs_tables and plan.fold_stats:
             from ..plans.techniques import attach_fold_tables
@@ -206,7 +170,7 @@ class LLM:
         bs = self.config.block_size
         with self.lock:
             if plan is not None:
-                plan = resolve_plan(plan, self.model)
+                plan = load_checked(plan, Plan, self.model)
                 self.controller.compile(plan.prefill), self.controller.compile(plan.decode)
                 plan_key = plan_key or f"plan-{id(plan)}"
             seq = Sequence(ids, sampling, request_id=request_id, prompt=text, plan=plan, plan_key=plan_key)
@@ -219,53 +183,35 @@ class LLM:
             self.scheduler.add(seq)
         return seq
 
-    def enqueue(self, seq: Sequence) -> bool:
-        """Queue a sequence built outside ``add_request`` (the guard's full-pool shadows); False when
-        its request id is already in use."""
+    def enqueue(self, seq: Sequence, kv: list | None = None) -> bool:
+        """Queue a sequence built outside ``add_request``: the guard's full-pool shadows, and sequences
+        prefilled by another engine (``disagg.py``), whose KV blocks ``kv`` (per layer (k, v), from
+        ``ModelRunner.read_blocks``) are written into this pool unchanged so they join the decode
+        batch; without room such a sequence waits and is prefilled again here, like a preempted one.
+        False when its request id is already in use."""
         with self.lock:
             if seq.request_id in self._seqs:
                 return False
-            self._seqs[seq.request_id] = seq
-            self.scheduler.add(seq)
-            return True
-
-    def request_limits(self) -> RequestLimits:
-        if getattr(self, "_limits", None) is None:   # model_max_k reads a sidecar: once
-            self._limits = RequestLimits(self.vocab_size, self.config.max_model_len,
-                                         self.config.max_num_batched_tokens, self.block_manager.num_blocks,
-                                         self.config.block_size, model_max_k(self.model))
-        return self._limits
-
-    def adopt(self, token_ids: list[int], num_prompt_tokens: int, sampling: SamplingParams, kv: list,
-              request_id: str, generator_state: torch.Tensor | None = None, prompt: str | None = None,
-              logprobs: list | None = None, prompt_logprobs: list | None = None) -> Sequence:
-        """Take over a sequence prefilled elsewhere (disaggregated decode): its KV blocks (``read_blocks``
-        of the prefill runner) are written into this pool unchanged and it joins the decode batch.
-        Without room it waits and is recomputed here, like a preempted sequence. ``logprobs`` and
-        ``prompt_logprobs``: what the prefill side already computed for it."""
-        with self.lock:
-            seq = Sequence(token_ids[:num_prompt_tokens], sampling, request_id=request_id, prompt=prompt)
             seq.block_size = self.config.block_size
-            seq.token_ids = list(token_ids)
-            if seq.logprobs is not None:
-                seq.logprobs = list(logprobs or [])
-            seq.prompt_logprobs = prompt_logprobs
-            seq.first_token_time = time.perf_counter()
-            if generator_state is not None and seq.generator is not None:
-                seq.generator.set_state(generator_state)
-            if self.tokenizer is not None:
-                seq.text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
-                seq.detok_prefix = seq.detok_read = seq.num_completion_tokens
-            self._seqs[request_id] = seq
-            if len(self.scheduler.running) < self.config.max_num_seqs and self.block_manager.can_allocate(seq):
-                self.block_manager.allocate(seq)
+            self._seqs[seq.request_id] = seq
+            if kv is None:
+                self.scheduler.add(seq)
+            elif self.scheduler.add_prefilled(seq):
                 n_src = next(k for k, _ in (x for x in kv if x is not None)).shape[0] // self.config.block_size
                 self.runner.write_blocks(seq.block_table[:n_src], kv)
-                seq.status = SequenceStatus.RUNNING
-                self.scheduler.running.append(seq)
-            else:
-                self.scheduler.add(seq)
-            return seq
+            return True
+
+    def unfinished(self) -> list[Sequence]:
+        """The sequences running (first) or waiting; the guard moves a tripped policy's requests."""
+        with self.lock:
+            return [*self.scheduler.running, *self.scheduler.waiting]
+
+    def request_limits(self) -> RequestLimits:
+        if getattr(self, "_limits", None) is None:
+            self._limits = RequestLimits(self.vocab_size, self.config.max_model_len,
+                                         self.config.max_num_batched_tokens, self.block_manager.num_blocks,
+                                         self.config.block_size, self.budgets.limits)
+        return self._limits
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> bool:
         """Stop a request and free its KV blocks. False when it is unknown or already finished."""
@@ -283,19 +229,6 @@ class LLM:
         return not self.scheduler.is_finished()
 
     # ---- one step ------------------------------------------------------------------------------
-    def _token_top_k(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor | None, int | None, float]:
-        """Per-token expert budget [T], its max and mean; (None, None, k) when every request uses the model's k."""
-        ks = [s.sampling.expert_top_k for s in seqs]
-        if all(k is None for k in ks):
-            return None, None, float(self.full_k)
-        full = self.full_k
-        per_seq = [min(k or full, full) for k in ks]
-        if self.config.k_schedule == "max":     # the baseline: everyone at the step's largest budget
-            per_seq = [max(per_seq)] * len(per_seq)
-        counts = [len(s) if is_prefill else 1 for s in seqs]
-        per_token = [k for k, n in zip(per_seq, counts) for _ in range(n)]
-        return torch.tensor(per_token, device=self.runner.device), max(per_seq), sum(per_token) / len(per_token)
-
     def step(self) -> list[Sequence]:
         """Run one prefill or decode step; returns the sequences that got a token or failed. When the
         step raises, its requests run one by one and only those that still fail end with an error."""
@@ -308,7 +241,7 @@ class LLM:
             meter = self.controller.meter
             meter.reset()
             start = time.perf_counter()
-            top_k, k_max, mean_k = self._token_top_k(seqs, is_prefill)
+            top_k, k_max, mean_k = self.budgets.token_top_k(seqs, is_prefill)
             plan, pool = seqs[0].plan, None
             if not is_prefill and plan is None and self.decode_pools is not None:
                 rung = self.decode_pools.rung_for(len(seqs))
@@ -328,30 +261,6 @@ class LLM:
             self.tokens_generated += len(seqs)
             return seqs
 
-    @staticmethod
-    def _take_prompt_logprobs(seqs: list[Sequence], every: list[bool], logits: torch.Tensor) -> torch.Tensor:
-        """Store prompt logprobs from the rows kept for every position; return the last rows [B, V]."""
-        last, start = [], 0
-        for seq, all_rows in zip(seqs, every):
-            n = len(seq) if all_rows else 1
-            if all_rows:
-                p = seq.num_prompt_tokens
-                seq.prompt_logprobs = prompt_logprobs(logits[start:start + p], seq.token_ids[:p],
-                                                      seq.sampling.prompt_logprobs)
-            last.append(start + n - 1)
-            start += n
-        return logits[last]
-
-    @staticmethod
-    def _record_logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
-        """Append each asking sequence's sampled token with its logprob and top alternatives."""
-        rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
-        if not rows:
-            return
-        n = max(seqs[i].sampling.logprobs for i in rows)
-        for i, entry in zip(rows, token_logprobs(logits[rows], [tokens[i] for i in rows], n)):
-            seqs[i].logprobs.append(TokenLogprob(entry.token_id, entry.logprob, entry.top[:seqs[i].sampling.logprobs]))
-
     def _forward(self, seqs: list[Sequence], is_prefill: bool, plan, top_k: torch.Tensor | None,
                  k_max: int | None) -> tuple[torch.Tensor, list[int]]:
         every = [is_prefill and s.sampling.prompt_logprobs is not None and s.prompt_logprobs is None
@@ -360,9 +269,9 @@ class LLM:
         logits = self.runner.run(seqs, is_prefill, self.block_manager, policy, top_k, k_max,
                                  every if any(every) else None)                    # [B, V] (or [K, V])
         if any(every):
-            logits = self._take_prompt_logprobs(seqs, every, logits)              # [B, V]
+            logits = take_prompt_logprobs(seqs, every, logits)                    # [B, V]
         tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-        self._record_logprobs(seqs, logits, tokens)
+        record_logprobs(seqs, logits, tokens)
         return logits, tokens
 
     def _step_one_by_one(self, seqs: list[Sequence], is_prefill: bool, plan) -> list[Sequence]:
@@ -372,7 +281,7 @@ class LLM:
         done, rows = [], []
         for seq in seqs:
             try:
-                top_k, k_max, _ = self._token_top_k([seq], is_prefill)
+                top_k, k_max, _ = self.budgets.token_top_k([seq], is_prefill)
                 logits, tokens = self._forward([seq], is_prefill, plan, top_k, k_max)
             except Exception as e:
                 log.exception("request %s failed in a %s step", seq.request_id, "prefill" if is_prefill else "decode")
@@ -397,8 +306,11 @@ class LLM:
         params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
-        if self.config.k_schedule == "tiers":
-            seqs = self._add_in_tiers(prompts, params)
+        if self.config.k_schedule == "tiers":        # each tier is a step group, queued in the plan's order
+            seqs: list = [None] * len(prompts)
+            for tier, batch in enumerate(self.budgets.tiers(params)):
+                for i in batch:
+                    seqs[i] = self.add_request(prompts[i], params[i], tier=tier)
         else:
             seqs = [self.add_request(p, s) for p, s in zip(prompts, params)]
         bar = None
@@ -417,30 +329,9 @@ class LLM:
             bar.close()
         return [RequestOutput.of(s) for s in seqs]
 
-    def _add_in_tiers(self, prompts: list, params: list[SamplingParams]) -> list[Sequence]:
-        """Offline k tiers: ``plan_offline`` groups the requests by budget into batches (a residual
-        tier merges upward when the cost model says so); each batch becomes a step group, queued in
-        the plan's order. Tokens still run at their own k (never below the request's budget)."""
-        reqs = [KRequest(str(i), s.expert_top_k or self.full_k, float(i)) for i, s in enumerate(params)]
-        batches = plan_offline(reqs, self.config.max_num_seqs, self.k_cost)
-        seqs: list[Sequence | None] = [None] * len(prompts)
-        for tier, batch in enumerate(batches):
-            for i in map(int, batch.request_ids):
-                seqs[i] = self.add_request(prompts[i], params[i], tier=tier)
-        return seqs
-
     def fit_k_cost(self, min_steps: int = 8) -> StepCost:
-        """Fit the k schedules' step cost to this engine's measured decode steps (``StepCost.fit``)
-        and use it from now on; run some decode steps at several budgets and batch sizes first."""
-        samples = [(r.num_seqs, r.mean_k, sum(r.distinct_experts.values()) / max(1, len(r.distinct_experts)),
-                    r.seconds) for r in self.step_log if r.phase == "decode"]
-        if len(samples) < min_steps:
-            raise ValueError(f"fitting the step cost needs {min_steps} measured decode steps, the log has "
-                             f"{len(samples)}; generate some tokens first")
-        self.k_cost = StepCost.fit(samples, len(self.controller.layers), self.controller.layers[0].num_experts)
-        if self.scheduler.lanes is not None:
-            self.scheduler.lanes.cost = self.k_cost
-        return self.k_cost
+        """Fit the budget schedules' step cost to this engine's measured decode steps (``BudgetPolicy.fit``)."""
+        return self.budgets.fit(self.step_log, min_steps)
 
     def stream(self, prompt: str | list[int], sampling: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[StreamDelta]:

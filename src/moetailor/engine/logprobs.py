@@ -42,6 +42,33 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], n: int) -> list
     return [None, *token_logprobs(logits[:-1], prompt_ids[1:], n)]
 
 
+# ---- a step's sequences ------------------------------------------------------------------------
+
+def take_prompt_logprobs(seqs: list, every: list[bool], logits: torch.Tensor) -> torch.Tensor:
+    """After a prefill that kept every position's logits for the ``every`` sequences: store their
+    prompt logprobs and return each sequence's last row [B, V]."""
+    last, start = [], 0
+    for seq, all_rows in zip(seqs, every):
+        n = len(seq) if all_rows else 1
+        if all_rows:
+            p = seq.num_prompt_tokens
+            seq.prompt_logprobs = prompt_logprobs(logits[start:start + p], seq.token_ids[:p],
+                                                  seq.sampling.prompt_logprobs)
+        last.append(start + n - 1)
+        start += n
+    return logits[last]
+
+
+def record_logprobs(seqs: list, logits: torch.Tensor, tokens: list[int]) -> None:
+    """Append each asking sequence's sampled token with its logprob and top alternatives."""
+    rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+    if not rows:
+        return
+    n = max(seqs[i].sampling.logprobs for i in rows)
+    for i, entry in zip(rows, token_logprobs(logits[rows], [tokens[i] for i in rows], n)):
+        seqs[i].logprobs.append(TokenLogprob(entry.token_id, entry.logprob, entry.top[:seqs[i].sampling.logprobs]))
+
+
 # ---- OpenAI response shapes --------------------------------------------------------------------
 
 def _with_chosen(entry: TokenLogprob) -> list[tuple[int, float]]:

@@ -5,9 +5,9 @@ Otherwise decode every running sequence, preempting (free blocks, recompute late
 of the queue when the pool cannot hold the next token. Requests in different step groups (another
 expert plan, ``seq.plan_key``, or another offline k tier, ``seq.tier``) never share a step: a step
 takes the group at the head of its queue, and a decode step sends its group to the back so groups
-take turns. With decode lanes (``k_schedule="lanes"``) a decode step runs the lane of per-request
-expert budgets that ``OnlineLanes`` picks; the other sequences keep their blocks and wait.
-After a step, ``postprocess`` appends each sequence's token and finishes the ones that are done.
+take turns. Within a group the budget policy may narrow a decode step to one lane of per-request
+expert budgets (``budgets.BudgetPolicy.decode_group``); the other sequences keep their blocks and
+wait. After a step, ``postprocess`` appends each sequence's token and finishes the ones that are done.
 """
 from __future__ import annotations
 
@@ -16,15 +16,13 @@ from collections import deque
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
-from .k_tiers import KRequest, OnlineLanes
 from .sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, lanes: OnlineLanes | None = None,
-                 full_k: int | None = None, tokenizer=None, eos_token_ids: set[int] = frozenset()):
-        self.lanes = lanes                  # decode lanes by expert budget (None: one lane)
-        self.full_k = full_k                # the budget of a request that set none
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, budgets=None, tokenizer=None,
+                 eos_token_ids: set[int] = frozenset()):
+        self.budgets = budgets              # a BudgetPolicy (decode lanes by expert budget), or None
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.eos_token_ids = eos_token_ids
         self.max_model_len = config.max_model_len
@@ -40,6 +38,19 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def add_prefilled(self, seq: Sequence) -> bool:
+        """Join the decode batch with blocks allocated for KV computed elsewhere (True; the caller
+        writes them), or, without a free slot or blocks, wait to be prefilled here (False)."""
+        if self.detokenizer is not None:
+            self.detokenizer.resume(seq)
+        if len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(seq):
+            self.add(seq)
+            return False
+        self.block_manager.allocate(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """(sequences, is_prefill) for the next step; empty when nothing can run."""
@@ -87,11 +98,7 @@ class Scheduler:
             return set()
         key = self.running[0].step_group
         group = [s for s in self.running if s.step_group == key]
-        if self.lanes is None:
-            return {s.request_id for s in group}
-        batch = self.lanes.next_batch([KRequest(s.request_id, s.sampling.expert_top_k or self.full_k, s.arrival)
-                                       for s in group])
-        return set(batch.request_ids)
+        return self.budgets.decode_group(group) if self.budgets is not None else {s.request_id for s in group}
 
     def postprocess(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
         """Append each sequence's new token; finish (and release) those that hit a stop string,
@@ -130,5 +137,5 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.deallocate(seq)
-        if self.lanes is not None:
-            self.lanes.forget(seq.request_id)
+        if self.budgets is not None:
+            self.budgets.forget(seq.request_id)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, auto
 
 import torch
@@ -92,6 +92,27 @@ class Sequence:
         ttft = (self.first_token_time - self.arrival) if self.first_token_time else None
         return {"ttft_s": ttft, "total_s": end - self.arrival, "num_preemptions": self.num_preemptions,
                 "prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_completion_tokens}
+
+
+@dataclass
+class RequestOutput:
+    """A request's result (both engines return it)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None          # "stop" | "length" | "abort" | "error"; None while running
+    metrics: dict = field(default_factory=dict)
+    error: str | None = None
+    logprobs: list | None = None            # TokenLogprob per completion token (SamplingParams.logprobs)
+    prompt_logprobs: list | None = None     # TokenLogprob per prompt token, first None (prompt_logprobs)
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestOutput":
+        return cls(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], seq.text,
+                   list(seq.completion_token_ids), seq.finish_reason, seq.metrics(), seq.error,
+                   None if seq.logprobs is None else list(seq.logprobs), seq.prompt_logprobs)
 
 
 @dataclass

@@ -27,7 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..models.chat import chat_prompt
-from .llm import LLM, StreamDelta
+from .llm import LLM
+from .sequence import StreamDelta
 from .logprobs import MAX_LOGPROBS, chat_logprobs, completion_logprobs
 from .sequence import delta as stream_delta
 from .sampling import SamplingParams

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..models.loading import model_fingerprint, weights_hash
+from ..models.loading import load_checked, model_fingerprint, weights_hash
 from ..outputs import write_json
 from ..plans import Plan
 from .configurations import ConfigSpec, Serving
@@ -262,8 +262,7 @@ def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log,
                   overwrite: bool = False) -> list[PlanSource]:
     """The base plans: the given plan, the sweep's plans (per calibration domain), or none."""
     if settings.plan:
-        plan = Plan.load(settings.plan)
-        plan.check_model(model)
+        plan = load_checked(settings.plan, Plan, model)
         criterion = plan.meta.get("criterion", Path(settings.plan).stem)
         keep = plan.meta.get("keep_ratio")
         return [PlanSource(f"{criterion}-{keep:g}" if keep is not None else str(criterion), criterion, keep, plan)]

@@ -41,6 +41,7 @@ def heldout_kl_streamed(model: str | Path, windows: list[list[int]], *, plan=Non
     from ..memory import peak_rss_gib
     from ..models.checkpoint import free_module
     from ..models.streamed import LayerStream
+    from ..models.loading import load_checked
     from ..plans.plan import Plan
     from ..routing import RoutingController
 
@@ -52,8 +53,7 @@ def heldout_kl_streamed(model: str | Path, windows: list[list[int]], *, plan=Non
     shapes = [tuple(b.shape) for b in batches]
     policy = None
     if plan is not None:
-        plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-        plan.check_model(full.model)
+        plan = load_checked(plan, Plan, full.model)
         policy = plan.decode
         other = full
     else:

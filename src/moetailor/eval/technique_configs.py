@@ -22,8 +22,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from ..calibration import ExpertStats
+from ..models.loading import load_checked
 from ..plans.techniques import (Shape, bhep_policy, ensure_fold_stats, fold_decode, fold_prefill, layer_k_policy,
-                                load_checked_stats, parse_k_list, pool_with_fold, skip_policy, technique_plan,
+                                parse_k_list, pool_with_fold, skip_policy, technique_plan,
                                 top_k_policy)
 from .configurations import configuration
 
@@ -132,7 +134,7 @@ def _bhep(model, plan, arg):
 
 def _skip(phases: tuple[str, ...], name: str):
     def build(model, plan, arg):
-        stats = load_checked_stats(_stats(model, plan, None, for_skip=True), model)
+        stats = load_checked(_stats(model, plan, None, for_skip=True), ExpertStats, model)
         policy = skip_policy(Shape.of(model), stats)
         built = _plan(model, plan, name, **{p: policy for p in phases})
         betas = {str(i): p.skip_beta for i, p in policy.layers.items()}

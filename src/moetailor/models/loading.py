@@ -8,11 +8,14 @@ from pathlib import Path
 import torch
 
 from .paths import REFERENCE_DIR, resolve_model_path  # noqa: F401  (re-exported)
+from .sidecars import DISTILL_PLAN_FILE, DISTILL_SIDECAR, SPLIT_SIDECAR, DistillSidecar, Sidecars, SplitSidecar
 
 
 def load_model(name: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Load a supported MoE causal LM (fp32 by default: fastest for decode on CPU). Safetensors checkpoints
-    are read tensor by tensor (``checkpoint.load_whole``): resident memory is the weights, not twice them."""
+    are read tensor by tensor (``checkpoint.load_whole``): resident memory is the weights, not twice them.
+    The model carries where it came from (``moetailor_source``) and what transforms recorded beside it
+    (``moetailor_sidecars``, see ``sidecars.py``)."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
@@ -31,7 +34,31 @@ def load_model(name: str | Path, dtype: torch.dtype = torch.float32, device: str
                          "missing: copy or export the checkpoint again") from None
     model.eval()
     model.moetailor_source = str(path)
+    model.moetailor_sidecars = read_sidecars(path)
     return model
+
+
+def read_split_sidecar(path: str | Path) -> dict | None:
+    """The split record of a checkpoint directory, or None for a model that was not split."""
+    p = Path(path) / SPLIT_SIDECAR
+    return read_json(p, "split sidecar") if p.exists() else None
+
+
+def read_distill_sidecar(path: str | Path) -> dict | None:
+    """The distillation record of a checkpoint directory, or None for a model that was not distilled."""
+    p = Path(path) / DISTILL_SIDECAR
+    return read_json(p, "distillation sidecar") if p.is_file() else None
+
+
+def read_sidecars(path: str | Path) -> Sidecars:
+    """Every transform record in a checkpoint directory (``load_model`` attaches the result)."""
+    split = read_split_sidecar(path)
+    distill = read_distill_sidecar(path)
+    plan_file = Path(path) / DISTILL_PLAN_FILE
+    return Sidecars(
+        split=SplitSidecar(int(split["parts"]), split) if split else None,
+        distill=DistillSidecar(read_json(plan_file, "distilled decoder's plan"), plan_file, distill.get("source_path"),
+                               distill) if distill else None)
 
 
 def _first_line(e: BaseException) -> str:
@@ -120,6 +147,17 @@ def fingerprint_mismatch(expected: dict, actual: dict) -> str | None:
         if key in expected and expected[key] != actual.get(key):
             return f"{key}: file says {expected[key]!r}, model has {actual.get(key)!r}"
     return None
+
+
+def load_checked(value, kind, model):
+    """``value`` as a ``kind`` (a ``Plan`` or ``ExpertStats``; loaded when it is a path), checked against
+    ``model`` (``kind.check_model`` raises naming the mismatch). None stays None."""
+    if value is None:
+        return None
+    if not isinstance(value, kind):
+        value = kind.load(value)
+    value.check_model(model)
+    return value
 
 
 def read_json(path: Path, what: str) -> dict:

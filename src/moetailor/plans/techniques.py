@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..models.loading import model_fingerprint
+from ..models.loading import load_checked, model_fingerprint
 from ..routing.policy import FULL_PHASE, LayerPolicy, PhasePolicy
 from .criteria import parse_json_int_list
 from .plan import Plan
@@ -191,18 +191,6 @@ def skip_policy(shape: Shape, stats, beta: float | None = None) -> PhasePolicy:
 # fold statistics: where they come from and how a model gets them
 # ---------------------------------------------------------------------------------------------
 
-def load_checked_stats(stats, model):
-    """An ExpertStats from a path (or as given), checked against ``model`` (clear error otherwise)."""
-    from ..calibration import ExpertStats
-
-    if stats is None:
-        return None
-    if not isinstance(stats, ExpertStats):
-        stats = ExpertStats.load(stats)
-    stats.check_model(model)
-    return stats
-
-
 def attach_fold_tables(model, stats_path: str | Path) -> None:
     """Load ExFold tables from ``stats_path`` into the model's RoutingController (checked against the
     model), so folding policies compile everywhere the controller is used (engine, held-out KL)."""
@@ -321,10 +309,10 @@ def policy_from_spec(model, spec: str, stats=None, phase: str = "decode") -> Pha
             except ValueError:
                 raise ValueError(f"skip:{arg} — the argument is a beta in [0, 1], e.g. skip:0.3") from None
             return skip_policy(shape, None, beta)
-        return skip_policy(shape, load_checked_stats(stats, model))
+        from ..calibration import ExpertStats
+        return skip_policy(shape, load_checked(stats, ExpertStats, model))
     if name in ("pool-fold", "pool-drop", "plan"):
-        plan = Plan.load(need_arg(f"{name}:plans/reap-0.5.json"))
-        plan.check_model(model)
+        plan = load_checked(need_arg(f"{name}:plans/reap-0.5.json"), Plan, model)
         if name == "plan":
             return plan.phase(phase)
         return pool_with_fold(plan.pruning_policy(), fold=name == "pool-fold")

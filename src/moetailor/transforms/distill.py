@@ -45,14 +45,15 @@ import torch.nn.functional as F
 from ..models.adapters import moe_layers
 from ..models.architectures import arch_spec
 from ..models.loading import model_fingerprint
+from ..models.loading import read_distill_sidecar
+from ..models.sidecars import DISTILL_PLAN_FILE, DISTILL_SIDECAR
 from ..outputs import atomic_path, save_figure
 from ..plans.plan import Plan
 from ..routing.controller import RoutingController
 from ..routing.policy import PhasePolicy
 from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
 
-SIDECAR = "moetailor_distill.json"
-PLAN_FILE = "plan.json"
+SIDECAR, PLAN_FILE = DISTILL_SIDECAR, DISTILL_PLAN_FILE
 STATE_FILE = "state.pt"
 SPLIT_POINTS = ("uniform", "zero")
 
@@ -532,12 +533,10 @@ class Distilled:
 
 def load_distilled(path: str | Path) -> Distilled:
     """Read a ``moetailor distill`` output directory (for evaluation and serving)."""
-    from ..models.loading import read_json
-
     path = Path(path)
-    if not (path / SIDECAR).is_file():
+    side = read_distill_sidecar(path)
+    if side is None:
         raise FileNotFoundError(f"{path} is not a `moetailor distill` output (no {SIDECAR}); run `moetailor distill`")
-    side = read_json(path / SIDECAR, "distillation sidecar")
     return Distilled(path, Plan.load(path / PLAN_FILE), side.get("source_path"), side)
 
 

@@ -64,8 +64,10 @@ from ..models.adapters import MoeLayer, moe_layers
 from ..models.architectures import arch_spec
 from ..models.groups import chosen_groups, is_grouped, split_order
 from ..models.loading import model_fingerprint, resolve_model_path
+from ..models.loading import read_split_sidecar  # noqa: F401 (the split record, read where it is written)
+from ..models.sidecars import SPLIT_SIDECAR
 
-SIDECAR = "moetailor_split.json"
+SIDECAR = SPLIT_SIDECAR
 METHODS = ("anneal", "random")
 GATES = ("exact", "proxy", "finetune")
 WIDTH_KEYS = ("moe_intermediate_size", "intermediate_size")   # first one present is the expert width
@@ -471,14 +473,6 @@ def write_split(result: SplitResult, source_model, out: str | Path, overwrite: b
                    "meta": result.meta, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": command}
         (tmp / SIDECAR).write_text(json.dumps(sidecar))
     return Path(out)
-
-
-def read_split_sidecar(path: str | Path) -> dict | None:
-    """The split record of a checkpoint directory, or None for a model that was not split."""
-    from ..models.loading import read_json
-
-    p = Path(path) / SIDECAR
-    return read_json(p, "split sidecar") if p.exists() else None
 
 
 def split_checkpoint(model, data, parts: int, out: str | Path, *, method: str = "anneal", gate: str = "proxy",
