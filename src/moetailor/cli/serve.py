@@ -65,7 +65,9 @@ def run(args) -> int:
         raise ValueError("--k-schedule tiers plans a known set of requests offline (`moetailor generate`); a server "
                          "sees requests arrive one by one: use --k-schedule lanes")
     limits = ServerLimits(args.max_request_bytes, args.max_prompt_chars, args.max_stop_strings, args.max_stop_chars)
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    api_key = resolve_api_key(args.api_key, os.environ.get(API_KEY_ENV))
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} is not a TCP port; give one from 1 to 65535 (0: any free port)")
     name = served_model_name(args.model, args.served_model_name)
     llm = build_engine(args)
     plans = parse_named_plans(args.expert_plan, llm.model)
@@ -81,3 +83,19 @@ def served_model_name(model: str, given: str | None) -> str:
             raise ValueError("--served-model-name must not be empty")
         return given
     return Path(model).resolve().name if str(model) != "reference" else "reference"
+
+
+def resolve_api_key(flag: str | None, env: str | None) -> str | None:
+    """The key clients must send: --api-key, else MOETAILOR_API_KEY, else None (no authentication).
+    An empty or blank key is refused: it would silently turn authentication off."""
+    for value, source in ((flag, "--api-key"), (env, f"the {API_KEY_ENV} environment variable")):
+        if value is None:
+            continue
+        if not value.strip():
+            raise ValueError(f"{source} is empty, which would turn authentication off; give a non-empty key, or "
+                             f"leave out --api-key and unset {API_KEY_ENV} to serve without one")
+        if value != value.strip() or any(not c.isprintable() for c in value):
+            raise ValueError(f"{source} has spaces at its ends or control characters; clients cannot send those "
+                             "in an Authorization header reliably: use a printable key without them")
+        return value
+    return None

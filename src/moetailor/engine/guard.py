@@ -11,7 +11,10 @@ budget while accuracy fell from 0.97 to 0.17). The guard watches two things:
 * per expert policy (the engine's plan, or a per-request plan), a sliding window of recent
   requests: output length p50/p90, the share ending with EOS/stop, the share hitting max_tokens,
   the rescued share and the mean next-token entropy, compared with the same window of the full
-  pool. The full pool's window is fed by requests it serves and by *shadows*: a documented
+  pool. Lengths are the model's only where it chose to stop (EOS): a request that ran to its
+  ``max_tokens`` or stopped on a client's stop string has a length the client set, so it is evidence
+  only when it ran past what the full pool needs (its budget above the overrun limit); otherwise
+  30 requests with ``max_tokens: 1`` would look like a pool that collapsed to one-token answers. The full pool's window is fed by requests it serves and by *shadows*: a documented
   fraction (``shadow_fraction``) of each reduced policy's requests is also decoded on the full
   pool, so the comparison holds on the same traffic. When a policy drifts beyond the bounds it
   *trips*: its running requests and every new request go to the full pool, the reason is logged
@@ -117,6 +120,8 @@ class Outcome:
     finish_reason: str | None        # "stop" | "length" | None (rescued before it finished)
     entropy: float                   # mean next-token entropy over its watched decode steps (nats)
     rescued: str | None = None       # why it was moved to the full pool, if it was
+    eos: bool = False                # it ended on EOS: its length is the model's choice (not max_tokens or a
+                                     # client's stop string)
 
 
 @dataclass
@@ -148,18 +153,22 @@ class PolicyState:
     rescued: dict = field(default_factory=dict)   # reason kind -> count
 
 
-def window_stats(outcomes) -> dict:
-    """p50/p90 length, stop/budget-hit/rescued shares and mean entropy of a window."""
+def window_stats(outcomes, overrun_limit: float = float("nan")) -> dict:
+    """p50/p90 of the lengths that ended on EOS (``natural``: how many), the share of budget hits past
+    ``overrun_limit`` among the requests whose length says something (``informative``: those that ended
+    on EOS and those budget hits; a budget hit below the limit, or a stop on a client's stop string,
+    says nothing about collapse), stop/rescued shares and mean entropy of a window."""
     outcomes = list(outcomes)
     finished = [o for o in outcomes if o.rescued is None]
-    lengths = np.asarray([o.length for o in finished], dtype=np.float64)
+    lengths = np.asarray([o.length for o in finished if o.eos], dtype=np.float64)
+    overruns = sum(o.finish_reason == "length" and o.length > overrun_limit for o in finished)   # NaN: none
+    informative = len(lengths) + overruns
     ent = [o.entropy for o in outcomes if not math.isnan(o.entropy)]
-    n = max(1, len(finished))
-    return {"requests": len(outcomes),
+    return {"requests": len(outcomes), "natural": len(lengths), "informative": informative,
             "p50": float(np.percentile(lengths, 50)) if len(lengths) else float("nan"),
             "p90": float(np.percentile(lengths, 90)) if len(lengths) else float("nan"),
-            "stop_share": sum(o.finish_reason == "stop" for o in finished) / n,
-            "budget_hit_share": sum(o.finish_reason == "length" for o in finished) / n,
+            "stop_share": sum(o.finish_reason == "stop" for o in finished) / max(1, len(finished)),
+            "budget_hit_share": overruns / informative if informative else 0.0,
             "rescued_share": sum(o.rescued is not None for o in outcomes) / max(1, len(outcomes)),
             "entropy": float(np.mean(ent)) if ent else float("nan")}
 
@@ -307,10 +316,10 @@ class Guard:
             if rep > c.repetition_max:
                 return f"repetition {rep:.2f} > {c.repetition_max} ({c.ngram}-grams over the last " \
                        f"{min(n, c.repetition_window)} tokens)"
-        if len(self.reference) >= c.min_reference:
-            ref = window_stats(self.reference)
+        ref = window_stats(self.reference)
+        if ref["natural"] >= c.min_reference:
             limit = c.overrun_factor * ref["p90"] + c.length_slack
-            if not math.isnan(limit) and n > limit:
+            if n > limit:
                 return f"overrun: {n} tokens > {c.overrun_factor:g} x full-pool p90 {ref['p90']:.0f} + {c.length_slack}"
         return None
 
@@ -332,7 +341,9 @@ class Guard:
         self.shadows.pop(seq.seq_id, None)
         if seq.finish_reason not in ("stop", "length"):
             return
-        outcome = Outcome(seq.num_completion_tokens, seq.finish_reason, w.entropy)
+        eos = seq.finish_reason == "stop" and not seq.sampling.ignore_eos and \
+            seq.num_completion_tokens > 0 and seq.token_ids[-1] in self.llm.eos_token_ids
+        outcome = Outcome(seq.num_completion_tokens, seq.finish_reason, w.entropy, eos=eos)
         if w.role in ("shadow", "full") or (w.role == "fallback" and w.switched_at is None):
             self.reference.append(outcome)          # a whole request on the full pool
         elif w.role == "reduced":
@@ -359,20 +370,30 @@ class Guard:
     def _probes_running(self, key: str) -> bool:
         return any(w.policy == key and w.role == "reduced" for w in self.watches.values())
 
+    def overrun_limit(self) -> float:
+        """Completion tokens past which a request runs longer than the full pool needs (NaN: unknown,
+        the full pool's window has no request that ended on EOS)."""
+        return self.config.overrun_factor * window_stats(self.reference)["p90"] + self.config.length_slack
+
     def problem(self, p: PolicyState) -> str | None:
-        """Why the policy's window departs from the full pool's beyond the bounds, or None."""
+        """Why the policy's window departs from the full pool's beyond the bounds, or None. Length
+        evidence counts only requests whose length is the model's (see ``window_stats``), and each
+        comparison needs as many of them as a verdict needs requests."""
         c = self.config
-        mine = window_stats(p.window)
+        limit = self.overrun_limit()
+        mine = window_stats(p.window, limit)
         if mine["rescued_share"] > c.rescued_share_max:
             return f"{mine['rescued_share']:.0%} of the last {mine['requests']} requests needed a rescue " \
                    f"(> {c.rescued_share_max:.0%}): {p.rescued}"
+        ref = window_stats(self.reference, limit)
         if len(self.reference) < c.min_reference:
             return None
-        ref = window_stats(self.reference)
-        if mine["budget_hit_share"] > ref["budget_hit_share"] + c.budget_hit_excess:
+        need = c.probe_requests if p.state == "probation" else c.min_requests
+        if mine["informative"] >= need and ref["informative"] >= c.min_reference and \
+                mine["budget_hit_share"] > ref["budget_hit_share"] + c.budget_hit_excess:
             return f"budget-hit share {mine['budget_hit_share']:.0%} vs {ref['budget_hit_share']:.0%} on the full " \
                    f"pool (allowed excess {c.budget_hit_excess:.0%})"
-        if not (math.isnan(mine["p90"]) or math.isnan(ref["p90"])):
+        if mine["natural"] >= need and ref["natural"] >= c.min_reference:
             if mine["p90"] > c.p90_factor * ref["p90"] + c.length_slack or \
                     mine["p90"] < ref["p90"] / c.p90_factor - c.length_slack:
                 return f"p90 length {mine['p90']:.0f} vs {ref['p90']:.0f} on the full pool (factor {c.p90_factor:g}, " \
@@ -410,11 +431,12 @@ class Guard:
     # ---- numbers -----------------------------------------------------------------------------------
     def snapshot(self) -> dict:
         """State per policy and both windows (for /metrics, logs and the evaluation)."""
-        out = {"enabled": self.enabled, "reference": window_stats(self.reference), "policies": {}}
+        limit = self.overrun_limit()
+        out = {"enabled": self.enabled, "reference": window_stats(self.reference, limit), "policies": {}}
         for key, p in self.policies.items():
             decode = sum(p.steps.values()) - p.steps["shadow"]
             out["policies"][key] = {
-                "state": p.state, "trips": p.trips, "reason": p.reason, "window": window_stats(p.window),
+                "state": p.state, "trips": p.trips, "reason": p.reason, "window": window_stats(p.window, limit),
                 "decode_steps": dict(p.steps), "rescued": dict(p.rescued),
                 "fallback_step_share": p.steps["fallback"] / decode if decode else 0.0,
                 "shadow_step_share": p.steps["shadow"] / decode if decode else 0.0}

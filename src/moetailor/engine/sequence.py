@@ -134,13 +134,26 @@ def new_logprobs(seq, start: int, end: int) -> list | None:
     return None if logprobs is None else logprobs[start:end]
 
 
+def stop_prefix_len(text: str, stops) -> int:
+    """Characters at the end of ``text`` that could begin a stop string (the longest such suffix):
+    a stream holds them back until the next tokens show whether the stop string follows."""
+    for n in range(min(len(text), max(map(len, stops), default=1) - 1), 0, -1):
+        tail = text[-n:]
+        if any(s.startswith(tail) for s in stops):
+            return n
+    return 0
+
+
 def delta(seq, sent_text: int, sent_tokens: int) -> StreamDelta:
     """``seq``'s text and tokens past the first ``sent_text`` characters and ``sent_tokens`` tokens;
     a ``Sequence`` or the disaggregated front end's ``RemoteSequence`` (both engines stream with it).
-    An unfinished text ending in an incomplete UTF-8 character holds that character back."""
+    An unfinished text holds back an incomplete UTF-8 character at its end and any end that could
+    be the start of a stop string, so nothing streamed ever turns out to belong to a stop string."""
     text = seq.text
-    if not seq.is_finished and text.endswith("\ufffd"):
-        text = text[:-1]
+    if not seq.is_finished:
+        if text.endswith("\ufffd"):
+            text = text[:-1]
+        text = text[:len(text) - stop_prefix_len(text, seq.sampling.stop)]
     tokens = seq.completion_token_ids
     return StreamDelta(seq.request_id, text[sent_text:], list(tokens[sent_tokens:]), seq.is_finished,
                        seq.finish_reason, seq.error, new_logprobs(seq, sent_tokens, len(tokens)),

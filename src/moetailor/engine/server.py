@@ -357,17 +357,28 @@ class _Collected:
                    last.finish_reason if last.finished else None, last.error)
 
 
+def check_api_key(api_key: str) -> None:
+    """An empty or blank key is refused: it must never read as "no authentication"."""
+    if not isinstance(api_key, str) or not api_key.strip():
+        raise ValueError("the API key is empty, which would turn authentication off; give a non-empty key")
+
+
 class ApiKeyMiddleware:
     """``Authorization: Bearer KEY`` on every path but /health (pure ASGI: streaming and disconnects pass)."""
 
     def __init__(self, app, api_key: str):
+        check_api_key(api_key)
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
+
+    def authorized(self, header: bytes) -> bool:
+        """``Bearer KEY`` with the scheme in any case (RFC 7235: auth schemes are case-insensitive)."""
+        scheme, _, given = header.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not self.authorized(dict(scope["headers"]).get(b"authorization", b"")):
                 response = JSONResponse({"error": {"message": "missing or wrong API key: send the header "
                                                    "'Authorization: Bearer KEY' with the server's --api-key",
                                                    "type": "authentication_error", "code": 401}},
@@ -412,7 +423,8 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
 
     app = FastAPI(title="moetailor", lifespan=lifespan)
     app.state.engine = engine
-    if api_key:
+    if api_key is not None:   # an empty key is refused, never read as "no authentication"
+        check_api_key(api_key)
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     def error(status: int, message: str, kind: str = "invalid_request_error"):
