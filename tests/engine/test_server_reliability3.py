@@ -28,6 +28,13 @@ def reference(one_thread):
     return LLM("reference", max_model_len=512)
 
 
+@pytest.fixture
+def fresh(one_thread):
+    """An engine of its own, for a test that starts a server with other settings (two servers must
+    never drive one engine)."""
+    return LLM("reference", max_model_len=512)
+
+
 @pytest.fixture(scope="module")
 def server(reference):
     base, port, stop = start_server(create_app(reference, model_name="reference"))
@@ -112,8 +119,8 @@ def test_serve_with_an_empty_api_key_exits_in_one_line_before_loading():
         assert ("empty" if "--api-key" in extra else "--port 70000") in r.stderr
 
 
-def test_bearer_scheme_is_case_insensitive(one_thread, reference):
-    base, _, stop = start_server(create_app(reference, model_name="reference", api_key="sekrit"))
+def test_bearer_scheme_is_case_insensitive(fresh):
+    base, _, stop = start_server(create_app(fresh, model_name="reference", api_key="sekrit"))
     try:
         assert httpx.get(base + "/v1/models").status_code == 401
         for header in ("Bearer sekrit", "bearer sekrit", "BEARER  sekrit"):
@@ -141,5 +148,260 @@ def test_short_max_tokens_traffic_does_not_trip_the_guard(one_thread):
         snap = llm.guard.snapshot()["policies"]["default"]
         assert snap["state"] == "active" and snap["trips"] == 0, (snap, llm.guard.events)
         assert post(base, long).json()["choices"][0]["text"] == first
+    finally:
+        stop()
+
+
+# ---- 4. idle and half-header connections -------------------------------------------------------------
+def start_bounded(app, limits):
+    """uvicorn with the server's own connection bounds (``server_config``, what ``serve`` runs)."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from moetailor.engine.server import server_config
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(server_config(app, "127.0.0.1", port, limits, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            httpx.get(base + "/health")
+            break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+
+    def stop():
+        srv.should_exit = True
+        thread.join(timeout=10)
+        app.state.engine.close()
+    return base, port, stop
+
+
+def closed_by_server(sock, seconds: float) -> bool:
+    """True when the server closes ``sock`` within ``seconds`` (recv returns b"")."""
+    sock.settimeout(seconds)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_and_half_header_connections_are_closed_and_excess_ones_shed(fresh, caplog):
+    import socket
+
+    from moetailor.engine.server import ServerLimits
+
+    limits = ServerLimits(idle_timeout_s=1.0, header_timeout_s=2.0, max_connections=40)
+    base, port, stop = start_bounded(create_app(fresh, model_name="reference"), limits)
+    try:
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]
+        half = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+        for s in half:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")      # never finishes the head
+        started = time.monotonic()
+        assert all(closed_by_server(s, 6) for s in idle + half)
+        assert time.monotonic() - started < 6
+        # a keep-alive connection that dribbles one header byte a second is cut at the header deadline
+        s = socket.create_connection(("127.0.0.1", port))
+        s.settimeout(0.5)
+        cut = False
+        for ch in b"GET /health HTTP/1.1\r\nHost: xxxxxxxxxx\r\n":
+            try:
+                s.sendall(bytes([ch]))
+                if s.recv(1) == b"":
+                    cut = True
+                    break
+            except TimeoutError:
+                pass
+            except (BrokenPipeError, ConnectionResetError):
+                cut = True
+                break
+        assert cut
+        # over the limit: 503 and closed, /health still answered once the idle ones are gone
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+        time.sleep(0.2)
+        extra = socket.create_connection(("127.0.0.1", port))
+        extra.settimeout(5)
+        assert extra.recv(4096).startswith(b"HTTP/1.1 503")
+        for s in held:
+            s.close()
+        time.sleep(0.3)
+        assert httpx.get(base + "/health", timeout=10).status_code == 200
+        with caplog.at_level("WARNING", logger="moetailor.server"):
+            for _ in range(5):
+                held = [socket.create_connection(("127.0.0.1", port)) for _ in range(41)]
+                for s in held:
+                    s.close()
+        assert sum("shedding load" in r.message for r in caplog.records) <= 1
+    finally:
+        stop()
+
+
+# ---- 5. big tokenizer work off the event loop -----------------------------------------------------
+def test_tokenizer_endpoints_are_bounded(server):
+    base, _, llm = server
+    r = post(base, {"prompt": "x" * (32 * 512 + 1)}, path="/tokenize")
+    assert r.status_code == 413 and "--max-prompt-chars" in r.json()["error"]["message"]
+    r = post(base, {"tokens": [5] * (32 * 512 + 1)}, path="/detokenize")
+    assert r.status_code == 413 and "--max-detokenize-ids" in r.json()["error"]["message"]
+    r = post(base, {"messages": [{"role": "user", "content": ""}] * 5000}, path="/v1/chat/completions")
+    assert r.status_code == 413 and "--max-messages" in r.json()["error"]["message"]
+
+
+def test_tokenizing_runs_off_the_event_loop(fresh):
+    """While a slow tokenization runs, /health answers: it is not on the event loop."""
+    import threading
+
+    from moetailor.engine.server import ServerLimits
+
+    class SlowTokenizer:
+        def __init__(self, tok):
+            self.tok = tok
+
+        def encode(self, *a, **kw):
+            time.sleep(2.0)
+            return self.tok.encode(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def __len__(self):
+            return len(self.tok)
+
+    real = fresh.tokenizer
+    fresh.tokenizer = SlowTokenizer(real)
+    base, _, stop = start_server(create_app(fresh, model_name="reference", limits=ServerLimits()))
+    try:
+        t = threading.Thread(target=lambda: post(base, {"prompt": "hello"}, path="/tokenize"))
+        t.start()
+        time.sleep(0.3)
+        started = time.monotonic()
+        assert httpx.get(base + "/health", timeout=10).status_code == 200
+        assert time.monotonic() - started < 1.5
+        t.join()
+    finally:
+        fresh.tokenizer = real
+        stop()
+
+
+# ---- 7. malformed text and token ids are 400 naming the field ------------------------------------------
+@pytest.mark.parametrize("path, raw, needle", [
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}',
+     "messages[0].content"),
+    ("/v1/completions", '{"prompt": "ab", "max_tokens": 2, "stop": ["\\udfff"]}', "stop[0]"),
+    ("/tokenize", '{"prompt": "a\\ud800b"}', "prompt"),
+    ("/detokenize", '{"tokens": [-1]}', "tokens"),
+    ("/detokenize", '{"tokens": [18446744073709551616]}', "tokens"),
+    ("/detokenize", '{"tokens": [99999]}', "vocabulary"),
+])
+def test_lone_surrogates_and_bad_token_ids_are_400(server, path, raw, needle):
+    base, _, llm = server
+    with httpx.Client(base_url=base, timeout=60) as client:   # one keep-alive connection throughout
+        r = client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert needle in r.json()["error"]["message"]
+        assert client.get("/health").status_code == 200        # the connection was kept
+    assert not llm.has_unfinished()
+
+
+# ---- 10. stream_options.include_usage -----------------------------------------------------------------
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "The quick brown fox"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_include_usage_ends_the_stream_with_a_usage_chunk(server, path, body):
+    base, _, _ = server
+    body = {**body, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    r = post(base, body, path)
+    assert r.status_code == 200, r.text
+    lines = [line for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    last = chunks[-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 6 > 6
+    assert all(c["usage"] is None for c in chunks[:-1])
+    plain = post(base, {**body, "stream": False, "stream_options": None}, path).json()["usage"]
+    assert plain == last["usage"]
+    # the official client reads it too
+    from openai import OpenAI
+    client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(model="reference", prompt="hi", max_tokens=3, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    assert [c.usage for c in stream][-1].completion_tokens == 3
+    r = post(base, {**body, "stream": False}, path)
+    assert r.status_code == 400 and "stream: true" in r.json()["error"]["message"]
+
+
+# ---- 11. chat messages in the forms the OpenAI API allows ---------------------------------------------
+def test_chat_content_parts_and_tool_call_history(server):
+    base, _, _ = server
+    kw = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = post(base, {"messages": [{"role": "user", "content": "hello\nworld"}], **kw}, "/v1/chat/completions")
+    parts = post(base, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello"},
+                                                                 {"type": "text", "text": "world"}]}], **kw},
+                 "/v1/chat/completions")
+    assert parts.status_code == 200, parts.text
+    assert parts.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = post(base, {"messages": history, **kw}, "/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    r = post(base, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                    **kw}, "/v1/chat/completions")
+    assert r.status_code == 400 and "'image_url'" in r.json()["error"]["message"] and "content[0]" in r.text
+    r = post(base, {"messages": [{"role": "user", "content": None}], **kw}, "/v1/chat/completions")
+    assert r.status_code == 400 and "messages[0].content" in r.json()["error"]["message"]
+
+
+# ---- low: small HTTP details ---------------------------------------------------------------------------
+def test_small_http_details(server):
+    base, _, _ = server
+    assert httpx.head(base + "/health").status_code == 200
+    r = httpx.get(base + "/v1/models/reference")
+    assert r.status_code == 200 and r.json()["id"] == "reference"
+    assert httpx.get(base + "/v1/models/other").status_code == 404
+    r = post(base, {"prompt": "hi", "max_tokens": 2, "top_k": -1, "temperature": 0.7, "seed": 1})
+    assert r.status_code == 200, r.text
+    r = post(base, {"prompt": "hi", "max_tokens": 0.0, "echo": True, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "hi"
+
+
+def test_echo_logprobs_on_multibyte_text_join_to_the_text(server):
+    base, _, _ = server
+    prompt = "naïve café — 東京 ok"
+    r = post(base, {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 5})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    lp = c["logprobs"]
+    assert "".join(lp["tokens"]) == c["text"] and c["text"].startswith(prompt)
+    assert all(0 <= o <= len(c["text"]) for o in lp["text_offset"])
+    assert [c["text"][o:o + len(t)] for o, t in zip(lp["text_offset"], lp["tokens"])] == lp["tokens"]
+    assert all(len(top) >= 5 for top in lp["top_logprobs"][1:])
+
+
+def test_disaggregated_style_expert_plan_message(fresh):
+    """The colocated server lists its plans without a dangling comma."""
+    base, _, stop = start_server(create_app(fresh, model_name="reference"))
+    try:
+        r = post(base, {"prompt": "hi", "expert_plan": "nope"})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "default, full" in message and ", (" not in message
     finally:
         stop()

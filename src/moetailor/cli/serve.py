@@ -26,6 +26,17 @@ def register(sub) -> None:
                         "(413 above it; default: 32 x the context length)")
     p.add_argument("--max-stop-strings", type=int, default=16, help="most stop strings per request")
     p.add_argument("--max-stop-chars", type=int, default=256, help="longest stop string")
+    p.add_argument("--max-messages", type=int, default=4096, help="most chat messages per request (413 above it)")
+    p.add_argument("--max-detokenize-ids", type=int, default=None,
+                   help="most token ids per /detokenize request (413 above it; default: 32 x the context length)")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open HTTP connections; a new one beyond them is answered 503 and closed")
+    p.add_argument("--idle-timeout", type=float, default=5.0,
+                   help="seconds a connection may send nothing (before a request or after a response)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds from a request's first byte until its request head must be complete")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds requests in flight get to finish after SIGTERM")
     p.add_argument("--expert-plan", action="append", default=[], metavar="NAME=PATH",
                    help="a plan clients may select per request with the \"expert_plan\" field (repeatable)")
     p.add_argument("--no-guard", action="store_true",
@@ -64,7 +75,11 @@ def run(args) -> int:
     if args.k_schedule == "tiers":
         raise ValueError("--k-schedule tiers plans a known set of requests offline (`moetailor generate`); a server "
                          "sees requests arrive one by one: use --k-schedule lanes")
-    limits = ServerLimits(args.max_request_bytes, args.max_prompt_chars, args.max_stop_strings, args.max_stop_chars)
+    limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
+                          max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
+                          max_messages=args.max_messages, max_detokenize_ids=args.max_detokenize_ids,
+                          max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
+                          header_timeout_s=args.header_timeout, shutdown_timeout_s=args.shutdown_timeout)
     api_key = resolve_api_key(args.api_key, os.environ.get(API_KEY_ENV))
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a TCP port; give one from 1 to 65535 (0: any free port)")

@@ -79,12 +79,45 @@ def _with_chosen(entry: TokenLogprob) -> list[tuple[int, float]]:
     return top
 
 
+CONTEXT_TOKENS = 8   # tokens decoded before each one, so a token renders as it does inside the text
+
+
+def token_pieces(token_ids: list[int], decode, context: list[int] = ()) -> list[str]:
+    """Each token's share of the decoded text, so the pieces join to ``decode(token_ids)``: a token
+    that ends inside a multi-byte character gets "" and the token completing it gets the character
+    (decoding tokens one by one gives U+FFFD pieces that do not join). ``context``: tokens before."""
+    ids = [*context, *token_ids]
+    pieces = []
+    for i in range(len(context), len(ids)):
+        start = max(0, i - CONTEXT_TOKENS)
+        before = decode(ids[start:i]).rstrip("\ufffd")
+        now = decode(ids[start:i + 1])
+        if i < len(ids) - 1:     # an incomplete character waits for the token that completes it
+            now = now.rstrip("\ufffd")
+        pieces.append(now[len(before):] if now.startswith(before) else now)
+    return pieces
+
+
+def _alternative_keys(ids: list[int], decode) -> list[str]:
+    """Distinct keys for the top alternatives: a token's text, or where several render alike (bytes
+    of one multi-byte character all decode to U+FFFD) ``token:ID`` for the later ones."""
+    keys, seen = [], set()
+    for t in ids:
+        key = decode([t])
+        if key in seen:
+            key = f"token:{t}"
+        seen.add(key)
+        keys.append(key)
+    return keys
+
+
 def completion_logprobs(entries: list[TokenLogprob | None], token_ids: list[int], decode,
-                        text_offset: int = 0) -> dict:
+                        text_offset: int = 0, context: list[int] = ()) -> dict:
     """The legacy completions object: per token its text, logprob (None for an unscored first
     prompt token), ``{text: logprob}`` of the top alternatives and its character offset in the
-    returned text. ``decode(ids) -> str``; ``token_ids`` covers the entries (same length)."""
-    tokens = [decode([t]) for t in token_ids]
+    returned text. ``decode(ids) -> str``; ``token_ids`` covers the entries (same length);
+    ``context``: the tokens returned before them (streaming)."""
+    tokens = token_pieces(token_ids, decode, context)
     offsets, pos = [], text_offset
     for text in tokens:
         offsets.append(pos)
@@ -96,7 +129,8 @@ def completion_logprobs(entries: list[TokenLogprob | None], token_ids: list[int]
             top_logprobs.append(None)
             continue
         token_logprobs_.append(entry.logprob)
-        top_logprobs.append({decode([t]): lp for t, lp in _with_chosen(entry)})
+        top = _with_chosen(entry)
+        top_logprobs.append(dict(zip(_alternative_keys([t for t, _ in top], decode), (lp for _, lp in top))))
     return {"tokens": tokens, "token_logprobs": token_logprobs_, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 

@@ -43,12 +43,24 @@ class ServerLimits:
                                            # tokenizing; None = 32 x the context length in tokens
     max_stop_strings: int = 16
     max_stop_chars: int = 256              # per stop string
+    max_messages: int = 4096               # chat messages per request
+    max_detokenize_ids: int | None = None  # token ids per /detokenize request; None = 32 x the context length
+    max_connections: int = 1024            # open HTTP connections; more are answered 503 and closed
+    idle_timeout_s: float = 5.0            # a connection that sends nothing for this long is closed
+    header_timeout_s: float = 10.0         # ... and one whose request head is not complete by then
+    shutdown_timeout_s: float = 30.0       # SIGTERM: requests in flight get this long to finish
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_prompt_chars", "max_stop_strings", "max_stop_chars"):
+        for name in ("max_request_bytes", "max_prompt_chars", "max_stop_strings", "max_stop_chars", "max_messages",
+                     "max_detokenize_ids", "max_connections"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} {value!r} must be an integer >= 1")
+        for name in ("idle_timeout_s", "header_timeout_s", "shutdown_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} {value!r} must be a positive number "
+                                 "of seconds")
 
 
 @dataclass
@@ -208,8 +220,15 @@ def _check_unimplemented(body: dict) -> None:
     if options is not None:
         if not isinstance(options, dict):
             raise BadRequest("stream_options must be an object")
-        if options.get("include_usage"):
-            raise _not_implemented("stream_options.include_usage", True)
+        unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+        if unknown:
+            raise BadRequest(f"unknown field stream_options.{unknown[0]}: this server does not implement it")
+        for key in ("include_usage", "continuous_usage_stats"):
+            _boolean(options, key)   # (the field name in the message is the key's)
+        if options.get("continuous_usage_stats"):
+            raise _not_implemented("stream_options.continuous_usage_stats", True)
+        if options and body.get("stream") is not True:
+            raise BadRequest("stream_options is only allowed with stream: true")
     unknown = sorted(set(body) - SAMPLING_FIELDS - IGNORED_FIELDS - PASSED_FIELDS)
     if unknown:
         raise BadRequest(f"unknown field {unknown[0]!r}: this server does not implement it; leave it out")
@@ -258,30 +277,85 @@ def _sampling_from(body: dict, limits: ServerLimits | None = None) -> SamplingPa
                          "(--max-stop-strings)")
     if any(len(s) > limits.max_stop_chars for s in stop):
         raise BadRequest(f"a stop string is longer than {limits.max_stop_chars} characters (--max-stop-chars)")
+    for i, s in enumerate(stop):
+        _check_text(s, f"stop[{i}]")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     seed = _integer(body, "seed")
     if seed is not None and not 0 <= seed < 2**63:
         raise BadRequest(f"seed must be an integer in [0, 2**63 - 1], got {seed}")
     _boolean(body, "stream")
+    top_k = _integer(body, "top_k", 0)
+    if top_k == -1:   # vLLM's and many clients' spelling of "off"
+        top_k = 0
     try:
         return SamplingParams(max_tokens=_integer(body, field, 16),
                               temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-                              top_k=_integer(body, "top_k", 0), seed=seed, stop=tuple(stop),
+                              top_k=top_k, seed=seed, stop=tuple(stop),
                               ignore_eos=_boolean(body, "ignore_eos"),
                               expert_top_k=_integer(body, "expert_top_k"))
     except ValueError as e:
         raise BadRequest(str(e)) from None
 
 
-def _prompt_from(body: dict, tokenizer, chat: bool, max_chars: int):
-    """The request's prompt (text or token ids), its size checked before anything tokenizes it."""
+def _check_text(text: str, name: str) -> None:
+    """A JSON string may hold a lone surrogate ("\\ud800"), which no tokenizer can encode: a 400 naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{name} holds an unpaired UTF-16 surrogate ({text[e.start]!r} at character {e.start}), "
+                         "which is not text; send valid Unicode") from None
+
+
+def _message(m, i: int) -> dict:
+    """One chat message in the forms the OpenAI API allows, as {role, content: str} (plus the tool
+    fields a template may render): content as a string, a list of text parts (joined with newlines),
+    or null in an assistant message that carries tool_calls. Non-text parts are refused by type."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise BadRequest(f"{where} must be an object with role and content, got {_show(m)}")
+    role = m.get("role", "user")
+    if role not in ROLES:
+        raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}")
+    content = m.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                if not isinstance(part, dict) or not isinstance(kind, str):
+                    raise BadRequest(f"{where}.content[{j}] must be a part object like {{\"type\": \"text\", "
+                                     f"\"text\": ...}}, got {_show(part)}")
+                raise BadRequest(f"{where}.content[{j}] has type {_show(kind)}: only text parts are implemented by "
+                                 "this server (the model reads text); send the text, or leave the part out")
+            if not isinstance(part.get("text"), str):
+                raise BadRequest(f"{where}.content[{j}].text must be a string")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif content is None and role == "assistant" and m.get("tool_calls"):
+        content = ""
+    if not isinstance(content, str):
+        raise BadRequest(f"{where}.content must be a string or a list of text parts, got {_show(content)} (null is "
+                         "allowed in an assistant message with tool_calls)")
+    _check_text(content, f"{where}.content")
+    out = {"role": role, "content": content}
+    for key in ("name", "tool_call_id", "tool_calls"):
+        if m.get(key) is not None:
+            out[key] = m[key]
+    return out
+
+
+def _prompt_from(body: dict, tokenizer, chat: bool, max_chars: int, max_messages: int = 4096):
+    """The request's prompt (text or token ids), its size checked before anything tokenizes it.
+    Renders a chat template, so the server calls it off the event loop."""
     if chat:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role", "user") in ROLES
-                for m in messages):
-            raise BadRequest("messages must be a non-empty list of {role, content} objects with string content and "
-                             f"role one of {', '.join(ROLES)}")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list of {role, content} objects with role one of "
+                             f"{', '.join(ROLES)}")
+        if len(messages) > max_messages:
+            raise TooLarge(f"messages has {len(messages)} entries; this server allows at most {max_messages} "
+                           "(--max-messages)")
+        messages = [_message(m, i) for i, m in enumerate(messages)]
         chars = sum(len(m["content"]) for m in messages)
     else:
         prompt = body.get("prompt")
@@ -297,6 +371,8 @@ def _prompt_from(body: dict, tokenizer, chat: bool, max_chars: int):
     if chars > max_chars:
         raise TooLarge(f"the prompt has {chars} characters; this server allows at most {max_chars} "
                        "(--max-prompt-chars)")
+    if not chat and isinstance(prompt, str):
+        _check_text(prompt, "prompt")
     return _chat_prompt(tokenizer, messages) if chat else prompt
 
 
@@ -331,7 +407,7 @@ def _logprob_request(body: dict, chat: bool) -> LogprobRequest:
         raise BadRequest(f"echo must be true or false, got {echo!r}")
     limit = body.get("max_completion_tokens")
     limit = body.get("max_tokens") if limit is None else limit
-    no_tokens = type(limit) is int and limit == 0
+    no_tokens = type(limit) in (int, float) and limit == 0   # 0 or 0.0, as 16.0 is read as 16
     if no_tokens and not echo:
         raise BadRequest("max_tokens must be at least 1 (0 is allowed with echo: true, which scores the prompt)")
     return LogprobRequest(top=top_n("logprobs", body.get("logprobs")), echo=bool(echo),
@@ -412,6 +488,8 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
     elif plans:
         raise ValueError("per-request expert plans need a colocated engine (the disaggregated decode worker "
                          "holds one pruned pool); drop --expert-plan or --decode-model")
+    if api_key is not None:   # an empty key is refused, never read as "no authentication"
+        check_api_key(api_key)
     if guard and getattr(llm, "model", None) is not None and getattr(llm, "guard", False) is None:
         llm.enable_guard()
     engine = AsyncEngine(llm)
@@ -423,8 +501,7 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
 
     app = FastAPI(title="moetailor", lifespan=lifespan)
     app.state.engine = engine
-    if api_key is not None:   # an empty key is refused, never read as "no authentication"
-        check_api_key(api_key)
+    if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     def error(status: int, message: str, kind: str = "invalid_request_error"):
@@ -435,8 +512,12 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
         if name is None or name == "default":
             return None, None
         if not isinstance(name, str) or name not in plans:
-            raise BadRequest(f"unknown expert_plan {_show(name)}; this server has: default, "
-                             f"{', '.join(sorted(plans))} (start it with --expert-plan NAME=PATH to add one)")
+            if getattr(llm, "model", None) is None:   # disaggregated: the decode worker holds one pool
+                raise BadRequest(f"unknown expert_plan {_show(name)}; a disaggregated server has only \"default\" "
+                                 "(the decode worker's pool); use expert_top_k, or a colocated server for plans")
+            raise BadRequest(f"unknown expert_plan {_show(name)}; this server has: "
+                             f"{', '.join(['default', *sorted(plans)])} (start it with --expert-plan NAME=PATH to "
+                             "add one)")
         return plans[name], name
 
     async def read_body(request: Request) -> dict:
@@ -451,8 +532,9 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
                 raise TooLarge(f"the request body is over {limits.max_request_bytes} bytes; this server allows at "
                                f"most that (--max-request-bytes)")
             chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
+        data = b"".join(chunks)
+        try:   # a big body parses off the event loop (8 MiB takes ~0.1 s)
+            body = await asyncio.to_thread(json.loads, data) if len(data) > 2**16 else json.loads(data)
         except (ValueError, RecursionError):   # also bad UTF-8 and integers of thousands of digits
             raise BadRequest("the request body is not valid JSON") from None
         if not isinstance(body, dict):
@@ -475,7 +557,8 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
             if extra.top is not None:
                 sampling = replace(sampling, logprobs=extra.top, prompt_logprobs=extra.top if extra.echo else None)
             plan, plan_key = resolve_plan(body)
-            prompt = _prompt_from(body, llm.tokenizer, chat, max_prompt_chars)
+            prompt = await asyncio.to_thread(_prompt_from, body, llm.tokenizer, chat, max_prompt_chars,
+                                             limits.max_messages)
             echo_text, echo_ids = await asyncio.to_thread(llm.encode, prompt) if extra.echo else (None, [])
             if extra.echo and echo_text is None:
                 echo_text = llm.tokenizer.decode(echo_ids)
@@ -497,9 +580,10 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
         def decode(ids: list[int]) -> str:
             return llm.tokenizer.decode(ids)
 
-        def choice(out: _Collected, streaming: bool, echoed: bool = False, offset: int = 0) -> dict:
+        def choice(out: _Collected, streaming: bool, echoed: bool = False, offset: int = 0,
+                   context: list[int] = ()) -> dict:
             """The choice from what the request produced; ``echoed``: its prompt was already returned
-            (streaming), ``offset``: characters already returned (text_offset)."""
+            (streaming), ``offset``: characters already returned (text_offset), ``context``: their tokens."""
             reason = out.finish_reason
             text, token_ids, entries = out.text, out.token_ids, out.logprobs
             if not extra.generate:   # echo with max_tokens 0: only the prompt comes back
@@ -513,29 +597,44 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
             if extra.echo and not echoed:
                 text, token_ids = echo_text + text, echo_ids + token_ids
                 entries = [*(out.prompt_logprobs or [None] * len(echo_ids)), *entries]
-            logprobs = completion_logprobs(entries, token_ids, decode, offset) if extra.top is not None else None
+            logprobs = completion_logprobs(entries, token_ids, decode, offset, context[-8:]) \
+                if extra.top is not None else None
             return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
         def failure(delta: StreamDelta) -> str:
             log.error("request %s ended with an error: %s", oid, delta.error)
             return f"generation failed for request {oid}: {delta.error}"
 
+        def usage(completion_tokens: int) -> dict:
+            completion_tokens = completion_tokens if extra.generate else 0
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens}
+
         if body.get("stream"):
+            # stream_options.include_usage (OpenAI): every chunk has "usage": null, and one more chunk with no
+            # choices and the request's usage comes before [DONE]
+            with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
             async def events():
-                finished, returned, echoed = False, 0, False
+                finished, returned, echoed, context, generated = False, 0, False, [], 0
+                head = {"id": oid, "object": kind + (".chunk" if chat else ""), "created": created,
+                        "model": model_name}
                 try:
                     while True:
                         delta: StreamDelta = await queue.get()
                         if delta.error:
                             yield f"data: {json.dumps({'error': {'message': failure(delta), 'type': 'engine_error'}})}\n\n"
-                        c = choice(_Collected.of([delta]), True, echoed=echoed, offset=returned)
+                        c = choice(_Collected.of([delta]), True, echoed=echoed, offset=returned, context=context)
+                        shown = [*(echo_ids if extra.echo and not echoed else []), *delta.token_ids]
                         echoed, returned = True, returned + len(c.get("text", ""))
-                        chunk = {"id": oid, "object": kind + (".chunk" if chat else ""), "created": created,
-                                 "model": model_name, "choices": [c]}
+                        context, generated = (context + shown)[-8:], generated + len(delta.token_ids)
+                        chunk = {**head, "choices": [c], **({"usage": None} if with_usage else {})}
                         yield f"data: {json.dumps(chunk)}\n\n"
                         if delta.finished:
                             finished = True
                             break
+                    if with_usage:
+                        yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(generated)})}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:
                     if not finished:   # client went away: free the request's KV blocks
@@ -564,11 +663,8 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
         if deltas[-1].finish_reason == "error":
             return error(500, failure(deltas[-1]), "engine_error")
         out = _Collected.of(deltas)
-        completion_tokens = len(out.token_ids) if extra.generate else 0
         return {"id": oid, "object": kind, "created": created, "model": model_name,
-                "choices": [choice(out, False)],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+                "choices": [choice(out, False)], "usage": usage(len(out.token_ids))}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -578,11 +674,19 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
     async def chat_completions(request: Request):
         return await run(request, chat=True)
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": int(engine.started), "owned_by": "moetailor",
+                "max_model_len": llm.max_model_len, "expert_plans": ["default", *sorted(plans)]}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(engine.started),
-                                            "owned_by": "moetailor", "max_model_len": llm.max_model_len,
-                                            "expert_plans": ["default", *sorted(plans)]}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            return error(404, f"unknown model {_show(model_id)}; this server serves {model_name!r}", "not_found_error")
+        return model_card()
 
     # vLLM's tokenizer endpoints: clients such as lm-evaluation-harness tokenize with the server's own tokenizer
     def tokenizer() -> object:
@@ -599,8 +703,11 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
         info = {name: getattr(tok, name, None) for name in ("eos_token", "bos_token", "pad_token", "chat_template")}
         return {"tokenizer_class": type(tok).__name__, **info, "model_max_length": llm.max_model_len}
 
+    max_ids = limits.max_detokenize_ids or 32 * llm.max_model_len
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
+        """Size-checked like a prompt, encoded off the event loop (7.5 MB blocked /health for 6 s)."""
         try:
             body = await read_body(request)
             tok = tokenizer()
@@ -609,24 +716,41 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
                 raise BadRequest("prompt must be a string")
             if not isinstance(special, bool):
                 raise BadRequest(f"add_special_tokens must be true or false, got {special!r}")
+            if len(prompt) > max_prompt_chars:
+                raise TooLarge(f"the prompt has {len(prompt)} characters; this server allows at most "
+                               f"{max_prompt_chars} (--max-prompt-chars)")
+            _check_text(prompt, "prompt")
+        except TooLarge as e:
+            return error(413, str(e))
         except ValueError as e:
             return error(400, str(e))
-        tokens = list(tok.encode(prompt, add_special_tokens=special))
+        tokens = list(await asyncio.to_thread(tok.encode, prompt, add_special_tokens=special))
         return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
+        """Ids in the tokenizer's vocabulary (an id past it decoded to "" silently, a negative one was a 500),
+        at most --max-detokenize-ids of them, decoded off the event loop."""
         try:
             body = await read_body(request)
             tok = tokenizer()
             tokens = body.get("tokens")
             if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-                raise BadRequest("tokens must be a list of token ids")
+                raise BadRequest("tokens must be a list of token ids (integers)")
+            if len(tokens) > max_ids:
+                raise TooLarge(f"tokens has {len(tokens)} ids; this server allows at most {max_ids} "
+                               "(--max-detokenize-ids)")
+            size = len(tok)
+            bad = next((t for t in tokens if not 0 <= t < size), None)
+            if bad is not None:
+                raise BadRequest(f"tokens holds {_show(bad)}, outside the tokenizer's vocabulary (0..{size - 1})")
+        except TooLarge as e:
+            return error(413, str(e))
         except ValueError as e:
             return error(400, str(e))
-        return {"prompt": tok.decode(tokens)}
+        return {"prompt": await asyncio.to_thread(tok.decode, tokens)}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         """200 and "ok" when the engine thread and every worker are up; 503 otherwise, saying which is not."""
         body, ok = {"status": "ok"}, engine.thread.is_alive()
@@ -731,10 +855,129 @@ def _chat_prompt(tokenizer, messages: list[dict]) -> str:
         raise BadRequest(f"the model's chat template rejected these messages: {str(e)[:200]}") from None
 
 
+class _OnceLog:
+    """A warning logged once per ``every`` seconds however often it happens (a flood of refused
+    connections must not fill the log)."""
+
+    def __init__(self, every: float = 60.0):
+        self.every, self.last, self.count = every, -math.inf, 0
+
+    def __call__(self, message: str, *args) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            log.warning(message + " (%d times so far; logged at most once a minute)", *args, self.count)
+
+
+def http_protocol(limits: ServerLimits):
+    """uvicorn's h11 protocol with the connection bounds of ``limits``: a connection that sends nothing
+    for ``idle_timeout_s`` (before its first request or after a response) or has not completed a request
+    head ``header_timeout_s`` after its first byte is closed; above ``max_connections`` open connections
+    a new one is answered 503 and closed at once (logged once a minute), so idle sockets can never use
+    up the process's file descriptors."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    shed = _OnceLog()
+    busy = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"retry-after: 1\r\ncontent-length: %d\r\n\r\n")
+    message = json.dumps({"error": {"message": f"too many open connections (--max-connections "
+                                               f"{limits.max_connections}); retry later",
+                                    "type": "server_unavailable", "code": 503}}).encode()
+
+    class BoundedH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            self._deadline, self._awaiting_head, self._shed = None, True, False
+            if len(self.connections) >= limits.max_connections:
+                self._shed = True
+                shed("shedding load: %d connections open (--max-connections %d); new ones get 503",
+                     len(self.connections), limits.max_connections)
+                transport.write(busy % len(message) + message)
+                transport.close()
+                self.transport = transport
+                return
+            super().connection_made(transport)
+            self._arm(limits.idle_timeout_s)
+
+        def _arm(self, seconds: float | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(seconds, self._expired) if seconds else None
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self.transport.close()
+
+        def _in_request(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _receive(self, data: bytes) -> None:
+            if self._awaiting_head and not self._in_request():
+                self._awaiting_head = False        # the first byte of a request head: its deadline starts
+                self._arm(limits.header_timeout_s)
+            super().data_received(data)
+            if self._in_request():
+                self._arm(None)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._in_request():                 # a pipelined request already started
+                self._arm(None)
+            elif not self.transport.is_closing():
+                self._awaiting_head = True
+                self._arm(limits.idle_timeout_s)
+
+        def data_received(self, data: bytes) -> None:   # a shed connection reads nothing
+            if not self._shed:
+                self._receive(data)
+
+        def connection_lost(self, exc) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            if not self._shed:
+                super().connection_lost(exc)
+
+    return BoundedH11Protocol
+
+
+def _raise_fd_limit(limits: ServerLimits) -> None:
+    """Lift the soft open-file limit to the hard one and keep --max-connections below it."""
+    try:
+        import resource
+    except ImportError:   # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if limits.max_connections > soft - 256:
+        log.warning("--max-connections %d is near the open-file limit %d: using %d", limits.max_connections, soft,
+                    max(16, soft - 256))
+        limits.max_connections = max(16, soft - 256)
+
+
+def server_config(app, host: str = "127.0.0.1", port: int = 8000, limits: ServerLimits | None = None,
+                  log_level: str = "info"):
+    """The uvicorn configuration ``serve`` runs ``app`` with (tests start the same one)."""
+    import uvicorn
+
+    limits = limits or ServerLimits()
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http_protocol(limits),
+                          timeout_keep_alive=math.ceil(limits.idle_timeout_s),
+                          timeout_graceful_shutdown=math.ceil(limits.shutdown_timeout_s))
+
+
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, model_name: str = "moetailor",
           plans: dict | None = None, limits: ServerLimits | None = None, api_key: str | None = None,
           guard: bool = True) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(llm, model_name, plans, guard=guard, limits=limits, api_key=api_key), host=host,
-                port=port, log_level="info")
+    limits = limits or ServerLimits()
+    _raise_fd_limit(limits)
+    app = create_app(llm, model_name, plans, guard=guard, limits=limits, api_key=api_key)
+    uvicorn.Server(server_config(app, host, port, limits)).run()
