@@ -58,6 +58,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "--step-slo-ms")
     p.add_argument("--step-slo-ms", type=float, default=None,
                    help="per-step decode time target (ms) that sets the --decode-pools-by-load thresholds")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                   help="with --decode-model: seconds a worker may send no heartbeat before it is treated as hung "
+                        "(killed, its requests ended with an error, replaced)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     from .techniques import add_policy_arguments
@@ -88,7 +91,8 @@ def build_engine(args):
                   if getattr(args, "decode_expert_dtype", None) else None)
     if args.decode_model:
         from ..engine.disagg import DisaggregatedLLM
-        return DisaggregatedLLM(args.model, decode_model=args.decode_model, threads=args.threads, **kwargs)
+        return DisaggregatedLLM(args.model, decode_model=args.decode_model, threads=args.threads,
+                                heartbeat_timeout=getattr(args, "heartbeat_timeout", 10.0), **kwargs)
     plan = None
     if args.decode_plan:
         plan = Plan.load(args.decode_plan)

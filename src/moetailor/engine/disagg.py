@@ -11,7 +11,10 @@ Every channel belongs to one worker: the front end sends to a worker through its
 and reads from it through its own pipe, and hand-overs travel prefill -> front end -> decode
 (tensors in shared memory, so only handles are copied). A worker that dies, even mid-message, can
 therefore only break its own channels: its in-flight requests end with finish_reason "error" and a
-message, a new worker with fresh channels is started, and requests keep being served.
+message, a new worker with fresh channels is started, and requests keep being served. A worker that
+stops answering without dying (SIGSTOP, a deadlock) is treated the same way: each worker sends a
+heartbeat every ``HEARTBEAT_S`` from a thread of its own, and one silent for ``heartbeat_timeout``
+seconds is killed, its requests end with an error and it is replaced.
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ PARENT_POLL_S = 0.5       # how often a worker checks that its front end is aliv
 STATS_EVERY_S = 0.25      # how often a busy worker sends its pool numbers (/metrics)
 MAX_QUICK_RESTARTS = 3    # a worker that dies this often within RESTART_WINDOW_S is left down
 RESTART_WINDOW_S = 60.0
+HEARTBEAT_S = 0.5         # how often a worker says it is alive (from its own thread, also mid-step)
+HEARTBEAT_TIMEOUT_S = 10.0  # a ready worker silent this long is hung: killed and replaced
 
 
 @dataclass
@@ -102,10 +107,36 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="moetailor-parent-watch", daemon=True).start()
 
 
+class _SharedConn:
+    """The worker's end of its pipe, shared by the loop and the heartbeat thread (a Connection is not
+    safe to send on from two threads at once)."""
+
+    def __init__(self, conn):
+        self.conn, self.lock = conn, threading.Lock()
+
+    def send(self, msg) -> None:
+        with self.lock:
+            self.conn.send(msg)
+
+
+def _heartbeat(kind: str, conn: _SharedConn) -> None:
+    """Send ("heartbeat", kind) every HEARTBEAT_S while the process runs; a stopped process sends none."""
+    def beat() -> None:
+        while True:
+            try:
+                conn.send(("heartbeat", kind))
+            except (OSError, ValueError):   # the front end is gone: the parent watch ends this process
+                return
+            time.sleep(HEARTBEAT_S)
+    threading.Thread(target=beat, name="moetailor-heartbeat", daemon=True).start()
+
+
 def _start_worker(kind: str, parent_pid: int, conn, build):
-    """Arm the parent watch, load, warm up with one tiny request (a checkpoint that loads but cannot
-    run fails here, at start), report ready. A failure is sent to the front end with its cause."""
+    """Arm the parent watch, start the heartbeat, load, warm up with one tiny request (a checkpoint
+    that loads but cannot run fails here, at start), report ready. A failure is sent to the front end
+    with its cause."""
     _exit_with_parent(parent_pid)
+    _heartbeat(kind, conn)
     try:
         llm = build()
         llm.generate([[0]], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -185,6 +216,7 @@ def _serve(kind: str, llm, inbox, conn, on_message, on_step) -> None:
 
 def prefill_worker(model, kwargs: dict, inbox, conn, parent_pid: int) -> None:
     """Full pool. Prefill, sample the first token, send the KV blocks to the front end, free them."""
+    conn = _SharedConn(conn)
     llm = _start_worker("prefill", parent_pid, conn, lambda: _build_llm(model, None, kwargs))
 
     def add(msg) -> None:
@@ -242,6 +274,7 @@ def adopted(token_ids: list[int], num_prompt_tokens: int, sampling: SamplingPara
 
 def decode_worker(model, plan, kwargs: dict, inbox, conn, parent_pid: int) -> None:
     """Pruned (or masked) pool. Adopt prefilled sequences and decode them."""
+    conn = _SharedConn(conn)
     llm = _start_worker("decode", parent_pid, conn, lambda: _decode_llm(model, plan, kwargs))
 
     def adopt(msg) -> None:
@@ -262,6 +295,8 @@ class Worker:
     conn: object               # worker -> front end (pipe, read end)
     closed: bool = False       # the pipe reached end of file: the worker is gone
     retired: bool = False      # its channels are dropped (replaced, or left down)
+    last_heard: float = field(default_factory=time.monotonic)   # any message, heartbeats included
+    hung: str | None = None    # why it was killed as unresponsive
 
     def retire(self) -> None:
         """Drop the channels without waiting on a dead reader."""
@@ -282,7 +317,7 @@ class DisaggregatedLLM:
     the plan a distilled decoder was trained with)."""
 
     def __init__(self, model, decode_model: str | Path | None = None, plan=None, *, tokenizer=None,
-                 startup_timeout: float = 300.0, **engine_kwargs):
+                 startup_timeout: float = 300.0, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, **engine_kwargs):
         from ..models.loading import load_tokenizer
 
         if decode_model is None and plan is None:
@@ -294,6 +329,10 @@ class DisaggregatedLLM:
                 tokenizer = load_tokenizer(model)
             except Exception:   # no tokenizer files: token-id prompts only
                 tokenizer = None
+        if not heartbeat_timeout > 2 * HEARTBEAT_S:
+            raise ValueError(f"heartbeat_timeout={heartbeat_timeout!r} must be more than {2 * HEARTBEAT_S:g} s "
+                             f"(workers send a heartbeat every {HEARTBEAT_S:g} s)")
+        self.heartbeat_timeout = heartbeat_timeout
         self.tokenizer = tokenizer
         self.model = None                  # the weights live in the workers
         self.engine_kwargs = dict(engine_kwargs, tokenizer=tokenizer)
@@ -421,11 +460,14 @@ class DisaggregatedLLM:
                 except (EOFError, OSError):        # the worker is gone (maybe mid-message)
                     conns.pop(conn).closed = True
                     continue
+                conns[conn].last_heard = time.monotonic()
                 updated += self._handle(msg)
             ready = wait_for_connections(list(conns), 0) if conns else []
         return updated
 
     def _handle(self, msg) -> list[RemoteSequence]:
+        if msg[0] == "heartbeat":
+            return []
         if msg[0] == "ready":
             self.ready[msg[1]] = msg[2]
             return []
@@ -473,6 +515,7 @@ class DisaggregatedLLM:
         """A dead worker's requests end with an error; a new worker with fresh channels takes its place.
         Returns every request updated meanwhile."""
         lost = []
+        self._kill_hung_workers()
         for kind, worker in list(self.workers.items()):
             if worker.retired or worker.process.is_alive():
                 continue
@@ -481,10 +524,11 @@ class DisaggregatedLLM:
             was_ready = kind in self.ready
             log.error("the %s worker (pid %s) exited with code %s%s", kind, worker.process.pid, code,
                       "" if was_ready else " while loading")
+            what = f"stopped answering ({worker.hung})" if worker.hung else f"exited (code {code})"
             with self.lock:
                 for seq in [s for s in self.seqs.values() if s.stage == kind]:
-                    seq.finish("error", f"the {kind} worker exited (code {code}) while serving this request; "
-                                        "it was ended, resubmit it")
+                    seq.finish("error", f"the {kind} worker {what} while serving this request; it was ended, "
+                                        "resubmit it")
                     self.seqs.pop(seq.request_id, None)
                     lost.append(seq)
                 worker.retire()
@@ -508,13 +552,31 @@ class DisaggregatedLLM:
                 self.workers[kind] = self._start(kind)
         return lost
 
+    def _kill_hung_workers(self) -> None:
+        """A ready worker whose heartbeat stopped for ``heartbeat_timeout`` s is killed (SIGKILL ends a
+        stopped process too); the dead-worker path then ends its requests and replaces it."""
+        now = time.monotonic()
+        for kind, worker in self.workers.items():
+            silent = now - worker.last_heard
+            if worker.retired or kind not in self.ready or silent < self.heartbeat_timeout or \
+                    not worker.process.is_alive():
+                continue
+            worker.hung = f"no heartbeat for {silent:.0f} s"
+            log.error("the %s worker (pid %s) stopped answering: %s; killing it", kind, worker.process.pid,
+                      worker.hung)
+            worker.process.kill()
+            worker.process.join(timeout=5)
+
     def health(self) -> dict:
-        """Each worker's state: "ready", "starting" (loading after a restart) or "down" (with why)."""
+        """Each worker's state: "ready", "unresponsive" (heartbeat late), "starting" (loading after a
+        restart) or "down" (with why)."""
         workers = {}
+        now = time.monotonic()
         for kind, worker in self.workers.items():
             alive = not worker.closed and worker.process.is_alive()
-            state = "down" if kind in self.down else "ready" if alive and kind in self.ready else \
-                "starting" if alive else "dead"
+            late = now - worker.last_heard > max(2.0, self.heartbeat_timeout / 2)
+            state = "down" if kind in self.down else ("unresponsive" if late else "ready") \
+                if alive and kind in self.ready else "starting" if alive else "dead"
             workers[kind] = {"state": state, "pid": worker.process.pid, "restarts": self.restarts[kind]}
             if kind in self.down:
                 workers[kind]["error"] = self.down[kind]
