@@ -196,7 +196,11 @@ def jsonl_document(row, tokenizer, where: str) -> str:
 def _file_documents(path: Path, tokenizer=None) -> Iterator[str]:
     if path.suffix == ".jsonl":
         docs = []
-        for n, line in enumerate(path.read_text("utf-8").splitlines(), 1):
+        try:
+            lines = path.read_text("utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+        for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:

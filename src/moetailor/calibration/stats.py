@@ -22,6 +22,31 @@ FOLD_EPS = 1e-3           # ExFold's denominator epsilon
 
 REQUIRED = ("frequency", "mass", "ean", "weighted_ean", "coselect", "beta_hist")
 FOLD = ("fold_uv", "fold_vv", "fold_uu", "fold_count", "norm_sum", "norm_count")
+PAIRS = ("coselect", "fold_uv", "fold_vv", "fold_uu", "fold_count")   # [E, E]; the others [E], beta_hist [BETA_BINS]
+SIGNED = ("fold_uv",)    # a sum of inner products; every other statistic is a sum of counts or norms (>= 0)
+
+
+def check_layer_tensors(tensors: dict, num_experts: int, where: str) -> None:
+    """ValueError naming the tensor when a statistic has the wrong shape, is not finite, or is negative
+    where only sums of counts and norms can stand: a NaN score would keep arbitrary experts and a
+    5-entry tensor would make a 5-expert plan."""
+    E = num_experts
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        shape = (E, E) if name in PAIRS else (BETA_BINS,) if name == "beta_hist" else (E,)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{where}: {name} has shape {list(t.shape)}, expected {list(shape)} for {E} experts; "
+                             "the file is corrupt — rerun `moetailor calibrate`")
+        if not t.is_floating_point() and not t.dtype.is_signed and t.dtype != torch.uint8:
+            continue
+        values = t.double()
+        if not torch.isfinite(values).all():
+            raise ValueError(f"{where}: {name} holds {int((~torch.isfinite(values)).sum())} NaN or infinite values; "
+                             "the file is corrupt — rerun `moetailor calibrate`")
+        if name not in SIGNED and (values < 0).any():
+            raise ValueError(f"{where}: {name} holds negative values, which a sum of counts or norms cannot; the "
+                             "file is corrupt — rerun `moetailor calibrate`")
 
 
 class StatsMismatch(ValueError):
@@ -174,7 +199,7 @@ class ExpertStats:
                              f"version {STATS_VERSION}; rerun `moetailor calibrate`")
         try:
             meta = json.loads(header["meta"])
-        except (KeyError, json.JSONDecodeError):
+        except (KeyError, json.JSONDecodeError, RecursionError):
             raise ValueError(f"{path} has no readable metadata; rerun `moetailor calibrate`") from None
         if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict) or "moe_layers" not in meta["model"]:
             raise ValueError(f"{path} lacks the model fingerprint in its metadata; rerun `moetailor calibrate`")
@@ -192,10 +217,11 @@ class ExpertStats:
                 raise ValueError(f"{path} lacks {missing} for layer {i}; it is incomplete — rerun `moetailor calibrate`")
             if any(got[n] is None for n in FOLD):
                 got = {n: got[n] for n in REQUIRED}
-            layers[i] = LayerStats(**got)
             E = meta["model"]["num_experts"]
-            if layers[i].num_experts != E:
-                raise ValueError(f"{path} layer {i} has {layers[i].num_experts} experts but its metadata says {E}")
+            if got["frequency"].numel() != E:
+                raise ValueError(f"{path} layer {i} has {got['frequency'].numel()} experts but its metadata says {E}")
+            check_layer_tensors(got, E, f"{path} layer {i}")
+            layers[i] = LayerStats(**got)
         return cls(meta, layers)
 
 

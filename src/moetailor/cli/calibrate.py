@@ -49,6 +49,7 @@ def run(args) -> int:
     args.data = default_data_spec(args.model, args.data)
     parse_data_spec(args.data)  # bad input fails before the model loads
     path = resolve_model_path(args.model)
+    check_seq_len(args.seq_len, path)
     check_output(args.out, overwrite=args.overwrite, inputs=(path, data_file(args.data)))
     dtype = working_dtype(args.dtype, path)
     tokenizer = load_tokenizer(args.model)
@@ -75,6 +76,20 @@ def run(args) -> int:
                 f"peak RSS {peak_rss_gib():.2f} GiB) -> {args.out}",
                 ["layer", "experts used", "max freq", "min freq", "mean ||E(x)||", "beta"], rows)
     return 0
+
+
+def check_seq_len(seq_len: int, path) -> None:
+    """--seq-len within the model's positions (a 4096-token window on a 1,024-position model ran on
+    positions it never learned, exit 0), checked before the model loads."""
+    from ..models.loading import read_config
+
+    if seq_len < 2:
+        raise ValueError(f"--seq-len must be at least 2 (got {seq_len})")
+    config = read_config(path)
+    limit = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise ValueError(f"--seq-len {seq_len} is longer than the model's {limit} positions "
+                         f"(max_position_embeddings); give --seq-len {limit} or less")
 
 
 def command_line(args, positional: tuple[str, ...]) -> str:

@@ -63,5 +63,12 @@ def run_plan(path: str) -> int:
     for key in ("command", "created"):
         if meta.get(key):
             rows.append((key, str(meta[key])))
-    print_table(f"moetailor info {path} (plan)", ["property", "value"], rows)
+    print_table(printable(f"moetailor info {path} (plan)"), ["property", "value"],
+                [(key, printable(value)) for key, value in rows])
     return 0
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters written as escapes: a plan's metadata is anyone's text, and
+    printed raw its terminal escape sequences would act on the user's terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))

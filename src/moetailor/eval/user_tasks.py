@@ -138,18 +138,21 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
     if not path.is_file():
         raise FileNotFoundError(f"task file {path} does not exist; give a JSONL file with one task per line")
     records = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: each line must be a JSON object like "
-                                 '{"prompt": ..., "answer": ..., "match": ...}, got ' + type(record).__name__)
-            records.append((number, record))
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"task file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: each line must be a JSON object like "
+                             '{"prompt": ..., "answer": ..., "match": ...}, got ' + type(record).__name__)
+        records.append((number, record))
     return records
 
 

@@ -162,8 +162,15 @@ def load_checked(value, kind, model):
 
 def read_json(path: Path, what: str) -> dict:
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what} file {path} is a folder; give the path of the {what} file in it") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} file {path} is not UTF-8 text (byte {e.start}); it is not a {what} file or it is "
+                         "corrupt — regenerate it") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{what} file {path} is not valid JSON ({e}); it may be truncated — regenerate it") from None
+    except RecursionError:
+        raise ValueError(f"{what} file {path} nests too deeply to be a {what} file; regenerate it") from None

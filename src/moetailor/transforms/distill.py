@@ -81,8 +81,20 @@ class DistillConfig:
     bf16: bool = False               # bf16 autocast for teacher and student matmuls (CPU: AMX)
 
     def validate(self) -> None:
+        """ValueError naming the flag; every float must be finite (NaN passes every comparison, and
+        ``--lr nan`` trained a checkpoint of NaN weights)."""
+        for name, flag in (("alpha", "--alpha"), ("lr", "--lr"), ("router_lr_scale", "router_lr_scale"),
+                           ("weight_decay", "weight_decay"), ("grad_clip", "grad_clip")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{flag} must be a finite number (got {value!r})")
         if not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"--steps must be at least 1 (got {self.steps})")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be at least 0 (got {self.warmup})")
+        if self.weight_decay < 0 or self.grad_clip <= 0:
+            raise ValueError(f"weight_decay (got {self.weight_decay}) must be >= 0 and grad_clip (got "
+                             f"{self.grad_clip}) positive")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"--alpha must be in [0, 1] (got {self.alpha}): it weights CE against KD")
         split_fraction(self.split_point)
@@ -498,6 +510,10 @@ def export(student: Student, out: str | Path, result: DistillResult | None = Non
             "note": "decode model: serve with this plan's decode policy; prefill runs on the original model "
                     "(distilled_from), whose KV cache this decoder was trained to continue from",
             "trainable": counts, **(extra or {})}
+    bad = [name for name, t in merged.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise ValueError(f"distillation diverged: {len(bad)} tensors of the trained decoder hold NaN or infinite "
+                         f"values ({', '.join(bad[:3])}...); nothing was written — lower --lr or --alpha and rerun")
     plan = Plan(model=model_fingerprint(merged), prefill=student.plan.prefill, decode=student.plan.decode,
                 meta={**student.plan.meta, "distillation": note}, fold_stats=student.plan.fold_stats)
     with checkpoint_directory(out, overwrite, (source,)) as tmp:
