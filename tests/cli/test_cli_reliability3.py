@@ -153,3 +153,20 @@ def test_distill_never_exports_non_finite_weights(tmp_path):
     with pytest.raises(ValueError, match="NaN or infinite"):
         export(student, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_disk_full_while_writing_is_one_line_and_leaves_nothing(tiny, tmp_path, capsys, monkeypatch):
+    """Fault injection: the statistics writer hits ENOSPC (a full disk) inside the atomic writer."""
+    import errno
+    import os
+
+    path = stats_file(tiny, tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr("moetailor.plans.plan.write_json", full)
+    out = tmp_path / "plans"
+    out.mkdir()
+    one_line_error(capsys, ["plan", path, "--criterion", "reap", "--keep", "0.5", "--out", str(out / "p.json")],
+                   "No space left on device", "free disk space")
+    assert list(out.iterdir()) == []

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import pkgutil
 import signal
 import sys
 import threading
+
+
+# the machine's state, not a bug: one line saying what to do, not a traceback
+ENVIRONMENT_ERRORS = {errno.ENOSPC: "free disk space or write --out elsewhere",
+                      errno.EDQUOT: "free space within your disk quota or write --out elsewhere",
+                      errno.EROFS: "write --out to a writable file system",
+                      errno.EACCES: "check the permissions, or write --out elsewhere",
+                      errno.EMFILE: "raise the open-file limit (ulimit -n)"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         message = " ".join(str(e).split()) or type(e).__name__   # one line, whatever the message holds
         print(f"moetailor {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in ENVIRONMENT_ERRORS:
+            raise
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"moetailor {args.command}: error: {os.strerror(e.errno)}{where}; "
+              f"{ENVIRONMENT_ERRORS[e.errno]} (partial outputs removed)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"moetailor {args.command}: interrupted; partial outputs removed", file=sys.stderr)
