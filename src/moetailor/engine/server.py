@@ -818,8 +818,9 @@ def guard_metrics(snap: dict) -> list[str]:
         "guard_decode_steps_total": ("counter", "Decode steps of guarded requests by pool: reduced, fallback "
                                                 "(sent back to the full pool) or shadow (full-pool comparison)."),
         "guard_rescued_requests_total": ("counter", "Running requests moved to the full pool, by reason."),
-        "guard_window_budget_hit_share": ("gauge", "Share of recent requests that hit max_tokens."),
-        "guard_window_p90_tokens": ("gauge", "p90 output length of recent requests."),
+        "guard_window_budget_hit_share": ("gauge", "Share of recent requests (those whose length says something) that "
+                                                  "ran to max_tokens past the full pool's overrun limit."),
+        "guard_window_p90_tokens": ("gauge", "p90 output length of recent requests that ended on EOS."),
         "guard_window_entropy_nats": ("gauge", "Mean next-token entropy of recent requests."),
     }
     samples: dict[str, list[str]] = {name: [] for name in families}
