@@ -405,3 +405,18 @@ def test_disaggregated_style_expert_plan_message(fresh):
         assert r.status_code == 400 and "default, full" in message and ", (" not in message
     finally:
         stop()
+
+
+# ---- the engine-client contract (issue 28, item 2) ------------------------------------------------------
+def test_both_engines_implement_the_engine_client_contract(reference):
+    import inspect
+
+    from moetailor.engine.client import EngineClient
+    from moetailor.engine.disagg import DisaggregatedLLM
+
+    assert isinstance(reference, EngineClient)
+    assert reference.poll() == [] and reference.health() == {"ok": True, "workers": {}}
+    wanted = {n for n, _ in inspect.getmembers(EngineClient, inspect.isfunction) if not n.startswith("_")}
+    assert wanted <= set(dir(DisaggregatedLLM)), wanted - set(dir(DisaggregatedLLM))   # (attributes: set in __init__)
+    source = inspect.getsource(__import__("moetailor.engine.server", fromlist=["x"]))
+    assert "getattr(llm" not in source and "getattr(self.llm" not in source

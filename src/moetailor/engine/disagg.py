@@ -70,6 +70,10 @@ class RemoteSequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
     def finish(self, reason: str, error: str | None = None) -> None:
         self.finish_reason, self.error, self.finish_time = reason, error, time.perf_counter()
 
@@ -335,6 +339,7 @@ class DisaggregatedLLM:
         self.heartbeat_timeout = heartbeat_timeout
         self.tokenizer = tokenizer
         self.model = None                  # the weights live in the workers
+        self.guard = None                  # the guard watches one engine's pools; none here
         self.engine_kwargs = dict(engine_kwargs, tokenizer=tokenizer)
         self.worker_specs = {"prefill": (prefill_worker, (model,)),
                              "decode": (decode_worker, (decode_model if decode_model is not None else model,
@@ -399,9 +404,13 @@ class DisaggregatedLLM:
                 "decode_blocks_with_full_weights": full, "prefill_weight_bytes": p["weight_bytes"],
                 "decode_weight_bytes": d["weight_bytes"], "block_bytes": d["block_bytes"], "memory_budget": budget}
 
-    # ---- the LLM-like front end ------------------------------------------------------------------
+    # ---- the LLM-like front end (engine/client.py) -------------------------------------------------
     def encode(self, prompt):
         return encode_prompt(self.tokenizer, prompt)
+
+    def request_limits(self):
+        """The tighter of the two workers' limits, learned when they started."""
+        return self.limits
 
     def add_request(self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
                     plan=None, plan_key=None) -> RemoteSequence:

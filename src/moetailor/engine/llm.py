@@ -228,6 +228,17 @@ class LLM:
     def has_unfinished(self) -> bool:
         return not self.scheduler.is_finished()
 
+    def poll(self) -> list[Sequence]:
+        """Nothing changes in a colocated engine without a step (``engine/client.py``)."""
+        return []
+
+    def health(self) -> dict:
+        """A colocated engine has no worker processes (``engine/client.py``)."""
+        return {"ok": True, "workers": {}}
+
+    def close(self) -> None:
+        """Nothing to release beyond memory (``engine/client.py``)."""
+
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one prefill or decode step; returns the sequences that got a token or failed. When the

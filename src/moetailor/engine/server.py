@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..models.chat import chat_prompt
-from .llm import LLM
+from .client import EngineClient
 from .sequence import StreamDelta
 from .logprobs import MAX_LOGPROBS, chat_logprobs, completion_logprobs
 from .sequence import delta as stream_delta
@@ -74,7 +74,7 @@ class _Request:
 class AsyncEngine:
     """Drives ``llm.step()`` in a background thread and delivers each request's deltas."""
 
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: EngineClient):
         self.llm = llm
         self.requests: dict[str, _Request] = {}
         self.wake = threading.Event()
@@ -96,8 +96,7 @@ class AsyncEngine:
             self.requests.pop(request_id, None)
             raise
         self.wake.set()
-        return request_id, entry.queue, len(seq.prompt_token_ids) if hasattr(seq, "prompt_token_ids") \
-            else seq.num_prompt_tokens
+        return request_id, entry.queue, seq.num_prompt_tokens
 
     def abort(self, request_id: str) -> None:
         if self.llm.abort(request_id):
@@ -107,18 +106,14 @@ class AsyncEngine:
         self.stopping = True
         self.wake.set()
         self.thread.join(timeout=5)
-        close = getattr(self.llm, "close", None)
-        if close:
-            close()
+        self.llm.close()
 
     def _run(self) -> None:
-        poll = getattr(self.llm, "poll", None)   # a disaggregated front end watches its workers while idle too
         while not self.stopping:
             try:
                 if not self.llm.has_unfinished():
-                    if poll is not None:
-                        seqs = poll()
-                    else:
+                    seqs = self.llm.poll()   # a disaggregated front end watches its workers while idle too
+                    if not seqs:
                         self.wake.wait(0.05)
                         self.wake.clear()
                         continue
@@ -470,7 +465,7 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = None, guard: bool = True,
+def create_app(llm: EngineClient, model_name: str = "moetailor", plans: dict | None = None, guard: bool = True,
                limits: ServerLimits | None = None, api_key: str | None = None):
     """The FastAPI app. ``plans``: name -> Plan selectable per request through ``expert_plan``.
     ``guard``: turn on the collapse guard (engine/guard.py) when the engine has none yet.
@@ -481,7 +476,7 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
     limits = limits or ServerLimits()
     max_prompt_chars = limits.max_prompt_chars or 32 * llm.max_model_len
     plans = dict(plans or {})
-    if getattr(llm, "model", None) is not None:
+    if llm.model is not None:
         plans.setdefault("full", uniform_plan(llm.model))
         for plan in plans.values():
             plan.check_model(llm.model)
@@ -490,7 +485,7 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
                          "holds one pruned pool); drop --expert-plan or --decode-model")
     if api_key is not None:   # an empty key is refused, never read as "no authentication"
         check_api_key(api_key)
-    if guard and getattr(llm, "model", None) is not None and getattr(llm, "guard", False) is None:
+    if guard and llm.model is not None and llm.guard is None:
         llm.enable_guard()
     engine = AsyncEngine(llm)
 
@@ -512,7 +507,7 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
         if name is None or name == "default":
             return None, None
         if not isinstance(name, str) or name not in plans:
-            if getattr(llm, "model", None) is None:   # disaggregated: the decode worker holds one pool
+            if llm.model is None:   # disaggregated: the decode worker holds one pool
                 raise BadRequest(f"unknown expert_plan {_show(name)}; a disaggregated server has only \"default\" "
                                  "(the decode worker's pool); use expert_top_k, or a colocated server for plans")
             raise BadRequest(f"unknown expert_plan {_show(name)}; this server has: "
@@ -756,9 +751,8 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
         body, ok = {"status": "ok"}, engine.thread.is_alive()
         if not ok:
             body["status"] = "engine thread stopped"
-        workers = getattr(llm, "health", None)
-        if workers is not None:
-            info = workers()
+        info = llm.health()
+        if info["workers"]:
             body["workers"] = info["workers"]
             if ok and not info["ok"]:
                 ok, body["status"] = False, "degraded: " + ", ".join(
@@ -772,7 +766,7 @@ def create_app(llm: LLM, model_name: str = "moetailor", plans: dict | None = Non
     return app
 
 
-def prometheus_text(llm: LLM) -> str:
+def prometheus_text(llm: EngineClient) -> str:
     s = llm.stats()
     lines = []
 
@@ -793,18 +787,16 @@ def prometheus_text(llm: LLM) -> str:
         for layer, n in sorted(last.distinct_experts.items()):
             lines.append(f'moetailor_step_distinct_experts{{layer="{layer}",phase="{last.phase}"}} {n}')
     metric("step_expert_bytes", "gauge", "Expert weight bytes read in the last step.", last.expert_bytes if last else 0)
-    health = getattr(llm, "health", None)
-    if health is not None:   # disaggregated: one line per worker
-        workers = health()["workers"]
+    workers = llm.health()["workers"]
+    if workers:   # disaggregated: one line per worker
         lines += ["# HELP moetailor_worker_up Worker process ready (1) or not (0: starting, dead or down).",
                   "# TYPE moetailor_worker_up gauge"]
         lines += [f'moetailor_worker_up{{worker="{k}"}} {int(w["state"] == "ready")}' for k, w in workers.items()]
         lines += ["# HELP moetailor_worker_restarts_total Times a worker was replaced after it died.",
                   "# TYPE moetailor_worker_restarts_total counter"]
         lines += [f'moetailor_worker_restarts_total{{worker="{k}"}} {w["restarts"]}' for k, w in workers.items()]
-    guard = getattr(llm, "guard", None)
-    if guard is not None and guard.enabled:
-        lines.extend(guard_metrics(guard.snapshot()))
+    if llm.guard is not None and llm.guard.enabled:
+        lines.extend(guard_metrics(llm.guard.snapshot()))
     return "\n".join(lines) + "\n"
 
 
@@ -973,7 +965,7 @@ def server_config(app, host: str = "127.0.0.1", port: int = 8000, limits: Server
                           timeout_graceful_shutdown=math.ceil(limits.shutdown_timeout_s))
 
 
-def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, model_name: str = "moetailor",
+def serve(llm: EngineClient, host: str = "127.0.0.1", port: int = 8000, model_name: str = "moetailor",
           plans: dict | None = None, limits: ServerLimits | None = None, api_key: str | None = None,
           guard: bool = True) -> None:
     import uvicorn
