@@ -165,3 +165,19 @@ def test_cli_pools_by_load_need_a_step_slo(capsys):
     assert code == 2 and "--step-slo-ms" in err and "Traceback" not in err
     assert main(["generate", "reference", "--prompt", "hi", "--max-tokens", "2", "--decode-pools-by-load", str(plan),
                  "--step-slo-ms", "5"]) == 0
+
+
+def test_calibration_and_evaluation_route_through_the_same_step_object():
+    """``RoutingController.policy`` runs its forwards inside a routing-only ``Step`` (the engine's
+    type): the routers read its compiled policy, the experts report what they read into it."""
+    from moetailor.routing import RoutingController
+
+    model = tiny_model("qwen2_moe", seed=6, num_experts=8, top_k=2)
+    ctl = RoutingController.of(model)
+    plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 1, 2, 3)))
+    with torch.no_grad(), ctl.policy(plan.decode) as step:
+        assert current() is step and step.kv is None and step.routing.policy is ctl.compile(plan.decode)
+        model(torch.tensor([random_prompts([9], seed=6)[0]]))
+    distinct, _ = ctl.traffic(step)
+    assert set(distinct) == {l.index for l in ctl.layers} and max(distinct.values()) <= 4
+    assert current() is None
