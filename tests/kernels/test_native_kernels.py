@@ -82,4 +82,14 @@ def test_kernels_are_torch_ops_with_fake_implementations():
     k_cache, v_cache = torch.randn(16, 2, 16), torch.randn(16, 2, 16)
     opcheck(torch.ops.moetailor.paged_decode_attention.default,
             (torch.randn(2, 4, 16), k_cache, v_cache, torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 8]), 4, 0.25))
+    opcheck(torch.ops.moetailor.rows_linear.default, (torch.randn(3, 32), torch.randn(40, 32)))
     assert kernels.swiglu_experts() is torch.ops.moetailor.swiglu_experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 8192), (3, 50), (8, 17)])
+def test_rows_linear_equals_torch(rows, cols, dtype):
+    """The decode LM head's op: column counts that are not whole 16-column tiles, 1-8 rows."""
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 64), torch.randn(cols, 64).to(dtype)
+    torch.testing.assert_close(kernels.rows_linear()(x, w), x @ w.float().T, rtol=1e-5, atol=1e-4)

@@ -62,6 +62,10 @@ def _register_fakes() -> None:
     def _(x, gate_up, down, index, weight, experts_read, layer):
         return torch.empty_like(x)                                          # [T, H] fp32
 
+    @torch.library.register_fake("moetailor::rows_linear")
+    def _(x, weight):
+        return x.new_empty(x.shape[0], weight.shape[0])                     # [T, N] fp32
+
     @torch.library.register_fake("moetailor::paged_decode_attention")
     def _(q, k_cache, v_cache, block_table, lengths, block_size, scale):
         return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])       # [B, nH, Dv] fp32
@@ -73,6 +77,13 @@ def swiglu_experts():
     number of distinct experts it read into ``experts_read[layer]``."""
     ops = _module()
     return None if ops is None else ops.swiglu_experts
+
+
+def rows_linear():
+    """The op ``rows_linear(x [T, H] fp32, weight [N, H] fp32 or bf16) -> x @ weight.T [T, N]`` for
+    a few rows (a decode step's LM head), or None."""
+    ops = _module()
+    return None if ops is None else ops.rows_linear
 
 
 def paged_decode_attention():

@@ -164,3 +164,29 @@ torch::Tensor swiglu_experts(const torch::Tensor& x, const torch::Tensor& gate_u
   if (layer >= 0 && layer < experts_read.size(0)) experts_read[layer].fill_(distinct);
   return out;
 }
+
+// x [T, H] fp32 (T small: a decode step's rows), weight [N, H] fp32 or bf16 -> x @ weight^T [T, N] fp32.
+// Why: at batch 1 the LM head ([1, H] x [H, V]) is the largest single read of a decode step, and the
+// library GEMM pays for packing at one row; here threads take column ranges and stream each weight
+// row once through the same register-blocked dot products the experts use.
+torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 [T, H]");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
+              "weight: contiguous [N, H] with x's H");
+  const int64_t rows = x.size(0), depth = x.size(1), cols = weight.size(0);
+  TORCH_CHECK(depth % 16 == 0, "the hidden size must be a multiple of 16");
+  auto out = torch::empty({rows, cols}, x.options());
+  std::vector<const float*> a(rows);
+  for (int64_t r = 0; r < rows; ++r) a[r] = x.data_ptr<float>() + r * depth;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, (cols + 15) / 16, 32, [&](int64_t begin, int64_t end) {
+    const int j0 = (int)(begin * 16), j1 = (int)std::min<int64_t>(end * 16, cols);
+    if (weight.scalar_type() == torch::kFloat32)
+      rows_times_weight(a.data(), (int)rows, weight.data_ptr<float>() + (int64_t)j0 * depth, j1 - j0, (int)depth,
+                        o + j0, (int)cols);
+    else
+      rows_times_weight(a.data(), (int)rows, weight.data_ptr<at::BFloat16>() + (int64_t)j0 * depth, j1 - j0,
+                        (int)depth, o + j0, (int)cols);
+  });
+  return out;
+}
