@@ -7,6 +7,7 @@ tokens, and decode throughput is measured the same way for all: B * (N - 1) / (t
 time of an N-token generate minus a 1-token (prefill-only) generate, best of ``--repeats``.
 - transformers: a fresh model object, left-padded batch, its stock experts implementation;
 - engine: `LLM` with the compiled CPU kernels (default), with torch's ops only (`native_kernels=False`),
+  with `torch.compile`d decode steps (`compile_decode=True`, with `--compile`; its warm-up compiles),
   with bf16 decode experts (`decode_expert_dtype=torch.bfloat16`) and with the whole model and KV
   cache in bf16 (`dtype=torch.bfloat16`, what vLLM bf16 runs); the bf16 rows change numerics;
 - vLLM: when `.venv-vllm` exists (`make setup-vllm`), its unmodified engine (no plugin) in a
@@ -99,6 +100,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per side and batch (the fastest is kept)")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM even when .venv-vllm exists")
+    ap.add_argument("--compile", action="store_true", help="also run the engine with torch.compile'd decode steps")
     ap.add_argument("--out", default="build/engine_vs_hf")
     args = ap.parse_args()
 
@@ -116,6 +118,8 @@ def main() -> None:
                "engine, torch ops": LLM(args.model, max_num_seqs=n, native_kernels=False),
                "engine, bf16 decode experts": LLM(args.model, max_num_seqs=n, decode_expert_dtype=torch.bfloat16),
                "engine, bf16 model": LLM(args.model, max_num_seqs=n, dtype=torch.bfloat16)}
+    if args.compile:
+        engines["engine, compiled decode"] = LLM(args.model, max_num_seqs=n, compile_decode=True)
     if args.decode_plan:
         plan = Plan.load(args.decode_plan)
         engines["engine + decode plan"] = LLM(args.model, plan.with_phases(decode=plan.decode), max_num_seqs=n)

@@ -68,11 +68,11 @@ def test_route_counter_and_meter_agree_on_tiny_model():
     ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(1))
     layers = moe_layers(model)
     keep = PhasePolicy.uniform([l.index for l in layers], LayerPolicy(keep=(0, 1, 2)))
-    with torch.no_grad(), ctl.observing(counter), ctl.policy(keep):
-        ctl.meter.reset()
+    with torch.no_grad(), ctl.observing(counter), ctl.policy(keep) as step:
         model(ids)
+    distinct, bytes_read = ctl.traffic(step)
     assert set(counter.distinct) == {l.index for l in layers}
     assert all(1 <= v <= 3 for v in counter.distinct.values())       # masked to 3 experts
-    assert counter.distinct == ctl.meter.distinct
-    assert ctl.meter.bytes_read == measured_expert_bytes(counter.distinct, layers[0].expert_bytes())
+    assert counter.distinct == distinct
+    assert bytes_read == measured_expert_bytes(counter.distinct, layers[0].expert_bytes())
     assert layers[0].expert_bytes() == expert_bytes(32, 16, 4)

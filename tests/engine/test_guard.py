@@ -215,3 +215,28 @@ def test_guarded_eval_configuration(model):
     assert plan.prefill.is_identity and not plan.decode.is_identity
     with pytest.raises(ValueError, match="unknown configuration"):
         parse_configs("guarded:nope")[0].build(model, decode_plan(model, DEGENERATE))
+
+
+def test_the_guard_decides_and_never_calls_the_engine():
+    """Without an engine at all: admission gives the reduced request a full-pool shadow (warm-up),
+    a repeating reduced decoder gets a RunOn to the full pool, and forgetting the request aborts its
+    shadow; applying those decisions is the engine's job."""
+    from moetailor.engine.guard import FULL_KEY, Abort, Guard, RunOn, shadow_id
+    from moetailor.engine.sequence import Sequence
+
+    model = tiny_model("qwen2_moe", seed=0)
+    full, reduced = uniform_plan(model), uniform_plan(model, decode=LayerPolicy(keep=HEALTHY))
+    guard = Guard(full, GuardConfig(repetition_min_tokens=8, check_every=1))
+    seq = Sequence([5, 6, 7], SamplingParams(max_tokens=64))
+    admission = guard.admit(seq, reduced)
+    assert admission.plan is None and admission.shadow is not None            # runs on its plan, shadowed
+    assert admission.shadow.plan is full and admission.shadow.plan_key == FULL_KEY
+    assert admission.shadow.request_id == shadow_id(seq.request_id)
+    logits = torch.zeros(1, 16)
+    actions = []
+    for _ in range(12):                                                      # the same token again and again
+        seq.append_token(3)
+        actions += guard.observe([seq], logits, is_prefill=False)
+    assert [type(a) for a in actions] == [RunOn] and actions[0].seq is seq and actions[0].plan is full
+    assert seq.plan is None                                                  # the guard changed nothing itself
+    assert guard.forget(seq) == [Abort(shadow_id(seq.request_id))]

@@ -1,4 +1,4 @@
-"""One engine step: the step context, the decode attention read in place, finishing in the
+"""One engine step: the step object, the decode attention read in place, finishing in the
 scheduler's postprocess (incremental detokenization), a bounded step log, and decode pools that
 follow the load (tiny models and the bundled reference tokenizer)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from moetailor.engine import LLM, SamplingParams
 from moetailor.engine.k_tiers import StepCost
 from moetailor.engine.load_pools import PoolRung, PoolsByLoad
-from moetailor.models.step_context import get_context
+from moetailor.models.step import current
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
@@ -17,17 +17,22 @@ from moetailor.routing import LayerPolicy
 from engine_helpers import hf_greedy, random_prompts
 
 
-def test_implementations_are_installed_once_and_the_context_is_cleared():
+def test_implementations_are_installed_once_and_the_step_is_cleared():
+    import dataclasses
+
     model = tiny_model("qwen2_moe", seed=4)
     llm = LLM(model, block_size=4)
     impl = (model.config._attn_implementation, model.config._experts_implementation)
     seen = []
-    llm.controller.observers.append(lambda layer, *a: seen.append(get_context()))
+    llm.controller.observers.append(lambda layer, *a: seen.append(current()))
     llm.generate(random_prompts([5, 9], seed=4), SamplingParams(max_tokens=4, ignore_eos=True))
     assert (model.config._attn_implementation, model.config._experts_implementation) == impl
-    assert seen and all(c is not None for c in seen)          # the router read the step's context
+    assert seen and all(c is not None for c in seen)          # the router read the step
     assert {c.is_prefill for c in seen} == {True, False}
-    assert get_context() is None                              # and nothing is left behind
+    with pytest.raises(dataclasses.FrozenInstanceError):      # which nobody can change once built
+        seen[0].is_prefill = False
+    assert current() is None                                  # and nothing is left behind
+    assert not any(k.startswith("_moetailor_meter") for l in llm.controller.layers for k in vars(l.experts))
     prompt = random_prompts([7], seed=5)[0]                   # the same model object still generates stock
     assert LLM(model, block_size=4).generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0] \
         .token_ids == hf_greedy(model, prompt, 6)
@@ -125,32 +130,28 @@ def test_bf16_decode_experts_read_half_the_bytes_and_prefill_keeps_fp32():
 
 def test_grouped_experts_never_read_the_device_and_drop_sentinels(monkeypatch):
     from moetailor.models.adapters import moe_layers
-    from moetailor.models.step_context import StepContext, reset_context, set_context
-    from moetailor.routing.experts import TrafficMeter, grouped_experts_forward, loop_experts_forward
+    from moetailor.models.step import Step, experts_read_buffer, read_experts, running
+    from moetailor.routing.controller import RoutingController
+    from moetailor.routing.experts import grouped_experts_forward, loop_experts_forward
 
     model = tiny_model("qwen2_moe", seed=3)
+    RoutingController.of(model)                                                          # names each layer
     experts = moe_layers(model)[0].experts
     E = experts.num_experts
     hidden = torch.randn(5, model.config.hidden_size)                                  # [T, H]
     index = torch.tensor([[0, 3], [E, 1], [3, E], [E, E], [2, 0]])                       # [T, K], E = dropped
     weights = torch.rand(5, 2).masked_fill(index == E, 0.0)
-    meter = TrafficMeter()
-    experts._moetailor_meter, experts._moetailor_layer = meter, 0
     expected = loop_experts_forward(experts, hidden, index, weights)
 
     def host_read(*args, **kwargs):
         raise AssertionError("the grouped experts read a device value on the host")
-    set_context(StepContext(is_prefill=False, slot_mapping=torch.zeros(5, dtype=torch.long)))
-    try:
-        with monkeypatch.context() as m, torch.inference_mode():
-            for name in ("item", "tolist", "nonzero", "__bool__", "__int__"):
-                m.setattr(torch.Tensor, name, host_read)
-            out = grouped_experts_forward(experts, hidden, index, weights)
-    finally:
-        reset_context()
-        experts._moetailor_meter = None
+    step = Step(is_prefill=False, experts="grouped", experts_read=experts_read_buffer(2))
+    with running(step), monkeypatch.context() as m, torch.inference_mode():
+        for name in ("item", "tolist", "nonzero", "__bool__", "__int__"):
+            m.setattr(torch.Tensor, name, host_read)
+        out = grouped_experts_forward(experts, hidden, index, weights)
     torch.testing.assert_close(out, expected)
-    assert meter.distinct == {0: 4}                                                     # experts 0, 1, 2, 3
+    assert read_experts(step) == {0: 4}                                                 # experts 0, 1, 2, 3
 
 
 def test_cli_pools_by_load_need_a_step_slo(capsys):
@@ -164,3 +165,19 @@ def test_cli_pools_by_load_need_a_step_slo(capsys):
     assert code == 2 and "--step-slo-ms" in err and "Traceback" not in err
     assert main(["generate", "reference", "--prompt", "hi", "--max-tokens", "2", "--decode-pools-by-load", str(plan),
                  "--step-slo-ms", "5"]) == 0
+
+
+def test_calibration_and_evaluation_route_through_the_same_step_object():
+    """``RoutingController.policy`` runs its forwards inside a routing-only ``Step`` (the engine's
+    type): the routers read its compiled policy, the experts report what they read into it."""
+    from moetailor.routing import RoutingController
+
+    model = tiny_model("qwen2_moe", seed=6, num_experts=8, top_k=2)
+    ctl = RoutingController.of(model)
+    plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 1, 2, 3)))
+    with torch.no_grad(), ctl.policy(plan.decode) as step:
+        assert current() is step and step.kv is None and step.routing.policy is ctl.compile(plan.decode)
+        model(torch.tensor([random_prompts([9], seed=6)[0]]))
+    distinct, _ = ctl.traffic(step)
+    assert set(distinct) == {l.index for l in ctl.layers} and max(distinct.values()) <= 4
+    assert current() is None

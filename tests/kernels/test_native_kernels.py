@@ -34,18 +34,19 @@ def test_swiglu_experts_equal_torch(dtype, tokens):
     x = torch.randn(tokens, H)
     weight, index = torch.softmax(torch.randn(tokens, E), -1).topk(K, -1)
     index[0, -1] = E                                              # a dropped route (the router's sentinel)
-    out, distinct = kernels.swiglu_experts()(x, gate_up, down, index.contiguous(), weight.contiguous())
+    read = torch.full((3,), -1)
+    out = kernels.swiglu_experts()(x, gate_up, down, index.contiguous(), weight.contiguous(), read, 1)
     expected = reference_experts(x, gate_up, down, index, weight)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     live = index[(index >= 0) & (index < E)]
-    assert int(distinct) == live.unique().numel()
+    assert read.tolist() == [-1, live.unique().numel(), -1]          # the count goes to its layer's entry
 
 
 def test_swiglu_experts_refuse_bad_shapes():
     gate_up, down = torch.randn(4, 20, 64), torch.randn(4, 64, 10)          # I = 10: not whole vectors
     with pytest.raises(RuntimeError, match="multiples of 16"):
         kernels.swiglu_experts()(torch.randn(2, 64), gate_up, down, torch.zeros(2, 1, dtype=torch.long),
-                                 torch.ones(2, 1))
+                                 torch.ones(2, 1), torch.full((1,), -1), 0)
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,dtype", [(4, 2, 64, torch.float32), (6, 6, 24, torch.float32),
@@ -66,3 +67,29 @@ def test_paged_decode_attention_equals_sdpa(heads, kv_heads, dim, dtype):
         k, v = k_cache[slots].transpose(0, 1).float(), v_cache[slots].transpose(0, 1).float()  # [nKV, n, D]
         expected = F.scaled_dot_product_attention(q[b][:, None], k, v, enable_gqa=True)[:, 0]  # [nH, D]
         torch.testing.assert_close(out[b], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernels_are_torch_ops_with_fake_implementations():
+    """Registered through torch.library (so torch.compile sees one opaque op): schema, fake tensors and
+    the mutation of experts_read pass torch's own op checks."""
+    from torch.library import opcheck
+
+    torch.manual_seed(0)
+    E, H, I, K, T = 6, 32, 16, 2, 3
+    gate_up, down, x = torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(T, H)
+    weight, index = torch.softmax(torch.randn(T, E), -1).topk(K, -1)
+    opcheck(torch.ops.moetailor.swiglu_experts.default, (x, gate_up, down, index, weight, torch.full((2,), -1), 0))
+    k_cache, v_cache = torch.randn(16, 2, 16), torch.randn(16, 2, 16)
+    opcheck(torch.ops.moetailor.paged_decode_attention.default,
+            (torch.randn(2, 4, 16), k_cache, v_cache, torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 8]), 4, 0.25))
+    opcheck(torch.ops.moetailor.rows_linear.default, (torch.randn(3, 32), torch.randn(40, 32)))
+    assert kernels.swiglu_experts() is torch.ops.moetailor.swiglu_experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 8192), (3, 50), (8, 17)])
+def test_rows_linear_equals_torch(rows, cols, dtype):
+    """The decode LM head's op: column counts that are not whole 16-column tiles, 1-8 rows."""
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 64), torch.randn(cols, 64).to(dtype)
+    torch.testing.assert_close(kernels.rows_linear()(x, w), x @ w.float().T, rtol=1e-5, atol=1e-4)

@@ -92,10 +92,10 @@ def test_observation_sees_every_layer_with_consistent_routes(arch):
         assert weights.shape == index.shape == (T, layer.top_k)
         seen.append(layer.index)
 
-    with ctl.observing(observer):
+    with ctl.observing(observer), ctl.policy(None) as step:
         logits(model)
     assert seen == [0, 1, 2]
-    assert set(ctl.meter.distinct) == {0, 1, 2}
+    assert set(ctl.traffic(step)[0]) == {0, 1, 2}
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
@@ -132,10 +132,10 @@ def test_policy_validation_errors_are_clear():
     ctl = RoutingController(model)
     layers = [l.index for l in ctl.layers]
     with pytest.raises(ValueError, match="fewer than top-k"):
-        ctl.use(PhasePolicy.uniform(layers, LayerPolicy(keep=(1,))))
+        ctl.compile(PhasePolicy.uniform(layers, LayerPolicy(keep=(1,))))
     with pytest.raises(ValueError, match=r"top_k=5 must be in \[1, 2\]"):
-        ctl.use(PhasePolicy.uniform(layers, LayerPolicy(top_k=5)))
+        ctl.compile(PhasePolicy.uniform(layers, LayerPolicy(top_k=5)))
     with pytest.raises(ValueError, match="not MoE layers"):
-        ctl.use(PhasePolicy({7: LayerPolicy(top_k=1)}))
+        ctl.compile(PhasePolicy({7: LayerPolicy(top_k=1)}))
     with pytest.raises(ValueError, match="fold statistics"):
-        ctl.use(PhasePolicy.uniform(layers, LayerPolicy(keep=(0, 1, 2), pool_mode="fold")))
+        ctl.compile(PhasePolicy.uniform(layers, LayerPolicy(keep=(0, 1, 2), pool_mode="fold")))

@@ -25,6 +25,9 @@ class EngineConfig:
     # decode steps run the compiled CPU kernels (moetailor/kernels: experts in one call per layer, paged
     # attention read in place) where they apply and build; the torch ops above otherwise
     native_kernels: bool = True
+    # decode steps run the model through torch.compile (inductor fuses the ops between the kernels;
+    # the first decode steps of each new shape pay the compilation, about a minute here)
+    compile_decode: bool = False
     # which requests with per-request expert budgets share a step (engine/budgets.py): "mixed": any,
     # each token at its own k; "max": every step at its largest member's k (the usual baseline);
     # "lanes": online low-k and high-k decode lanes; "tiers": generate() plans k tiers offline

@@ -22,9 +22,12 @@ budget while accuracy fell from 0.97 to 0.17). The guard watches two things:
   requests run on it again, all shadowed, and fresh evidence re-enables it or trips it again (with
   a doubled cool-down).
 
-The engine calls ``admit`` for each new request, ``observe`` after each step and ``forget`` on
-abort; everything the guard changes is ``seq.plan`` / ``seq.plan_key``, which the scheduler and
-the step already use to choose a step's policy.
+The guard decides and the engine acts: ``admit`` (each new request) returns an ``Admission`` (the
+plan to run it on, a full-pool shadow to queue beside it), ``observe`` (after each step), ``forget``
+(on abort) and ``reset`` (a new engine plan) return ``Action``s (``RunOn``: move a request's next
+steps to another plan; ``Abort``: end a shadow), which ``LLM`` applies. The guard never calls the
+engine; what it changes is ``seq.plan`` / ``seq.plan_key``, through the engine, which the scheduler
+and ``LLM.step_policy`` already use to choose a step's policy.
 """
 from __future__ import annotations
 
@@ -41,6 +44,34 @@ log = logging.getLogger("moetailor.guard")
 FULL_KEY = "full"           # plan_key of sequences the guard runs on the full pool
 DEFAULT_POLICY = "default"  # the engine's own plan (requests without a per-request plan)
 STATES = ("active", "probation", "tripped")
+
+
+@dataclass(frozen=True)
+class RunOn:
+    """Action: run ``seq``'s next steps on ``plan`` (its KV blocks stay as they are)."""
+    seq: object
+    plan: object
+    plan_key: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Action: end the request ``request_id`` (a shadow whose request ended, or a reset)."""
+    request_id: str
+    reason: str = "abort"
+    error: str | None = None
+
+
+Action = RunOn | Abort
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What to do with a new request: run it on ``plan`` (None = as asked) and queue ``shadow`` (a
+    full-pool twin, or None) first."""
+    plan: object = None
+    plan_key: str | None = None
+    shadow: object = None
 
 
 def shadow_id(request_id: str) -> str:
@@ -182,12 +213,9 @@ def repetition(tokens: list[int], n: int) -> float:
 class Guard:
     """Per-policy windows, per-request watches and the switch to the full pool (see module doc)."""
 
-    def __init__(self, llm, config: GuardConfig | None = None):
-        from ..plans.plan import uniform_plan
-
-        self.llm = llm
+    def __init__(self, full_plan, config: GuardConfig | None = None):
         self.config = config or GuardConfig()
-        self.full_plan = uniform_plan(llm.model)
+        self.full_plan = full_plan                # the full pool: where fallbacks, rescues and shadows run
         self.reset()
 
     @property
@@ -198,21 +226,23 @@ class Guard:
     def enabled(self, value: bool) -> None:
         self.config.enabled = bool(value)
 
-    def reset(self) -> None:
+    def reset(self) -> list[Action]:
         """Forget all evidence (a new engine plan is a new deployment); running shadows are aborted."""
-        for seq in list(getattr(self, "shadows", {}).values()):
-            self.llm.abort(seq.request_id)
+        actions = [Abort(seq.request_id) for seq in getattr(self, "shadows", {}).values()]
         self.policies: dict[str, PolicyState] = {}
         self.reference: deque[Outcome] = deque(maxlen=self.config.window)
         self.watches: dict[int, Watch] = {}
         self.shadows: dict[int, object] = {}      # seq_id -> shadow Sequence
         self.events: list[dict] = []              # trips, probations, re-enables, rescues
+        self.live: dict[int, object] = {}         # seq_id -> watched Sequence (what a trip moves)
+        self.actions: list[Action] = []           # what the observe call under way decided
         self.step_count = 0
+        return actions
 
     # ---- which pool --------------------------------------------------------------------------------
-    def _policy_of(self, seq) -> tuple[str, bool]:
+    def _policy_of(self, seq, engine_plan) -> tuple[str, bool]:
         """(policy key, whether that policy reduces the expert pool in either phase)."""
-        plan = seq.plan if seq.plan is not None else self.llm.plan
+        plan = seq.plan if seq.plan is not None else engine_plan
         reduced = plan is not None and not (plan.prefill.is_identity and plan.decode.is_identity)
         key = seq.plan_key if seq.plan is not None and seq.plan_key else DEFAULT_POLICY
         return key, reduced
@@ -222,25 +252,34 @@ class Guard:
             self.policies[key] = PolicyState(window=deque(maxlen=self.config.window))
         return self.policies[key]
 
-    def _to_full(self, seq) -> None:
-        seq.plan, seq.plan_key = self.full_plan, FULL_KEY
+    def _to_full(self, seq) -> RunOn:
+        return RunOn(seq, self.full_plan, FULL_KEY)
+
+    def _watch(self, seq, watch: Watch) -> None:
+        self.watches[seq.seq_id] = watch
+        self.live[seq.seq_id] = seq
+
+    def _unwatch(self, seq) -> Watch | None:
+        self.live.pop(seq.seq_id, None)
+        self.shadows.pop(seq.seq_id, None)
+        return self.watches.pop(seq.seq_id, None)
 
     # ---- engine hooks ------------------------------------------------------------------------------
-    def admit(self, seq) -> None:
-        """A new request: run it on its policy, or on the full pool when that policy is off; maybe shadow it."""
+    def admit(self, seq, engine_plan) -> Admission:
+        """A new request (``engine_plan``: the engine's plan, for requests without their own): run it
+        on its policy, or on the full pool when that policy is off; maybe shadow it."""
         if not self.enabled:
-            return
-        key, reduced = self._policy_of(seq)
+            return Admission()
+        key, reduced = self._policy_of(seq, engine_plan)
         if not reduced:
-            self.watches[seq.seq_id] = Watch(key, "full")
-            return
+            self._watch(seq, Watch(key, "full"))
+            return Admission()
         p = self.policy(key)
         self._maybe_probation(key, p)
         if p.state == "tripped" or (p.state == "probation" and p.probes_left <= 0):
-            self._to_full(seq)
-            self.watches[seq.seq_id] = Watch(key, "fallback")
-            return
-        self.watches[seq.seq_id] = Watch(key, "reduced")
+            self._watch(seq, Watch(key, "fallback"))
+            return Admission(self.full_plan, FULL_KEY)
+        self._watch(seq, Watch(key, "reduced"))
         if p.state == "probation":
             p.probes_left -= 1
             shadow = True
@@ -249,37 +288,39 @@ class Guard:
             shadow = p.admitted < self.config.warmup_shadows or \
                 math.ceil((p.admitted + 1) * f) > math.ceil(p.admitted * f)   # requests 0, 1/f, 2/f, ...
         p.admitted += 1
-        if shadow:
-            self._add_shadow(seq, key)
+        return Admission(shadow=self._shadow(seq, key) if shadow else None)
 
-    def _add_shadow(self, seq, key: str) -> None:
+    def _shadow(self, seq, key: str):
+        """The request's full-pool twin (the engine queues it; ``forget`` it if the engine refuses it)."""
         from .sequence import Sequence
 
         sampling = replace(seq.sampling, logprobs=None, prompt_logprobs=None)   # a shadow returns nothing
         twin = Sequence(seq.token_ids, sampling, request_id=shadow_id(seq.request_id),
                         prompt=seq.prompt, plan=self.full_plan, plan_key=FULL_KEY)
-        if not self.llm.enqueue(twin):
-            return
-        self.watches[twin.seq_id] = Watch(key, "shadow")
+        self._watch(twin, Watch(key, "shadow"))
         self.shadows[twin.seq_id] = twin
+        return twin
 
-    def forget(self, seq) -> None:
+    def forget(self, seq) -> list[Action]:
         """An aborted (or failed) request leaves no evidence (an aborted probe is replaced by the next
         request); its full-pool shadow ends with it, so a shadow never outlives a request that failed."""
-        w = self.watches.pop(seq.seq_id, None)
-        self.shadows.pop(seq.seq_id, None)
+        w = self._unwatch(seq)
+        actions = []
         if w is not None and w.role != "shadow":
-            self.llm.abort(shadow_id(seq.request_id), reason=seq.finish_reason or "abort", error=seq.error)
+            actions.append(Abort(shadow_id(seq.request_id), reason=seq.finish_reason or "abort", error=seq.error))
         if w is not None and w.role == "reduced" and w.policy in self.policies:
             p = self.policies[w.policy]
             if p.state == "probation":
                 p.probes_left += 1
+        return actions
 
     @torch.no_grad()
-    def observe(self, seqs: list, logits: torch.Tensor, is_prefill: bool) -> None:
-        """After a step: account decode steps per pool, watch the reduced decoders, record finished requests."""
+    def observe(self, seqs: list, logits: torch.Tensor, is_prefill: bool) -> list[Action]:
+        """After a step: account decode steps per pool, watch the reduced decoders, record finished
+        requests; returns the requests to move (rescues, a tripped policy's requests)."""
         if not self.enabled:
-            return
+            return []
+        self.actions: list[Action] = []
         self.step_count += 1
         watched = [(i, self.watches.get(s.seq_id)) for i, s in enumerate(seqs)]
         if not is_prefill and any(w is not None for _, w in watched):
@@ -306,6 +347,8 @@ class Guard:
                     self._rescue(seq, w, reason)
         for key, p in self.policies.items():
             self._maybe_probation(key, p)
+        actions, self.actions = self.actions, []
+        return actions
 
     # ---- per request -------------------------------------------------------------------------------
     def _request_problem(self, seq) -> str | None:
@@ -325,7 +368,7 @@ class Guard:
 
     def _rescue(self, seq, w: Watch, reason: str) -> None:
         """Move a running request's next decode steps to the full pool (its KV blocks stay as they are)."""
-        self._to_full(seq)
+        self.actions.append(self._to_full(seq))
         w.role, w.rescued, w.switched_at = "fallback", reason, seq.num_completion_tokens
         p = self.policy(w.policy)
         kind = reason.split()[0].rstrip(":")
@@ -337,8 +380,7 @@ class Guard:
         self._record(w.policy, Outcome(seq.num_completion_tokens, None, w.entropy, reason))
 
     def _finished(self, seq, w: Watch) -> None:
-        self.watches.pop(seq.seq_id, None)
-        self.shadows.pop(seq.seq_id, None)
+        self._unwatch(seq)
         if seq.finish_reason not in ("stop", "length"):
             return
         eos = seq.finish_reason == "stop" and not seq.sampling.ignore_eos and \
@@ -407,10 +449,10 @@ class Guard:
         p.state, p.reason, p.tripped_at, p.probes_left = "tripped", reason, self.step_count, 0
         p.trips += 1
         moved = 0
-        for seq in self.llm.unfinished():
-            w = self.watches.get(seq.seq_id)
-            if w is not None and w.policy == key and w.role == "reduced":
-                self._to_full(seq)
+        for seq_id, seq in self.live.items():
+            w = self.watches[seq_id]
+            if not seq.is_finished and w.policy == key and w.role == "reduced":
+                self.actions.append(self._to_full(seq))
                 w.role, w.switched_at = "fallback", seq.num_completion_tokens or None   # None: not started yet
                 moved += 1
         self.events.append({"step": self.step_count, "policy": key, "event": "trip", "reason": reason,

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -21,16 +21,16 @@ import torch
 
 from ..models.loading import load_checked
 from ..plans.plan import Plan
-from ..routing.controller import RoutingController
-from ..routing.policy import FULL_PHASE
+from ..models.step import Routing
+from ..routing.policy import FULL_PHASE, PhasePolicy
 from .block_manager import BlockManager
 from .budgets import BudgetPolicy
 from .config import EngineConfig
-from .guard import Guard, GuardConfig
+from .guard import Abort, Action, Guard, GuardConfig, RunOn
 from .k_tiers import StepCost
-from .load_pools import FULL_PLAN, PoolsByLoad
+from .load_pools import PoolsByLoad
 from .logprobs import record_logprobs, take_prompt_logprobs
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StepOutput
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, StreamDelta, delta
@@ -62,7 +62,7 @@ class LLM:
                  step_log_size: int = 10_000, guard: GuardConfig | bool | None = None,
                  k_schedule: str = "mixed", k_cost: StepCost | None = None,
                  decode_pools: PoolsByLoad | None = None, decode_expert_dtype: torch.dtype | None = None,
-                 native_kernels: bool = True):
+                 native_kernels: bool = True, compile_decode: bool = False):
         from ..models.loading import load_model, load_tokenizer
 
         if isinstance(model, (str, Path)):
@@ -81,9 +81,10 @@ class LLM:
                                    max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
                                    memory_budget=memory_budget, dtype=dtype, prefill_dtype=prefill_dtype,
                                    device=str(device), experts_impl=experts_impl, k_schedule=k_schedule,
-                                   decode_expert_dtype=decode_expert_dtype, native_kernels=native_kernels)
-        self.controller = RoutingController.of(self.model)
+                                   decode_expert_dtype=decode_expert_dtype, native_kernels=native_kernels,
+                                   compile_decode=compile_decode)
         self.runner = ModelRunner(self.model, self.config)
+        self.controller = self.runner.controller
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)
         self.budgets = BudgetPolicy.of(self.model, k_schedule, k_cost, max_num_seqs, self.runner.device)
         self.scheduler = Scheduler(self.config, self.block_manager, self.budgets, tokenizer, self._eos_ids())
@@ -113,7 +114,7 @@ class LLM:
             self.controller.compile(plan.decode)
         self.plan = plan
         if self.guard is not None:
-            self.guard.reset()   # a new plan is judged on fresh evidence
+            self._apply(self.guard.reset())   # a new plan is judged on fresh evidence
 
     def set_decode_pools(self, pools: PoolsByLoad | None) -> None:
         """Decode steps of requests without their own plan run the pool ``pools`` picks for the step's
@@ -126,12 +127,23 @@ class LLM:
 
     def enable_guard(self, config: GuardConfig | None = None) -> Guard:
         """Watch reduced pools and fall back to the full pool when one collapses (engine/guard.py)."""
-        self.guard = Guard(self, config)
+        from ..plans.plan import uniform_plan
+
+        self.guard = Guard(uniform_plan(self.model), config)
         return self.guard
 
-    def phase_policy(self, phase: str, plan: Plan | None = None):
-        plan = plan or self.plan
-        return FULL_PHASE if plan is None else plan.phase(phase)
+    def step_policy(self, seqs: list[Sequence], is_prefill: bool) -> tuple[PhasePolicy, int | None]:
+        """The one owner of which expert policy a step runs, and the decode pool by load it came from:
+        the requests' own plan (the scheduler never mixes plans in a step; the guard's full pool is
+        one), else in decode the pool the batch size picks, else the engine's plan."""
+        phase = "prefill" if is_prefill else "decode"
+        own = seqs[0].plan
+        if own is not None:
+            return own.phase(phase), None
+        if not is_prefill and self.decode_pools is not None:
+            rung = self.decode_pools.rung_for(len(seqs))
+            return (rung.plan.decode if rung.plan is not None else FULL_PHASE), rung.pool_size
+        return (self.plan.phase(phase) if self.plan is not None else FULL_PHASE), None
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -178,8 +190,12 @@ class LLM:
             if seq.request_id in self._seqs:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
             self._seqs[seq.request_id] = seq
-            if self.guard is not None:
-                self.guard.admit(seq)   # may run it on the full pool and queue a full-pool shadow of it
+            if self.guard is not None:   # may run it on the full pool and queue a full-pool shadow of it
+                admission = self.guard.admit(seq, self.plan)
+                if admission.plan is not None:
+                    seq.plan, seq.plan_key = admission.plan, admission.plan_key
+                if admission.shadow is not None and not self.enqueue(admission.shadow):
+                    self.guard.forget(admission.shadow)
             self.scheduler.add(seq)
         return seq
 
@@ -202,7 +218,7 @@ class LLM:
             return True
 
     def unfinished(self) -> list[Sequence]:
-        """The sequences running (first) or waiting; the guard moves a tripped policy's requests."""
+        """The sequences running (first) or waiting."""
         with self.lock:
             return [*self.scheduler.running, *self.scheduler.waiting]
 
@@ -222,8 +238,16 @@ class LLM:
             seq.finish(reason, error)
             self.scheduler.finish(seq)
             if self.guard is not None:
-                self.guard.forget(seq)
+                self._apply(self.guard.forget(seq))
             return True
+
+    def _apply(self, actions: list[Action]) -> None:
+        """Carry out the guard's decisions."""
+        for action in actions:
+            if isinstance(action, RunOn):
+                action.seq.plan, action.seq.plan_key = action.plan, action.plan_key
+            elif isinstance(action, Abort):
+                self.abort(action.request_id, action.reason, action.error)
 
     def has_unfinished(self) -> bool:
         return not self.scheduler.is_finished()
@@ -247,64 +271,60 @@ class LLM:
             seqs, is_prefill = self.scheduler.schedule()
             if not seqs:
                 return []
-            phase = "prefill" if is_prefill else "decode"
-            num_tokens = sum(len(s) for s in seqs) if is_prefill else len(seqs)
-            meter = self.controller.meter
-            meter.reset()
             start = time.perf_counter()
-            top_k, k_max, mean_k = self.budgets.token_top_k(seqs, is_prefill)
-            plan, pool = seqs[0].plan, None
-            if not is_prefill and plan is None and self.decode_pools is not None:
-                rung = self.decode_pools.rung_for(len(seqs))
-                plan, pool = rung.plan or FULL_PLAN, rung.pool_size
+            policy, pool = self.step_policy(seqs, is_prefill)
             try:
-                logits, tokens = self._forward(seqs, is_prefill, plan, top_k, k_max)     # [B, V], [B]
+                out, tokens, mean_k = self._run(seqs, is_prefill, policy)
             except Exception:
-                return self._step_one_by_one(seqs, is_prefill, plan)
-            distinct = dict(meter.distinct)           # the step's one read of the experts' device counts
-            seconds = time.perf_counter() - start
-            self.step_log.append(StepRecord(phase, len(seqs), num_tokens, seconds, distinct, meter.bytes_read, mean_k,
-                                            pool))
-            for seq in self.scheduler.postprocess(seqs, tokens):
-                self._seqs.pop(seq.request_id, None)
-            if self.guard is not None:
-                self.guard.observe(seqs, logits, is_prefill)
-            self.tokens_generated += len(seqs)
+                return self._step_one_by_one(seqs, is_prefill, policy)
+            self.step_log.append(StepRecord("prefill" if is_prefill else "decode", len(seqs),
+                                            sum(len(s) for s in seqs) if is_prefill else len(seqs),
+                                            time.perf_counter() - start, out.experts_read, out.expert_bytes,
+                                            mean_k, pool))
+            self._postprocess(seqs, tokens, out.logits, is_prefill)
             return seqs
 
-    def _forward(self, seqs: list[Sequence], is_prefill: bool, plan, top_k: torch.Tensor | None,
-                 k_max: int | None) -> tuple[torch.Tensor, list[int]]:
+    def _run(self, seqs: list[Sequence], is_prefill: bool, policy: PhasePolicy
+             ) -> tuple[StepOutput, list[int], float]:
+        """The forward under ``policy`` and the requests' budgets, then sampling: (output with the
+        rows [B, V] that were sampled from, one token per sequence, mean experts per token)."""
+        top_k, k_max, mean_k = self.budgets.token_top_k(seqs, is_prefill)
+        routing = Routing(self.controller.compile(policy), top_k, k_max)          # compiled once per plan
         every = [is_prefill and s.sampling.prompt_logprobs is not None and s.prompt_logprobs is None
                  for s in seqs]                                                    # prompt logprobs still to compute
-        policy = self.controller.compile(self.phase_policy("prefill" if is_prefill else "decode", plan))  # cached
-        logits = self.runner.run(seqs, is_prefill, self.block_manager, policy, top_k, k_max,
-                                 every if any(every) else None)                    # [B, V] (or [K, V])
+        out = self.runner.run(seqs, is_prefill, self.block_manager, routing, every if any(every) else None)
         if any(every):
-            logits = take_prompt_logprobs(seqs, every, logits)                    # [B, V]
-        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-        record_logprobs(seqs, logits, tokens)
-        return logits, tokens
+            out = replace(out, logits=take_prompt_logprobs(seqs, every, out.logits))   # [B, V]
+        tokens = sample(out.logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        record_logprobs(seqs, out.logits, tokens)
+        return out, tokens, mean_k
 
-    def _step_one_by_one(self, seqs: list[Sequence], is_prefill: bool, plan) -> list[Sequence]:
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int], logits: torch.Tensor, is_prefill: bool) -> None:
+        for seq in self.scheduler.postprocess(seqs, tokens):
+            self._seqs.pop(seq.request_id, None)
+        if self.guard is not None:
+            self._apply(self.guard.observe(seqs, logits, is_prefill))
+        self.tokens_generated += len(seqs)
+
+    def _step_one_by_one(self, seqs: list[Sequence], is_prefill: bool, policy: PhasePolicy) -> list[Sequence]:
         """A failed step again, one request at a time (same KV slots, so nothing is written twice):
         a request that fails alone ends with a short error (the traceback goes to the log), its
         guard shadow with it; the others get their token."""
         done, rows = [], []
         for seq in seqs:
             try:
-                top_k, k_max, _ = self.budgets.token_top_k([seq], is_prefill)
-                logits, tokens = self._forward([seq], is_prefill, plan, top_k, k_max)
+                out, token, _ = self._run([seq], is_prefill, policy)
             except Exception as e:
                 log.exception("request %s failed in a %s step", seq.request_id, "prefill" if is_prefill else "decode")
                 self.abort(seq.request_id, reason="error", error=f"internal error ({type(e).__name__}) in the engine "
                                                                  "step; the server log has the details")
                 continue
-            for finished in self.scheduler.postprocess([seq], tokens):
+            for finished in self.scheduler.postprocess([seq], token):
                 self._seqs.pop(finished.request_id, None)
             done.append(seq)
-            rows.append(logits)
+            rows.append(out.logits)
         if self.guard is not None and done:
-            self.guard.observe(done, torch.cat(rows), is_prefill)
+            self._apply(self.guard.observe(done, torch.cat(rows), is_prefill))
         self.tokens_generated += len(done)
         return list(seqs)
 

@@ -19,18 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..plans.plan import Plan
-from ..routing.policy import FULL_PHASE
 from .k_tiers import StepCost
-
-
-class _FullPlan:
-    """The full router in both phases (a rung that keeps every expert)."""
-
-    def phase(self, phase: str):
-        return FULL_PHASE
-
-
-FULL_PLAN = _FullPlan()
 
 
 @dataclass(frozen=True)

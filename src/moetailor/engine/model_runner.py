@@ -1,17 +1,21 @@
-"""Runs one engine step on the model: packs the step's tokens, builds the step context (KV slots,
-block tables, the phase's expert policy and budgets) once, holds the KV block pool, and returns the
-next-token logits of each sequence. Paged attention and the experts implementation are installed
-on the model once, here; nothing about the model changes per step."""
+"""Runs one engine step on the model: ``prepare_prefill`` / ``prepare_decode`` pack the step's
+tokens and build its one ``Step`` (KV slots, block tables, lengths, the phase's routing with the
+per-token budgets, the decode expert weights by layer), ``run`` runs the forward under it and
+returns a ``StepOutput`` (next-token logits and the experts the step read). The runner also holds
+the KV block pool. Paged attention, the routing controller and the experts implementation are
+installed on the model once, here; nothing about the model changes per step."""
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
 from . import attention
-from ..models.step_context import StepContext, reset_context, set_context
+from ..models.step import PagedKV, Routing, Step, current, experts_read_buffer, read_experts, running
 from .. import kernels
 from ..routing import experts
+from ..routing.controller import RoutingController
 from .config import EngineConfig
 from .sequence import Sequence
 
@@ -24,34 +28,53 @@ def model_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass(frozen=True)
+class StepOutput:
+    """What one forward produced."""
+    logits: torch.Tensor                # [B, V] float32 (prompt logprobs: [K, V], the kept rows)
+    experts_read: dict[int, int]        # MoE layer -> distinct experts read
+    expert_bytes: int                   # expert weight bytes read
+
+
 class ModelRunner:
     def __init__(self, model, config: EngineConfig):
         self.model = model
         self.config = config
         self.device = torch.device(config.device)
         attention.install(model)
-        experts.register()
+        self.controller = RoutingController.of(model)   # before the decode copies: it names each experts module's layer
         self.grouped_experts = config.experts_impl == "grouped"
         native = config.native_kernels and self.device.type == "cpu"
         self.native_experts = kernels.swiglu_experts() if native else None
         self.native_attention = kernels.paged_decode_attention() if native else None
+        for layer in self.controller.layers:           # which experts the native kernel runs (layout, once)
+            layer.experts._moetailor_native = experts.native_layout(layer.experts)
+        self.native_lm_head = kernels.rows_linear() if native and _install_lm_head(model) else None
         # a 4-D attention mask tells transformers the mask is built (engine steps need none: paged
         # attention reads the step context), so it skips mask preparation in every step
         self._mask_built = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self._kv_buffers: dict = {}     # decode gather buffers, reused by every layer and step
         self.decode_expert_weights = self._expert_copies(config.decode_expert_dtype)
+        self.num_layers = int(getattr(model.config, "num_hidden_layers", 0)) or \
+            max(l.index for l in self.controller.layers) + 1
+        self.expert_bytes = {phase: {l.index: experts.expert_bytes(*(weights or {}).get(l.index, (
+            l.experts.gate_up_proj, l.experts.down_proj))) for l in self.controller.layers}
+            for phase, weights in ((True, None), (False, self.decode_expert_weights))}   # is_prefill -> layer -> bytes
         limit = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
         if config.max_model_len is None:
             config.max_model_len = min(limit, 4096)
         elif config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
         self._check_attention()
-        self.kv_shapes = self._probe_kv_shapes()          # layer -> ((nKV, Dk), (nKV, Dv), dtype)
+        self.kv_shapes = self._probe_kv_shapes()          # layer -> ((nKV, Dk), (nKV, Dv), native kernel applies)
+        if self.kv_dtype not in (torch.float32, torch.bfloat16) or not all(ok for *_, ok in self.kv_shapes.values()):
+            self.native_attention = None                  # the kernel covers plain attention over fp32 / bf16 caches
         self.block_bytes = config.block_size * sum(
             (k[0] * k[1] + v[0] * v[1]) for k, v, _ in self.kv_shapes.values()) * self.kv_dtype.itemsize
         self.weight_bytes = model_bytes(model)
         self.num_blocks = self._num_blocks()
         self.kv_cache = self._allocate()
+        self._compiled = torch.compile(model, dynamic=True) if config.compile_decode else None   # decode steps
 
     def _expert_copies(self, dtype: torch.dtype | None) -> dict | None:
         """MoE layer -> its experts' (gate_up, down) in ``dtype``, for decode steps; None = the model's."""
@@ -77,15 +100,9 @@ class ModelRunner:
     def _probe_kv_shapes(self) -> dict:
         """Run one token through the model to learn each layer's k/v head shapes (works for MLA too)."""
         probe: dict = {}
-        ctx = StepContext(is_prefill=True, slot_mapping=torch.zeros(1, dtype=torch.long, device=self.device),
-                          probe=probe)
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        set_context(ctx)
-        try:
-            with torch.inference_mode():
-                self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
-        finally:
-            reset_context()
+        with torch.inference_mode(), running(Step(is_prefill=True, probe=probe)):
+            self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
         if not probe:
             raise ValueError(f"{type(self.model).__name__} did not call transformers' attention interface; "
                              "the paged engine needs a model whose attention uses AttentionInterface")
@@ -136,7 +153,8 @@ class ModelRunner:
                 kv[0][slots] = new[0].to(kv[0].device, kv[0].dtype)
                 kv[1][slots] = new[1].to(kv[1].device, kv[1].dtype)
 
-    def prepare_prefill(self, seqs: list[Sequence], block_manager) -> tuple[torch.Tensor, StepContext]:
+    def prepare_prefill(self, seqs: list[Sequence], block_manager, routing: Routing) -> tuple[torch.Tensor, Step]:
+        """Inputs [3, T] (ids, positions, slots: every prompt back to back) and the step."""
         ids, positions, slots, cu = [], [], [], [0]
         for seq in seqs:
             n = len(seq)
@@ -145,58 +163,92 @@ class ModelRunner:
             slots += block_manager.slots(seq, 0, n)
             cu.append(cu[-1] + n)
         packed = self._tensor([ids, positions, slots])                               # [3, T]
-        ctx = StepContext(is_prefill=True, slot_mapping=packed[2], cu_seqlens=cu, kv_cache=self.kv_cache,
-                          block_size=self.config.block_size, grouped_experts=self.grouped_experts,
-                          native_experts=self.native_experts)
-        return packed, ctx
+        kv = PagedKV(self.kv_cache, packed[2], self.config.block_size, cu_seqlens=tuple(cu))
+        return packed, self._step(True, routing, kv)
 
-    def prepare_decode(self, seqs: list[Sequence], block_manager) -> tuple[torch.Tensor, StepContext]:
-        """Inputs [3, B] (ids, positions, slots) and the context: each sequence's block table
-        [B, nb] and cached length [B], which attention reads the cache through (in place with the
-        native kernel; else it derives the gather slots from them, once per step)."""
+    def prepare_decode(self, seqs: list[Sequence], block_manager, routing: Routing) -> tuple[torch.Tensor, Step]:
+        """Inputs [3, B] (ids, positions, slots) and the step: each sequence's block table [B, nb] and
+        cached length [B], which attention reads the cache through (in place with the native kernel;
+        else through the gather slots worked out here, once per step)."""
         bs = self.config.block_size
         lens = [len(seq) for seq in seqs]
         tables = [seq.block_table for seq in seqs]
         positions = [n - 1 for n in lens]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
-        packed = self._tensor([[seq.token_ids[-1] for seq in seqs], positions, slots])   # [3, B]
         width = max(map(len, tables))
-        ctx = StepContext(is_prefill=False, slot_mapping=packed[2], kv_cache=self.kv_cache, block_size=bs,
-                          kv_len=max(lens), kv_buffers=self._kv_buffers, grouped_experts=self.grouped_experts,
-                          expert_weights=self.decode_expert_weights, native_experts=self.native_experts,
-                          native_attention=self.native_attention)
-        ctx.context_lens = self._tensor(lens)                                         # [B]
-        ctx.block_table = self._tensor([t + [0] * (width - len(t)) for t in tables])  # [B, nb]
-        return packed, ctx
+        packed = self._tensor([[seq.token_ids[-1] for seq in seqs], positions, slots, lens])   # [4, B]
+        table = self._tensor([t + [0] * (width - len(t)) for t in tables])                # [B, nb]
+        gather = {}
+        if self.native_attention is None:
+            kv_slots, kv_mask = attention.gather_slots(table, lens, bs)
+            num = kv_slots.numel() if isinstance(kv_slots, torch.Tensor) else 0
+            gather = dict(kv_slots=kv_slots, kv_mask=kv_mask,
+                          gather=attention.gather_buffers(self.kv_cache, num, self._kv_buffers) if num else None)
+        kv = PagedKV(self.kv_cache, packed[2], bs, block_table=table, context_lens=packed[3], kv_len=max(lens),
+                     native=self.native_attention, **gather)
+        return packed[:3], self._step(False, routing, kv)
+
+    def _step(self, is_prefill: bool, routing: Routing, kv: PagedKV) -> Step:
+        native = self.native_experts is not None
+        return Step(is_prefill, routing, kv,
+                    experts="native" if native else "grouped" if self.grouped_experts else "loop",
+                    experts_kernel=self.native_experts,
+                    expert_weights=None if is_prefill else self.decode_expert_weights,
+                    lm_head_kernel=None if is_prefill else self.native_lm_head,
+                    experts_read=experts_read_buffer(self.num_layers, self.device))
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, block_manager, policy: dict | None = None,
-            token_top_k: torch.Tensor | None = None, k_max: int | None = None,
-            every_position: list[bool] | None = None) -> torch.Tensor:
-        """Next-token logits [B, V] (float32) for the step's sequences. ``policy`` (MoE layer ->
-        CompiledPolicy), ``token_top_k`` [T] and its max ``k_max`` are the step's routing. In a
-        prefill step, ``every_position[i]`` keeps all of sequence i's rows instead of its last one
-        (prompt logprobs): then the result is [sum of kept rows, V], in sequence order."""
+    def run(self, seqs: list[Sequence], is_prefill: bool, block_manager, routing: Routing,
+            every_position: list[bool] | None = None) -> StepOutput:
+        """One forward over the step's sequences under ``routing`` (the phase's compiled policy and
+        the per-token budgets). In a prefill step, ``every_position[i]`` keeps all of sequence i's
+        rows instead of its last one (prompt logprobs): then the logits are [sum of kept rows, V],
+        in sequence order."""
         prepare = self.prepare_prefill if is_prefill else self.prepare_decode
-        packed, ctx = prepare(seqs, block_manager)
-        ctx.policy, ctx.token_top_k, ctx.k_max = policy or {}, token_top_k, k_max
+        packed, step = prepare(seqs, block_manager, routing)
         keep = 0
         if is_prefill:
             every = every_position or [False] * len(seqs)
-            cu = ctx.cu_seqlens
+            cu = step.kv.cu_seqlens
             keep = self._tensor([p for i, all_rows in enumerate(every)
                                  for p in (range(cu[i], cu[i + 1]) if all_rows else [cu[i + 1] - 1])])  # [K]
         cast = self.config.prefill_dtype if is_prefill else None
         autocast = torch.autocast(self.device.type, dtype=cast) if cast is not None and cast != self.config.dtype \
             else nullcontext()
-        set_context(ctx)
-        try:
-            with autocast:
-                out = self.model(input_ids=packed[0][None], position_ids=packed[1][None],      # [1, T] each
-                                 attention_mask=self._mask_built, use_cache=False, logits_to_keep=keep)
-        finally:
-            reset_context()
-        return out.logits[0].float()                                                  # [B or K, V]
+        forward = self.model if is_prefill or self._compiled is None else self._compiled
+        with running(step), autocast:
+            out = forward(input_ids=packed[0][None], position_ids=packed[1][None],      # [1, T] each
+                             attention_mask=self._mask_built, use_cache=False, logits_to_keep=keep)
+        read = read_experts(step)
+        per_expert = self.expert_bytes[is_prefill]
+        return StepOutput(out.logits[0].float(), read, sum(n * per_expert[layer] for layer, n in read.items()))
+
+
+LM_HEAD_ROWS = 8   # up to this many rows the LM head runs the native op (a decode step's GEMV); else torch's GEMM
+
+
+def _lm_head_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The LM head: in an engine decode step of at most ``LM_HEAD_ROWS`` rows, the native op (which
+    streams the [V, H] weight once instead of packing it for a one-row GEMM), else the stock linear."""
+    step = current()
+    rows = hidden_states.numel() // hidden_states.shape[-1]
+    if step is not None and step.lm_head_kernel is not None and rows <= LM_HEAD_ROWS:
+        x = hidden_states.reshape(rows, hidden_states.shape[-1]).contiguous()      # [B, H]
+        return step.lm_head_kernel(x, self.weight).view(*hidden_states.shape[:-1], -1)   # [..., V]
+    return torch.nn.functional.linear(hidden_states, self.weight, self.bias)
+
+
+def _install_lm_head(model) -> bool:
+    """Let engine decode steps run the LM head through the native op (a ``__class__`` swap like the
+    router's: outside a step it is the stock linear). Only for the layout the op covers: an fp32
+    ``nn.Linear`` without bias whose input size is whole 16-wide vectors."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None or head.weight.dtype != torch.float32 or \
+            not head.weight.is_contiguous() or head.weight.shape[1] % 16:
+        return getattr(head, "_moetailor_native_head", False)
+    head.__class__ = type("NativeHeadLinear", (torch.nn.Linear,), {"forward": _lm_head_forward,
+                                                                  "_moetailor_native_head": True})
+    return True

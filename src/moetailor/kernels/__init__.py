@@ -6,6 +6,10 @@ place (``attention.cpp``) instead of gathering it into a dense copy per layer. T
 version and CPU feature set (the processor can change between machines; a build for one can die with
 SIGILL on another), so the first engine on a machine pays ~1 minute once. Without a compiler, or with
 ``MOETAILOR_NATIVE=0``, the accessors return None and the engine keeps torch's kernels.
+
+The kernels are torch operators (``bindings.cpp``: ``torch.ops.moetailor.swiglu_experts`` and
+``torch.ops.moetailor.paged_decode_attention``) with fake implementations registered here, so
+``torch.compile`` traces a step through them as opaque ops and the vLLM plugin can call them.
 """
 from __future__ import annotations
 
@@ -41,23 +45,49 @@ def _module():
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     try:
-        return cpp_extension.load(name=f"moetailor_kernels_{digest.hexdigest()[:12]}", sources=[str(s) for s in _SOURCES],
-                                  extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                                  verbose=False)
+        cpp_extension.load(name=f"moetailor_kernels_{digest.hexdigest()[:12]}", sources=[str(s) for s in _SOURCES],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
     except Exception as err:   # no compiler, no headers: the engine still runs, on torch's kernels
         warnings.warn(f"moetailor's native kernels did not build ({type(err).__name__}: {str(err)[:200]}); "
                       "decode steps use torch's kernels instead (install g++ to get them)", stacklevel=2)
         return None
+    _register_fakes()
+    return torch.ops.moetailor
+
+
+def _register_fakes() -> None:
+    """Shapes and dtypes of the ops' outputs without running them (torch.compile, meta tensors)."""
+    @torch.library.register_fake("moetailor::swiglu_experts")
+    def _(x, gate_up, down, index, weight, experts_read, layer):
+        return torch.empty_like(x)                                          # [T, H] fp32
+
+    @torch.library.register_fake("moetailor::rows_linear")
+    def _(x, weight):
+        return x.new_empty(x.shape[0], weight.shape[0])                     # [T, N] fp32
+
+    @torch.library.register_fake("moetailor::paged_decode_attention")
+    def _(q, k_cache, v_cache, block_table, lengths, block_size, scale):
+        return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])       # [B, nH, Dv] fp32
 
 
 def swiglu_experts():
-    """The compiled ``swiglu_experts(x, gate_up, down, index, weight) -> (out, distinct)``, or None."""
-    module = _module()
-    return None if module is None else module.swiglu_experts
+    """The op ``swiglu_experts(x [T, H] fp32, gate_up [E, 2I, H], down [E, H, I], index [T, K] int64,
+    weight [T, K] fp32, experts_read [L] int64 (written), layer) -> out [T, H]``, or None: writes the
+    number of distinct experts it read into ``experts_read[layer]``."""
+    ops = _module()
+    return None if ops is None else ops.swiglu_experts
+
+
+def rows_linear():
+    """The op ``rows_linear(x [T, H] fp32, weight [N, H] fp32 or bf16) -> x @ weight.T [T, N]`` for
+    a few rows (a decode step's LM head), or None."""
+    ops = _module()
+    return None if ops is None else ops.rows_linear
 
 
 def paged_decode_attention():
-    """The compiled ``paged_decode_attention(q, k_cache, v_cache, block_table, lengths, block_size,
+    """The op ``paged_decode_attention(q, k_cache, v_cache, block_table, lengths, block_size,
     scale) -> out``, or None."""
-    module = _module()
-    return None if module is None else module.paged_decode_attention
+    ops = _module()
+    return None if ops is None else ops.paged_decode_attention

@@ -105,9 +105,9 @@ void attend(const float* qp, const C* kp, const C* vp, const int64_t* table, con
   });
 }
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor lengths, int64_t block_size,
-                                     double scale) {
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                                     const torch::Tensor& lengths, int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous fp32 [B, nH, Dk]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               (k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16),

@@ -1,15 +1,28 @@
-// The native kernels' Python bindings (one extension module, built by kernels/__init__.py).
-#include <torch/extension.h>
+// The native kernels as torch operators (``torch.ops.moetailor.*``), the way vLLM's
+// csrc/cpu/torch_bindings.cpp registers its CPU kernels: a schema per op (mutated arguments marked
+// ``(a!)``) and a CPU implementation. Their fake (meta) implementations are in kernels/__init__.py,
+// so torch.compile and graph capture see one opaque op per call, and the vLLM plugin can call them.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
-#include <vector>
+at::Tensor swiglu_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                             const at::Tensor& index, const at::Tensor& weight, at::Tensor& experts_read,
+                             int64_t layer);
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache, const at::Tensor& block_table,
+                                     const at::Tensor& lengths, int64_t block_size, double scale);
 
-std::vector<torch::Tensor> swiglu_experts(torch::Tensor x, torch::Tensor gate_up, torch::Tensor down,
-                                          torch::Tensor index, torch::Tensor weight);
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor lengths, int64_t block_size,
-                                     double scale);
+TORCH_LIBRARY(moetailor, m) {
+  m.def("swiglu_experts(Tensor x, Tensor gate_up, Tensor down, Tensor index, Tensor weight, "
+        "Tensor(a!) experts_read, int layer) -> Tensor");
+  m.def("rows_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor lengths, "
+        "int block_size, float scale) -> Tensor");
+}
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("swiglu_experts", &swiglu_experts, "routed SwiGLU experts of a decode step (CPU)");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache (CPU)");
+TORCH_LIBRARY_IMPL(moetailor, CPU, m) {
+  m.impl("swiglu_experts", &swiglu_experts);
+  m.impl("rows_linear", &rows_linear);
+  m.impl("paged_decode_attention", &paged_decode_attention);
 }

@@ -131,9 +131,11 @@ void run_experts(const float* x, const W* gate_up, const W* down, const int64_t*
 }  // namespace
 
 // x [T, H] fp32, gate_up [E, 2I, H], down [E, H, I] (fp32 or bf16), index [T, K] int64,
-// weight [T, K] fp32 -> (out [T, H] fp32, distinct experts read: int64 scalar tensor)
-std::vector<torch::Tensor> swiglu_experts(torch::Tensor x, torch::Tensor gate_up, torch::Tensor down,
-                                          torch::Tensor index, torch::Tensor weight) {
+// weight [T, K] fp32 -> out [T, H] fp32; the number of distinct experts read goes to
+// experts_read[layer] (int64 [L], the step's output; skipped when layer is outside it)
+torch::Tensor swiglu_experts(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
+                             const torch::Tensor& index, const torch::Tensor& weight, torch::Tensor& experts_read,
+                             int64_t layer) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 [T, H]");
   TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.is_contiguous() && down.is_contiguous(),
               "gate_up [E, 2I, H] and down [E, H, I] must be contiguous");
@@ -147,16 +149,44 @@ std::vector<torch::Tensor> swiglu_experts(torch::Tensor x, torch::Tensor gate_up
   TORCH_CHECK(hidden % 16 == 0 && inter % 16 == 0, "hidden and expert sizes must be multiples of 16");
   auto out = torch::empty_like(x);
   auto routed = torch::empty({tokens * k, hidden}, x.options());
-  auto distinct = torch::zeros({}, index.options());
+  TORCH_CHECK(experts_read.scalar_type() == torch::kInt64 && experts_read.dim() == 1, "experts_read: int64 [L]");
+  int64_t distinct = 0;
   if (gate_up.scalar_type() == torch::kFloat32) {
     run_experts(x.data_ptr<float>(), gate_up.data_ptr<float>(), down.data_ptr<float>(), index.data_ptr<int64_t>(),
                 weight.data_ptr<float>(), tokens, k, num_experts, hidden, inter, routed.data_ptr<float>(),
-                out.data_ptr<float>(), distinct.data_ptr<int64_t>());
+                out.data_ptr<float>(), &distinct);
   } else {
     TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "expert weights must be fp32 or bf16");
     run_experts(x.data_ptr<float>(), gate_up.data_ptr<at::BFloat16>(), down.data_ptr<at::BFloat16>(),
                 index.data_ptr<int64_t>(), weight.data_ptr<float>(), tokens, k, num_experts, hidden, inter,
-                routed.data_ptr<float>(), out.data_ptr<float>(), distinct.data_ptr<int64_t>());
+                routed.data_ptr<float>(), out.data_ptr<float>(), &distinct);
   }
-  return {out, distinct};
+  if (layer >= 0 && layer < experts_read.size(0)) experts_read[layer].fill_(distinct);
+  return out;
+}
+
+// x [T, H] fp32 (T small: a decode step's rows), weight [N, H] fp32 or bf16 -> x @ weight^T [T, N] fp32.
+// Why: at batch 1 the LM head ([1, H] x [H, V]) is the largest single read of a decode step, and the
+// library GEMM pays for packing at one row; here threads take column ranges and stream each weight
+// row once through the same register-blocked dot products the experts use.
+torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 [T, H]");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
+              "weight: contiguous [N, H] with x's H");
+  const int64_t rows = x.size(0), depth = x.size(1), cols = weight.size(0);
+  TORCH_CHECK(depth % 16 == 0, "the hidden size must be a multiple of 16");
+  auto out = torch::empty({rows, cols}, x.options());
+  std::vector<const float*> a(rows);
+  for (int64_t r = 0; r < rows; ++r) a[r] = x.data_ptr<float>() + r * depth;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, (cols + 15) / 16, 32, [&](int64_t begin, int64_t end) {
+    const int j0 = (int)(begin * 16), j1 = (int)std::min<int64_t>(end * 16, cols);
+    if (weight.scalar_type() == torch::kFloat32)
+      rows_times_weight(a.data(), (int)rows, weight.data_ptr<float>() + (int64_t)j0 * depth, j1 - j0, (int)depth,
+                        o + j0, (int)cols);
+    else
+      rows_times_weight(a.data(), (int)rows, weight.data_ptr<at::BFloat16>() + (int64_t)j0 * depth, j1 - j0,
+                        (int)depth, o + j0, (int)cols);
+  });
+  return out;
 }

@@ -1,8 +1,11 @@
-"""Installs routing control on a model; the caller chooses the active phase policy per step.
+"""Installs routing control on a model; the forward's step (``models.step``) says how to route.
 
-The stock router's ``__class__`` is swapped for a subclass whose forward asks the controller.
-With no policy active it runs the stock forward unchanged, so the full model is reproduced
-bit for bit; observers (calibration, the guard) see every layer's inputs and routes.
+The stock router's ``__class__`` is swapped for a subclass whose forward asks the controller, which
+reads the routing of the step being run (``models.step.current()``): the engine's model runner sets
+one per engine step, ``policy(...)`` sets a routing-only one for calibration, evaluation and
+distillation passes. With no step, or a step that leaves a layer alone, the stock forward runs
+unchanged, so the full model is reproduced bit for bit; observers (calibration, the guard) see
+every layer's inputs and routes.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import torch.nn as nn
 
 from ..models.adapters import MoeLayer, moe_layers
 from ..models.architectures import arch_spec
-from ..models.step_context import get_context
+from ..models.step import Routing, Step, current, experts_read_buffer, read_experts, running
 from . import experts as experts_impl
 from .policy import FULL, PhasePolicy
 from .router import CompiledPolicy, FoldTables, route
@@ -44,10 +47,7 @@ class RoutingController:
         self.layers = moe_layers(model)
         self.fold_tables = fold_tables or {}
         self.fold_source: str | None = None   # where fold_tables came from (a statistics file)
-        self.meter = experts_impl.TrafficMeter(enabled=True)
         self.observers: list[Observer] = []
-        self.token_top_k: torch.Tensor | None = None  # [T] per-token budget (per-request k), or None
-        self._active: dict[int, CompiledPolicy] = {}
         self._cache: dict[int, tuple[PhasePolicy, dict[int, CompiledPolicy]]] = {}
         self._full: dict[int, CompiledPolicy] = {}   # layer -> the full router compiled (per-token budgets only)
         experts_impl.register()
@@ -55,7 +55,6 @@ class RoutingController:
             layer.router.__class__ = _controlled(type(layer.router))
             layer.router._moetailor_controller = self
             layer.router._moetailor_layer = layer
-            layer.experts._moetailor_meter = self.meter
             layer.experts._moetailor_layer = layer.index
         self._previous_impl = getattr(model.config, "_experts_implementation", None)
         model.set_experts_implementation(experts_impl.IMPLEMENTATION)
@@ -95,18 +94,23 @@ class RoutingController:
         self.fold_source = source
         self._cache.clear()
 
-    def use(self, policy: PhasePolicy | None) -> None:
-        self._active = self.compile(policy)
-
     @contextmanager
     def policy(self, policy: PhasePolicy | None, token_top_k: torch.Tensor | None = None):
-        previous, previous_k = self._active, self.token_top_k
-        self.use(policy)
-        self.token_top_k = token_top_k
-        try:
-            yield self
-        finally:
-            self._active, self.token_top_k = previous, previous_k
+        """Run the forwards inside under ``policy`` (None = the full router) and per-token budgets
+        ``token_top_k`` [T]: a routing-only step (plain SDPA attention, the experts loop). Yields the
+        step; ``traffic(step)`` is what its last forward read."""
+        num_layers = getattr(self.model.config, "num_hidden_layers", None) or max(l.index for l in self.layers) + 1
+        step = Step(is_prefill=True, routing=Routing(self.compile(policy), token_top_k),
+                    experts_read=experts_read_buffer(num_layers, self.layers[0].router.weight.device))
+        with running(step):
+            yield step
+
+    def traffic(self, step: Step) -> tuple[dict[int, int], int]:
+        """(MoE layer -> distinct experts read, expert weight bytes read) by ``step``'s last forward."""
+        distinct = read_experts(step)
+        per_expert = {l.index: experts_impl.expert_bytes(*experts_impl.step_weights(l.experts, step))
+                      for l in self.layers}
+        return distinct, sum(n * per_expert[layer] for layer, n in distinct.items())
 
     @contextmanager
     def observing(self, observer: Observer):
@@ -117,13 +121,12 @@ class RoutingController:
             self.observers.remove(observer)
 
     def _route(self, layer: MoeLayer, hidden_states: torch.Tensor):
-        """The layer's routes under the engine step's context when one is set, else under ``policy``."""
+        """The layer's routes under the routing of the step being run (the stock router without one)."""
         router = layer.router
-        ctx = get_context()
-        if ctx is not None:
-            cp, token_k, k_max = ctx.policy.get(layer.index), ctx.token_top_k, ctx.k_max
-        else:
-            cp, token_k, k_max = self._active.get(layer.index), self.token_top_k, None
+        step = current()
+        routing = step.routing if step is not None else None
+        cp = routing.policy.get(layer.index) if routing is not None else None
+        token_k, k_max = (routing.token_top_k, routing.k_max) if routing is not None else (None, None)
         if cp is None and token_k is None:
             logits, weights, index = router._moetailor_base.forward(router, hidden_states)
         else:
@@ -150,7 +153,6 @@ class RoutingController:
             layer.router.__class__ = layer.router._moetailor_base
             for attr in ("_moetailor_controller", "_moetailor_layer"):
                 delattr(layer.router, attr)
-            layer.experts._moetailor_meter = None
         if self._previous_impl is not None:
             self.model.set_experts_implementation(self._previous_impl)
         self.model._moetailor_controller = None

@@ -1,70 +1,51 @@
 """moetailor's experts implementation: grouped by expert, touching only the routed union.
 
 One function is registered in transformers' ``ExpertsInterface`` ("moetailor", installed by the
-routing controller) and it picks its path from the step context (``models.step_context``):
+routing controller) and it takes its path from the forward's step (``models.step``):
 
-- in an engine step whose context carries the native kernel (the default on CPU): the routed
-  tokens' SwiGLU experts in one C++ call (``moetailor/kernels``, ``native_experts_forward``), which
-  pays one dispatch per layer instead of a library GEMM per expert;
-- in an engine step with grouped experts: the routes, sorted by expert, go through
-  ``grouped_mm`` once per projection (``grouped_experts_forward``); experts with no rows are
-  skipped by the kernel (their weights are not read) and nothing waits on the host: per-expert
-  counts and offsets stay on the device, dropped routes sort last and are masked out;
-- otherwise (analysis and evaluation passes, or ``experts_impl="loop"``): a Python loop over the
-  routed experts (``loop_experts_forward``), which runs any expert layout.
+- ``experts == "native"`` (engine steps on CPU, the default): the routed tokens' SwiGLU experts in
+  one native op (``torch.ops.moetailor.swiglu_experts``, ``moetailor/kernels``), which pays one
+  dispatch per layer instead of a library GEMM per expert;
+- ``experts == "grouped"``: the routes, sorted by expert, go through ``grouped_mm`` once per
+  projection (``grouped_experts_forward``); experts with no rows are skipped by the kernel (their
+  weights are not read) and nothing waits on the host: per-expert counts and offsets stay on the
+  device, dropped routes sort last and are masked out;
+- otherwise (analysis and evaluation passes, ``experts_impl="loop"``, no step): a Python loop over
+  the routed experts (``loop_experts_forward``), which runs any expert layout.
 
-Both share one contract: sentinel routes (index E, from ``route``) cost nothing, and each call
-records how many distinct experts it read (``TrafficMeter``; a device count, read once when the
-meter is read), the quantity decode speed is bound by.
+All share one contract: sentinel routes (index E, from ``route``) cost nothing, and inside a step
+each call writes how many distinct experts it read into the step's ``experts_read`` (a device
+value, read once after the forward: ``models.step.read_experts``), the quantity decode speed is
+bound by. The experts module knows its layer from ``_moetailor_layer`` (set once, at install).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..models.step_context import get_context
+from ..models.step import Step, current
 
 IMPLEMENTATION = "moetailor"
 GROUPED_IMPLEMENTATION = "moetailor_grouped"
 
 
-class TrafficMeter:
-    """Per forward pass: distinct experts read per MoE layer and expert weight bytes read. Layers
-    record device counts; they are read back together, once, when ``distinct`` is first read."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self._distinct: dict[int, int | torch.Tensor] = {}     # layer -> distinct experts (0-d tensor until read)
-        self._bytes_per_expert: dict[int, int] = {}
-
-    def reset(self) -> None:
-        self._distinct.clear()
-        self._bytes_per_expert.clear()
-
-    def record(self, layer: int, n_experts: int | torch.Tensor, bytes_per_expert: int) -> None:
-        self._distinct[layer] = n_experts
-        self._bytes_per_expert[layer] = bytes_per_expert
-
-    @property
-    def distinct(self) -> dict[int, int]:
-        """MoE layer -> distinct experts read in the last forward (one host read for all layers)."""
-        pending = [layer for layer, n in self._distinct.items() if isinstance(n, torch.Tensor)]
-        if pending:
-            for layer, n in zip(pending, torch.stack([self._distinct[l] for l in pending]).tolist()):
-                self._distinct[layer] = int(n)
-        return self._distinct
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(n * self._bytes_per_expert[layer] for layer, n in self.distinct.items())
+def expert_bytes(gate_up: torch.Tensor, down: torch.Tensor) -> int:
+    """Bytes one expert's weights take (what reading it costs)."""
+    return (gate_up.shape[1] * gate_up.shape[2] + down.shape[1] * down.shape[2]) * gate_up.element_size()
 
 
-def _record(self, n_distinct: int | torch.Tensor, gu: torch.Tensor | None = None, down: torch.Tensor | None = None) -> None:
-    meter = getattr(self, "_moetailor_meter", None)
-    if meter is not None and meter.enabled:
-        gu, down = (self.gate_up_proj, self.down_proj) if gu is None else (gu, down)
-        per_expert = (gu.shape[1] * gu.shape[2] + down.shape[1] * down.shape[2]) * gu.element_size()
-        meter.record(getattr(self, "_moetailor_layer", -1), n_distinct, per_expert)
+def step_weights(module, step: Step | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [E, 2I, H], down [E, H, I]) this step runs: the engine's decode copy, else the module's."""
+    if step is not None and step.expert_weights:
+        found = step.expert_weights.get(getattr(module, "_moetailor_layer", -1))
+        if found is not None:
+            return found
+    return module.gate_up_proj, module.down_proj
+
+
+def _record(module, step: Step | None, n_distinct: int | torch.Tensor) -> None:
+    if step is not None and step.experts_read is not None:
+        step.experts_read[getattr(module, "_moetailor_layer", -1)] = n_distinct
 
 
 def sorted_routes(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +72,7 @@ def loop_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.T
         gate, up = F.linear(hidden_states[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)  # [n, I]
         y = F.linear(self.act_fn(gate) * up, self.down_proj[expert])                            # [n, H]
         out.index_add_(0, rows, (y * weights[chunk, None]).to(out.dtype))
-    _record(self, len(ids))
+    _record(self, current(), len(ids))
     return out
 
 
@@ -100,13 +81,11 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     """The routes sorted by expert through one ``grouped_mm`` per projection, without a host sync:
     dropped routes (index E) sort last, past the last offset, so the kernel never computes them
     and their rows are masked out. Decode steps use the decode copy of the weights when the engine
-    made one (``StepContext.expert_weights``: e.g. bf16, which streams faster than fp32)."""
+    made one (``Step.expert_weights``: e.g. bf16, which streams faster than fp32)."""
     from transformers.integrations.moe import _grouped_mm
 
-    gu, down = self.gate_up_proj, self.down_proj                            # [E, 2I, H], [E, H, I]
-    ctx = get_context()
-    if ctx is not None and ctx.expert_weights:
-        gu, down = ctx.expert_weights.get(getattr(self, "_moetailor_layer", -1), (gu, down))
+    step = current()
+    gu, down = step_weights(self, step)                                     # [E, 2I, H], [E, H, I]
     E, k = self.num_experts, top_k_index.shape[1]                           # top_k_index [T, K]
     flat = top_k_index.reshape(-1)                                          # [T*K]
     experts, order = torch.sort(flat, stable=True)                          # [T*K], sentinels last
@@ -120,22 +99,18 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     y = torch.where(experts[:, None] < E, y * w, 0.0)                      # rows past the offsets are garbage
     out = torch.zeros_like(hidden_states)                                   # [T, H]
     out.index_add_(0, rows, y.to(out.dtype))
-    _record(self, (counts > 0).sum(), gu, down)
+    _record(self, step, (counts > 0).sum())
     return out
 
 
 def native_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                           top_k_weights: torch.Tensor, kernel) -> torch.Tensor:
-    """All routed experts in one native call (fp32 activations; fp32 or bf16 weights, the decode
-    copy when the engine made one). Same contract as the other two: sentinels cost nothing, the
-    meter gets the distinct-expert count."""
-    gu, down = self.gate_up_proj, self.down_proj                            # [E, 2I, H], [E, H, I]
-    ctx = get_context()
-    if ctx.expert_weights:
-        gu, down = ctx.expert_weights.get(getattr(self, "_moetailor_layer", -1), (gu, down))
-    out, distinct = kernel(hidden_states.float().contiguous(), gu, down,    # [T, H], [] (experts read)
-                           top_k_index.long().contiguous(), top_k_weights.float().contiguous())
-    _record(self, distinct, gu, down)
+                           top_k_weights: torch.Tensor, step: Step) -> torch.Tensor:
+    """All routed experts in one native op (fp32 activations; fp32 or bf16 weights, the decode
+    copy when the engine made one), which writes the distinct-expert count into the step itself."""
+    gu, down = step_weights(self, step)                                     # [E, 2I, H], [E, H, I]
+    out = step.experts_kernel(hidden_states.float().contiguous(), gu, down,  # [T, H]
+                              top_k_index.long().contiguous(), top_k_weights.float().contiguous(),
+                              step.experts_read, getattr(self, "_moetailor_layer", -1))
     return out.to(hidden_states.dtype)
 
 
@@ -156,16 +131,13 @@ def native_layout(experts_module) -> bool:
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The registered implementation: native or grouped in engine steps that ask for it, the loop
-    otherwise."""
-    ctx = get_context()
-    if ctx is not None and ctx.native_experts is not None:
-        native = getattr(self, "_moetailor_native", None)
-        if native is None:
-            native = self._moetailor_native = native_layout(self)
-        if native:
-            return native_experts_forward(self, hidden_states, top_k_index, top_k_weights, ctx.native_experts)
-    grouped = ctx is not None and ctx.grouped_experts and getattr(self, "has_gate", True) and not (
+    """The registered implementation: the step's path (native, grouped) where the layout allows, the
+    loop otherwise."""
+    step = current()
+    mode = step.experts if step is not None else "loop"
+    if mode == "native" and getattr(self, "_moetailor_native", False) and step.experts_read is not None:
+        return native_experts_forward(self, hidden_states, top_k_index, top_k_weights, step)
+    grouped = mode != "loop" and getattr(self, "has_gate", True) and not (
         getattr(self, "has_bias", False) or getattr(self, "is_transposed", False))   # layouts grouped_mm skips
     forward = grouped_experts_forward if grouped else loop_experts_forward
     return forward(self, hidden_states, top_k_index, top_k_weights)
