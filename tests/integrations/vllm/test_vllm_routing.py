@@ -133,3 +133,30 @@ def test_hook_traces_to_one_graph_that_follows_every_step():
         want = step_routes(logits, lr, live, decode, token_k)
         got = compiled(logits, lr, live, decode, token_k)
         torch.testing.assert_close(got[0], want[0]), torch.testing.assert_close(got[1], want[1])
+
+
+def test_route_recorder_counts_decode_steps_inside_a_traced_graph():
+    """The recorder's in-place counters survive tracing (functionalised input mutation)."""
+    import torch._dynamo
+
+    from moetailor.integrations.vllm.routing import RouteRecorder
+
+    torch._dynamo.reset()
+    lr = layer(LayerPolicy(), LayerPolicy())
+    rec = RouteRecorder([7], E, "cpu")
+
+    def hooked(logits, live, decode, token_k):
+        w, i = step_routes(logits, lr, live, decode, token_k)
+        rec.record(7, i, live, decode)
+        return w, i
+
+    compiled = torch.compile(hooked, fullgraph=True, backend="aot_eager", dynamic=True)
+    want = 0
+    for seed, all_decode in ((0, False), (1, True), (2, True)):
+        logits, decode, token_k = step(seed=seed, n=T + seed)
+        decode[:] = decode | all_decode
+        live = torch.arange(T + seed) < T        # the last `seed` tokens are padding
+        i = compiled(logits, live, decode, token_k)[1]
+        if bool(decode[:T].all()):
+            want += len(set(i[:T].reshape(-1).tolist()))
+    assert rec.totals() == {7: {"experts": want, "steps": 2}}
