@@ -161,13 +161,15 @@ def print_report(report: dict, slo: float) -> None:
             stock = res.get("stock", {}).get(str(b))
             distinct = x.get("distinct")
             base = res[ref][str(b)].get("distinct") if ref and str(b) in res[ref] else None
+            full = res[ref][str(b)]["decode_tok_s"] if ref and str(b) in res[ref] else None
             rows.append((b, name, f"{x['decode_tok_s']:.0f}", f"{x['per_user_tok_s']:.1f}",
                          f"{x['decode_tok_s'] / stock['decode_tok_s']:.2f}x" if stock else "-",
+                         f"{x['decode_tok_s'] / full:.2f}x" if full else "-",
                          f"{distinct:.1f}" if distinct is not None else "-",
                          f"{base / distinct:.2f}x" if distinct and base else "-"))
     print_table(f"vLLM decode, {report['model']}, {report['prompt_tokens']}-token prompts, {report['new_tokens']} new "
                 f"tokens, {report['dtype']}", ["batch", "config", "tok/s", "per-user", "vs stock",
-                                               "experts/step", "ideal"], rows)
+                                               "vs full k", "experts/step", "ideal"], rows)
     at_slo = []
     for name, r in res.items():
         ok = [(x["decode_tok_s"], b) for b, x in r.items() if x["per_user_tok_s"] >= slo]
