@@ -89,13 +89,19 @@ def select(logits: torch.Tensor, sem: RouterSemantics, k: int, allowed: torch.Te
 
 
 def route(logits: torch.Tensor, sem: RouterSemantics, cp: CompiledPolicy, bias: torch.Tensor | None = None,
-          token_top_k: torch.Tensor | None = None, k_max: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          token_top_k: torch.Tensor | None = None, k_max: int | None = None, *, graph_safe: bool = False,
+          counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply a compiled layer policy to router logits [T, E] -> (weights [T, K], index [T, K]).
-    ``k_max`` is ``token_top_k.max()`` when the caller knows it (an engine step: one value per step)."""
+    ``k_max`` is ``token_top_k.max()`` when the caller knows it (an engine step: one value per step).
+
+    ``graph_safe`` (serving engines that trace or capture the step, e.g. vLLM): no host read of a
+    per-step value, so one traced graph serves every step; budgets then trim from the policy's k
+    (same routes). ``counted`` [T] bool: the tokens a batch-level pool ranks experts over (a step
+    that mixes phases applies each phase's pool to its own tokens); None = all."""
     p, E = cp.policy, sem.num_experts
     k = p.top_k or sem.top_k
-    if token_top_k is not None:  # per-request budgets: route at the batch's largest k, then trim each row
-        k = min(k, k_max if k_max is not None else int(token_top_k.max()))
+    if token_top_k is not None and (k_max is not None or not graph_safe):  # budgets: route at the batch's largest k,
+        k = min(k, k_max if k_max is not None else int(token_top_k.max()))  # then trim each row
     allowed = cp.keep_mask if p.pool_mode == "mask" else None
     weights, index = select(logits, sem, k, allowed, bias)                 # [T, k]
     sentinel = torch.full_like(index, E)
@@ -120,7 +126,7 @@ def route(logits: torch.Tensor, sem: RouterSemantics, cp: CompiledPolicy, bias: 
     if p.token_keep is not None and p.token_keep < k:
         weights, index = _token_fold(weights, index, p.token_keep, cp.fold if p.fold else None, E)
     if p.batch_pool is not None:
-        weights, index = _batch_pool(weights, index, p.batch_pool, cp.fold, p.fold, E)
+        weights, index = _batch_pool(weights, index, p.batch_pool, cp.fold, p.fold, E, graph_safe, counted)
     return weights, index
 
 
@@ -150,16 +156,30 @@ def _token_fold(weights, index, keep: int, fold: FoldTables | None, E: int):
     return kept_w, kept_i
 
 
-def _batch_pool(weights, index, pool_size: int, fold: FoldTables | None, do_fold: bool, E: int):
+def _batch_pool(weights, index, pool_size: int, fold: FoldTables | None, do_fold: bool, E: int,
+                graph_safe: bool = False, counted: torch.Tensor | None = None):
     """Keep the step's ``pool_size`` most important experts (sum of gate x mean output norm over the
-    batch); fold each route outside the pool onto its lowest-loss pool expert, or drop it."""
+    batch, or over the ``counted`` tokens); fold each route outside the pool onto its lowest-loss
+    pool expert, or drop it. A step whose routes use at most ``pool_size`` experts is unchanged
+    (``graph_safe``: decided by a tensor select instead of a host read)."""
     valid = index < E
     norm = fold.mean_norm[index.clamp_max(E - 1)] if fold is not None else torch.ones_like(weights)
     importance = torch.zeros(E + 1, device=weights.device, dtype=torch.float32)
-    importance.scatter_add_(0, index.reshape(-1), (weights * norm * valid).reshape(-1).float())
+    ranked = valid if counted is None else valid & counted[:, None]
+    importance.scatter_add_(0, index.reshape(-1), (weights * norm * ranked).reshape(-1).float())
     importance = importance[:E]                                             # [E]
+    if graph_safe:
+        few = (importance > 0).sum() <= pool_size                           # [] bool, stays on the device
+        pooled_w, pooled_i = _pool_routes(weights, index, importance, pool_size, fold, do_fold, E)
+        return torch.where(few, weights, pooled_w), torch.where(few, index, pooled_i)
     if int((importance > 0).sum()) <= pool_size:
         return weights, index
+    return _pool_routes(weights, index, importance, pool_size, fold, do_fold, E)
+
+
+def _pool_routes(weights, index, importance, pool_size: int, fold: FoldTables | None, do_fold: bool, E: int):
+    """The routes of ``_batch_pool`` once the step's experts outnumber the pool."""
+    valid = index < E
     pool = importance.topk(pool_size).indices                               # [D]
     in_pool = torch.zeros(E + 1, dtype=torch.bool, device=weights.device)
     in_pool[pool] = True

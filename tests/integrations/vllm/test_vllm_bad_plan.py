@@ -30,8 +30,8 @@ def bad_plans(tmp_path):
     out_of_range["decode"]["0"]["keep"] = out_of_range["decode"]["0"]["keep"][:-1] + [99]
     other_model = json.loads(json.dumps(data))
     other_model["model"]["router_hash"] = "0123456789abcdef"
-    folding = json.loads(json.dumps(data))
-    folding["decode"]["1"]["pool_mode"] = "drop"
+    folding = json.loads(json.dumps(data))   # a fold pool needs ExFold tables; this plan names none
+    folding["decode"]["1"]["pool_mode"] = "fold"
     paths = {}
     for name, plan in (("out_of_range", out_of_range), ("other_model", other_model), ("folding", folding)):
         paths[name] = tmp_path / f"{name}.json"
@@ -47,7 +47,7 @@ def test_launcher_checks_the_plan_before_vllm_starts(bad_plans):
         engine_kwargs("reference", decode_plan=bad_plans["out_of_range"])
     with pytest.raises(PlanMismatch, match="router_hash"):
         engine_kwargs("reference", decode_plan=bad_plans["other_model"])
-    with pytest.raises(ValueError, match="pool_mode=drop, which the vLLM plugin does not apply"):
+    with pytest.raises(ValueError, match=r"decode layer 1\): this policy folds experts but no fold statistics"):
         engine_kwargs("reference", decode_plan=bad_plans["folding"])
 
 

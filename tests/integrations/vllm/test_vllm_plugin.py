@@ -1,5 +1,6 @@
 """The general plugin: phase-aware routing and per-request expert budgets inside vLLM equal
-moetailor's own engine, token for token (fp32 greedy, bundled reference model)."""
+moetailor's own engine, token for token (fp32 greedy, bundled reference model), in vLLM's default
+compiled mode (on CPU: one Dynamo trace, guards dropped) and with enforce_eager."""
 from __future__ import annotations
 
 import pytest
@@ -9,14 +10,14 @@ from vllm_helpers import SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
 
-@pytest.fixture(scope="module")
-def phase_aware_vllm(quarter_plan):
+@pytest.fixture(scope="module", params=["compiled", "eager"])
+def phase_aware_vllm(request, quarter_plan):
     from moetailor.integrations.vllm.launch import engine_kwargs
 
     # 32 tokens per step: prompts are split into chunks and decode tokens of early requests share
     # steps with prefill chunks of later ones (the per-token phase is what the plugin must get right)
     kwargs = engine_kwargs("reference", decode_plan=quarter_plan, kv_cache_mib=128, max_num_batched_tokens=32,
-                           max_num_seqs=8)
+                           max_num_seqs=8, enforce_eager=request.param == "eager")
     assert kwargs["enable_prefix_caching"] is False
     with vllm_engine(**kwargs) as llm:
         yield llm
@@ -39,6 +40,7 @@ def test_phase_aware_equals_moetailor_engine_under_chunked_prefill(phase_aware_v
 
 
 def test_per_request_expert_top_k_equals_moetailor_engine(phase_aware_vllm, plan, prompts):
+    """Budgets mixed in one batch (and with requests that set none): each request gets its own k."""
     ks = [(2, 4, None)[i % 3] for i in range(len(prompts))]
     expected = engine_token_ids(plan, prompts, expert_top_k=ks)
     got = vllm_token_ids(phase_aware_vllm, prompts, [None if k is None else {"expert_top_k": k} for k in ks])

@@ -3,18 +3,19 @@
 ``engine_kwargs`` gives the keyword arguments of ``vllm.LLM`` / ``EngineArgs`` (the same names as
 ``vllm serve`` flags): the plan goes in ``additional_config``, prefix caching is turned off when
 the plan's phases differ, and on the CPU backend the KV cache gets an explicit size instead of a
-share of host memory.
+share of host memory. vLLM's default compilation stays on (``enforce_eager=False``): the plugin's
+hooks are graph-safe.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from ...models.loading import resolve_model_path
-from .plan import DECODE_PLAN_KEY, PLAN_KEY, load_checked_plan, router_tables
+from .plan import DECODE_PLAN_KEY, PLAN_KEY, load_checked_plan
 
 
 def engine_kwargs(model: str | Path, plan: str | Path | None = None, decode_plan: str | Path | None = None, *,
-                  dtype: str = "float32", kv_cache_mib: int | None = 512, enforce_eager: bool = True,
+                  dtype: str = "float32", kv_cache_mib: int | None = 512, enforce_eager: bool = False,
                   **overrides) -> dict:
     """vLLM engine keyword arguments serving ``model`` ('reference' or a checkpoint directory)."""
     if plan and decode_plan:
@@ -27,9 +28,8 @@ def engine_kwargs(model: str | Path, plan: str | Path | None = None, decode_plan
     if given:
         mode = "plan" if plan else "decode"
         checked = load_checked_plan(given, mode, path)   # the one-line error, before vLLM starts
-        tables = router_tables(checked, checked.model["num_experts"], checked.model["top_k"])
         kwargs["additional_config"] = {PLAN_KEY if plan else DECODE_PLAN_KEY: str(Path(given).resolve())}
-        if tables.phase_aware:
+        if checked.prefill != checked.decode:
             kwargs["enable_prefix_caching"] = False
     kwargs.update(overrides)
     return kwargs

@@ -1,7 +1,9 @@
-"""The three vLLM methods the plugin wraps (see the package docstring)."""
+"""The vLLM methods the plugin wraps (see the package docstring), checked against the vLLM versions
+the tests ran on before anything is patched (``check_vllm``)."""
 from __future__ import annotations
 
 import functools
+import inspect
 
 from vllm.logger import init_logger
 
@@ -9,8 +11,51 @@ from .plan import EXPERT_TOP_K, load_checked_plan, plan_settings, router_tables
 
 log = init_logger("moetailor.vllm")
 
+RECORD_KEY = "moetailor_record_routes"   # additional_config: count the experts each decode step reads
+# vLLM versions `make test-vllm` ran on (the private methods below change between releases)
+TESTED_VERSIONS = ("0.32.0",)
+# (class path, method, parameter names) the plugin wraps or replaces, as in the tested versions
+WRAPPED = (
+    ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "load_model", ("self", "load_dummy_weights")),
+    ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_prepare_inputs", ("self", "scheduler_output",
+                                                                           "num_scheduled_tokens")),
+    ("vllm.v1.engine.input_processor.InputProcessor", "_validate_params", ("self", "params", "supported_tasks")),
+    ("vllm.model_executor.layers.fused_moe.router.fused_moe_router.FusedMoERouter", "select_experts",
+     ("self", "hidden_states", "router_logits", "topk_indices_dtype", "input_ids")),
+    ("vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner", "_apply_quant_method",
+     ("self", "hidden_states", "router_logits", "shared_experts_input", "input_ids", "shared_experts_overlapping")),
+)
+
+
+def check_vllm() -> None:
+    """Refuse (one line naming the supported range) a vLLM whose version or wrapped methods differ from
+    those tested. MOETAILOR_VLLM_UNTESTED=1 skips the version check (the method check still runs)."""
+    import importlib
+    import os
+
+    import vllm
+
+    version = str(getattr(vllm, "__version__", "unknown")).split("+")[0]
+    supported = ", ".join(TESTED_VERSIONS)
+    if version not in TESTED_VERSIONS and os.environ.get("MOETAILOR_VLLM_UNTESTED") != "1":
+        raise RuntimeError(f"moetailor's vLLM plugin supports vLLM {supported}; this is vLLM {version}: install "
+                           f"vllm(-cpu)=={TESTED_VERSIONS[-1]}, or set MOETAILOR_VLLM_UNTESTED=1 to try it anyway")
+    for path, name, params in WRAPPED:
+        module, _, cls_name = path.rpartition(".")
+        try:
+            method = getattr(getattr(importlib.import_module(module), cls_name), name)
+            got = tuple(inspect.signature(method).parameters)
+        except (ImportError, AttributeError, ValueError, TypeError):
+            got = None
+        if got is None or got[:len(params)] != params:
+            found = "missing" if got is None else "(" + ", ".join(got) + ")"
+            raise RuntimeError(f"moetailor's vLLM plugin supports vLLM {supported}: {cls_name}.{name} in this vLLM "
+                               f"{version} is {found}, the plugin wraps ({', '.join(params)}); install "
+                               f"vllm(-cpu)=={TESTED_VERSIONS[-1]}")
+
 
 def apply_patches() -> None:
+    check_vllm()
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -38,30 +83,54 @@ def _wrap_load_model(load_model):
 
 def setup_model(runner) -> None:
     """Check the plan (if any) and hook the model's MoE layers; a bad plan stops the start."""
-    from .routing import StepTokens, install, moe_runners
+    from .routing import RouteRecorder, StepTokens, install, moe_runners
 
     config = runner.vllm_config
     hf = config.model_config.hf_config
     model = runner.get_model()
     if not moe_runners(model):
         return
-    model_k = int(getattr(hf, "num_experts_per_tok"))
-    tables = None
+    from ...models.architectures import arch_spec
+
     settings = plan_settings(config.additional_config)
+    try:
+        arch_spec(hf)
+    except ValueError as e:   # an architecture moetailor does not know: vLLM runs stock
+        if settings:
+            raise ValueError(f"a moetailor plan was given but {e}") from None
+        log.info("moetailor: %s; MoE layers left stock", e)
+        return
+    plan = None
     if settings:
         path, mode = settings
         plan = load_checked_plan(path, mode, config.model_config.model)
-        num_experts = plan.model["num_experts"]
-        tables = router_tables(plan, num_experts, model_k)
-        if tables.phase_aware and config.cache_config.enable_prefix_caching:
+        if plan.prefill != plan.decode and config.cache_config.enable_prefix_caching:
             raise ValueError(
                 "a moetailor plan whose decode policy differs from its prefill policy needs prefix caching off "
                 "(--no-enable-prefix-caching, or enable_prefix_caching=False): vLLM caches blocks of generated "
                 "tokens, computed under the decode policy, and would serve them to later prompts as prefill")
-    tokens = StepTokens(runner.max_num_tokens, model_k, runner.device)
-    layers = install(model, tables, tokens)
+    tables = router_tables(plan, config.model_config.model, device=runner.device,
+                           where=settings[0] if settings else "the plan")
+    tokens = StepTokens(runner.max_num_tokens, tables.model_k, runner.device)
+    recorder = None
+    if isinstance(config.additional_config, dict) and config.additional_config.get(RECORD_KEY):
+        recorder = RouteRecorder(sorted(tables.policies), tables.semantics.num_experts, runner.device)
+    layers = install(model, tables, tokens, recorder)
     runner._moetailor_tokens = tokens
+    runner._moetailor_recorder = recorder
     log.info("moetailor: hooked %d MoE layers (plan: %s)", layers, settings[0] if settings else "none")
+
+
+def route_totals(worker, reset: bool = False) -> dict:
+    """``LLM.collective_rpc(route_totals)``: the recorder's per-layer totals (needs RECORD_KEY)."""
+    runner = getattr(worker, "model_runner", worker)
+    recorder = getattr(runner, "_moetailor_recorder", None)
+    if recorder is None:
+        raise ValueError(f"route recording is off; start vLLM with additional_config {{{RECORD_KEY!r}: true}}")
+    totals = recorder.totals()
+    if reset:
+        recorder.reset()
+    return totals
 
 
 def _wrap_prepare_inputs(prepare_inputs):

@@ -1,6 +1,6 @@
 """A moetailor plan as vLLM sees it: read from ``additional_config``, checked against the checkpoint
-vLLM serves, turned into per-layer router biases. Imports no vLLM (the launcher checks plans before
-it starts vLLM, and the main environment has no vLLM).
+vLLM serves, compiled into the engine's per-layer routing tables. Imports no vLLM (the launcher
+checks plans before it starts vLLM, and the main environment has no vLLM).
 
 The channel is vLLM's ``additional_config`` (``--additional-config`` / ``LLM(additional_config=...)``):
 it reaches every process of the engine and is part of vLLM's config hash::
@@ -9,11 +9,10 @@ it reaches every process of the engine and is part of vLLM's config hash::
     {"moetailor_plan": "plan.json"}          # the plan's prefill and decode policies, as written
 
 A token is a decode token when its position is at or past its request's prompt length; prefill
-tokens (also those of a chunked prompt) get the prefill policy. vLLM routes top-k over logits then
-softmaxes the k (or scales by the full softmax's normaliser), so a -inf bias on the logits of
-dropped experts is exactly moetailor's "mask" pool (= a pruned checkpoint). Policies other than
-``keep`` (pool_mode "mask") and ``top_k`` need the routes themselves (folding, skipping) and are
-refused with a line that says so.
+tokens (also those of a chunked prompt) get the prefill policy. Every ``LayerPolicy`` field applies
+(pools in each mode, top_k, dynamic skipping, token and batch pools, stacked): the hooks call the
+engine's ``routing.router.route`` with the ``CompiledPolicy`` built here, so plugin and engine share
+one representation. Folding policies need the plan's ``fold_stats`` (ExFold tables).
 """
 from __future__ import annotations
 
@@ -23,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from ...models.architectures import arch_spec
+from ...models.architectures import RouterSemantics, arch_spec
 from ...plans.plan import Plan, PlanMismatch
-from ...routing.policy import LayerPolicy
+from ...routing.policy import FULL, LayerPolicy
+from ...routing.router import CompiledPolicy
 
 PLAN_KEY = "moetailor_plan"
 DECODE_PLAN_KEY = "moetailor_decode_plan"
@@ -86,41 +86,91 @@ def load_checked_plan(path: str | Path, mode: str, checkpoint: str | Path) -> Pl
                            f"statistics of this model (`moetailor calibrate` then `moetailor plan`)")
     for phase in ("prefill", "decode"):
         for layer, policy in plan.phase(phase).layers.items():
-            where = f"{phase} layer {layer}"
-            policy.validate(fp["num_experts"], fp["top_k"], where=where)
-            if policy != LayerPolicy(keep=policy.keep, top_k=policy.top_k):
-                raise ValueError(f"plan {path} ({where}) uses {_unsupported(policy)}, which the vLLM plugin does not "
-                                 f"apply (it masks router logits and trims top-k); serve this plan with moetailor's "
-                                 f"engine, or use a plan with only keep/top_k")
+            policy.validate(fp["num_experts"], fp["top_k"], where=f"{phase} layer {layer}")
             if layer not in fp["moe_layers"]:
                 raise ValueError(f"plan {path} names MoE layer {layer}, the model's MoE layers are {fp['moe_layers']}")
+    router_tables(plan, checkpoint, where=str(path))   # fold tables present and matching, every policy compiles
     return plan
 
 
-def _unsupported(policy: LayerPolicy) -> str:
-    fields = {k: v for k, v in policy.to_json().items() if k not in ("keep", "top_k")}
-    return ", ".join(f"{k}={v}" for k, v in fields.items())
+def fold_tables_for(plan: Plan, checkpoint: str | Path, where: str = "the plan") -> dict:
+    """The ExFold tables the plan's folding policies read (``plan.fold_stats``), checked against the
+    checkpoint; {} when the plan names none."""
+    if not plan.fold_stats:
+        return {}
+    from ...calibration import ExpertStats
+    from ...models.loading import fingerprint_mismatch
+
+    stats_path = Path(plan.fold_stats)
+    if not stats_path.is_absolute() and not stats_path.exists() and Path(where).exists():
+        stats_path = Path(where).resolve().parent / stats_path   # relative to the plan file
+    if not stats_path.is_file():
+        raise FileNotFoundError(f"{where}: fold_stats {plan.fold_stats} does not exist; create it with "
+                                f"`moetailor calibrate MODEL --fold --out {plan.fold_stats}`")
+    stats = ExpertStats.load(stats_path)
+    problem = fingerprint_mismatch(stats.model, checkpoint_fingerprint(checkpoint))
+    if problem:
+        raise PlanMismatch(f"{where}: fold statistics {stats_path} do not match the model vLLM serves ({problem}); "
+                           f"run `moetailor calibrate --fold` on this model")
+    if not stats.has_fold:
+        raise ValueError(f"{where}: {stats_path} holds no fold tables; rerun `moetailor calibrate ... --fold`")
+    return stats.fold_tables()
 
 
 @dataclass
 class RouterTables:
-    """What the vLLM layers read per MoE layer, per phase (index 0 = prefill, 1 = decode)."""
+    """What the vLLM layers read: per MoE layer, the engine's compiled policy of each phase."""
 
-    bias: dict[int, torch.Tensor]      # layer -> [2, E] float: 0 for allowed experts, -inf for dropped
-    top_k: dict[int, tuple[int, int]]  # layer -> (prefill k, decode k)
+    semantics: RouterSemantics
+    policies: dict[int, tuple[CompiledPolicy, CompiledPolicy]]  # layer -> (prefill, decode)
     model_k: int
     phase_aware: bool                  # the two phases differ (prefix caching must be off)
 
+    def width(self, layer: int) -> int:
+        """Routes per token the layer emits: the largest k either phase routes (static)."""
+        return max(cp.policy.top_k or self.model_k for cp in self.policies[layer])
 
-def router_tables(plan: Plan, num_experts: int, model_k: int) -> RouterTables:
-    bias, top_k = {}, {}
-    for layer in plan.model["moe_layers"]:
-        policies = (plan.prefill.for_layer(layer), plan.decode.for_layer(layer))
-        b = torch.zeros(2, num_experts)
-        for row, p in enumerate(policies):
+    def mask_bias(self, layer: int) -> torch.Tensor | None:
+        """[2, E] 0 / -inf per phase when both phases are plain masks (no other field), else None:
+        what a fused kernel that routes inside itself can still apply."""
+        rows = []
+        for cp in self.policies[layer]:
+            p = cp.policy
+            if p != LayerPolicy(keep=p.keep):
+                return None
+            row = torch.zeros(self.semantics.num_experts)
             if p.keep is not None:
-                b[row] = float("-inf")
-                b[row, list(p.keep)] = 0.0
-        bias[layer] = b
-        top_k[layer] = tuple(p.top_k or model_k for p in policies)
-    return RouterTables(bias, top_k, model_k, phase_aware=plan.prefill != plan.decode)
+                row.fill_(float("-inf"))
+                row[list(p.keep)] = 0.0
+            rows.append(row)
+        return torch.stack(rows)
+
+
+def checkpoint_semantics(checkpoint: str | Path) -> RouterSemantics:
+    """moetailor's router semantics of a checkpoint, from its config (as ``moe_layers`` reads them)."""
+    from transformers import AutoConfig
+
+    from ...models.adapters import semantics_for
+
+    config = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+    return semantics_for(config, arch_spec(config))
+
+
+def router_tables(plan: Plan | None, checkpoint: str | Path, device="cpu", where: str = "the plan") -> RouterTables:
+    """The plan's policies compiled per MoE layer (``CompiledPolicy.build``, as the engine does), for
+    every MoE layer of the checkpoint; None = the full router in both phases."""
+    sem = checkpoint_semantics(checkpoint)
+    fp = checkpoint_fingerprint(checkpoint)
+    tables = fold_tables_for(plan, checkpoint, where) if plan is not None else {}
+    policies = {}
+    for layer in fp["moe_layers"]:
+        pair = []
+        for phase in ("prefill", "decode"):
+            policy = plan.phase(phase).for_layer(layer) if plan is not None else FULL
+            try:
+                pair.append(CompiledPolicy.build(policy, sem, device, tables.get(layer)))
+            except ValueError as e:
+                raise ValueError(f"{where} ({phase} layer {layer}): {e}") from None
+        policies[layer] = tuple(pair)
+    phase_aware = plan is not None and plan.prefill != plan.decode
+    return RouterTables(sem, policies, sem.top_k, phase_aware)

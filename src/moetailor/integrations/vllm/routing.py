@@ -1,35 +1,43 @@
 """The plugin's vLLM side: per-token phase and budget, and the router hooks that read them.
 
 Every step, before vLLM builds its inputs, ``StepTokens.prepare`` writes for each scheduled token
-whether it is a decode token (position >= its request's prompt length; vLLM's CPU backend neither
-orders decode tokens first nor sets ``num_decode_tokens``, and "query length 1" misreads 1-token
-prefill chunks) and its request's ``expert_top_k``. Each MoE layer's runner then
+whether it is live (not padding), whether it is a decode token (position >= its request's prompt
+length; vLLM's CPU backend neither orders decode tokens first nor sets ``num_decode_tokens``, and
+"query length 1" misreads 1-token prefill chunks) and its request's ``expert_top_k``, into buffers
+allocated once. Each MoE layer's router (``select_experts``) is then replaced by ``step_routes``:
 
-  * adds the phase's router bias (0 kept / -inf dropped) to the router logits before routing
-    (works for every runner, modular or monolithic, and for models that pass the gate into the
-    fused-MoE layer, like Qwen3-MoE), and
-  * trims each token's routes to its budget after routing (zero weight past rank k, renormalised
-    when the model renormalises): outputs equal moetailor's, but the experts past k still run.
+  * the engine's ``route`` (``routing/router.py``) on the router logits, once per phase policy,
+    each token taking its phase's routes: every ``LayerPolicy`` applies as in moetailor's engine;
+  * routes a budget, a pool or skipping dropped (the engine's sentinel id E) are sent to one of the
+    token's own kept experts with weight 0 (``redirect_dropped``): vLLM's kernels take no sentinel
+    (the CPU fused-MoE does not bounds-check ids), and an expert no route of the step uses gets no
+    token, so the kernel skips it and its weights are not read: budgets and pools save the work.
 
-Buffers are allocated once (``max_num_tokens``) and written in place, so a captured graph reads
-the current step's values.
+Graph safety (vLLM's default mode traces the model once on CPU, ``DYNAMO_TRACE_ONCE`` with guards
+dropped, and captures CUDA graphs on GPU): the hooks are tensor operations only, on buffers written
+in place between steps; nothing in them reads a per-step value on the host or branches on one.
+Every Python decision in them (which phases differ, the emitted width) is fixed per layer at load.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ...models.architectures import RouterSemantics
+from ...routing.router import CompiledPolicy, route
 from .plan import EXPERT_TOP_K, RouterTables
 
 
 class StepTokens:
-    """Per-token facts of the current step, in persistent buffers."""
+    """Per-token facts of the current step, in persistent buffers (written in place each step)."""
 
     def __init__(self, max_tokens: int, model_k: int, device):
+        self.live = torch.zeros(max_tokens, dtype=torch.bool, device=device)     # [N] a scheduled token
         self.decode = torch.zeros(max_tokens, dtype=torch.bool, device=device)   # [N]
         self.k = torch.full((max_tokens,), model_k, dtype=torch.long, device=device)  # [N]
         self.model_k = model_k
-        self.any_budget = False  # some request in this step asked for fewer experts
 
     def prepare(self, runner, num_scheduled_tokens: np.ndarray) -> None:
         batch = runner.input_batch
@@ -42,18 +50,79 @@ class StepTokens:
         decode = positions >= batch.num_prompt_tokens[req]                             # [T]
         ks = np.array([request_top_k(runner.requests[rid].sampling_params, self.model_k)
                        for rid in batch.req_ids[:num_reqs]], dtype=np.int64)          # [R]
-        T = len(req)
+        self.write(decode, ks[req])
+
+    def write(self, decode: np.ndarray, k: np.ndarray) -> None:
+        """The step's T tokens: decode flags [T] and budgets [T]; the rest of the buffers is padding."""
+        T = len(decode)
+        self.live.fill_(False)
+        self.live[:T] = True
         self.decode.fill_(False)
-        self.decode[:T].copy_(torch.from_numpy(decode))
+        self.decode[:T].copy_(torch.from_numpy(np.asarray(decode, dtype=bool)))
         self.k.fill_(self.model_k)
-        self.k[:T].copy_(torch.from_numpy(ks[req]))
-        self.any_budget = bool((ks < self.model_k).any())
+        self.k[:T].copy_(torch.from_numpy(np.asarray(k, dtype=np.int64)))
 
 
 def request_top_k(sampling_params, model_k: int) -> int:
     extra = getattr(sampling_params, "extra_args", None) or {}
     k = extra.get(EXPERT_TOP_K)
-    return model_k if k is None else int(k)
+    return model_k if k is None else min(int(k), model_k)
+
+
+@dataclass
+class LayerRouting:
+    """What one MoE layer routes with, fixed at load (plain Python decisions live here, not in a step)."""
+
+    semantics: RouterSemantics
+    prefill: CompiledPolicy
+    decode: CompiledPolicy
+    width: int                           # routes per token emitted (the largest k of the two phases)
+    correction_bias: torch.Tensor | None = None  # [E] DeepSeek's e_score_correction_bias
+
+    @property
+    def phases_differ(self) -> bool:
+        return self.prefill.policy != self.decode.policy
+
+
+def _phase_routes(logits, layer: LayerRouting, cp: CompiledPolicy, token_k, counted):
+    """(weights [T, W], index [T, W]) of one phase's policy, padded with dropped routes to the width."""
+    E = layer.semantics.num_experts
+    counted = counted if cp.policy.batch_pool is not None else None
+    w, i = route(logits, layer.semantics, cp, layer.correction_bias, token_k, graph_safe=True, counted=counted)
+    pad = layer.width - i.shape[1]
+    if pad:
+        w = torch.cat([w, w.new_zeros(w.shape[0], pad)], dim=1)
+        i = torch.cat([i, i.new_full((i.shape[0], pad), E)], dim=1)
+    return w, i
+
+
+def step_routes(logits: torch.Tensor, layer: LayerRouting, live: torch.Tensor, decode: torch.Tensor,
+                token_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights float32 [T, W], ids int64 [T, W]) for a step that may mix
+    prefill and decode tokens (decode [T] bool) and budgets (token_k [T]); padding (live False)
+    counts in no batch pool. No host read, no data-dependent branch."""
+    logits = logits.float()
+    w, i = _phase_routes(logits, layer, layer.prefill, token_k, live & ~decode)        # [T, W]
+    if layer.phases_differ:
+        wd, id_ = _phase_routes(logits, layer, layer.decode, token_k, live & decode)
+        w = torch.where(decode[:, None], wd, w)
+        i = torch.where(decode[:, None], id_, i)
+    return redirect_dropped(w.float(), i, layer.semantics.num_experts, live)
+
+
+def redirect_dropped(weights: torch.Tensor, index: torch.Tensor, E: int,
+                     live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sentinel routes (id E) -> weight 0 on the token's first kept expert, or (a token with none
+    kept) on the first expert some live token of the step keeps, or expert 0 when no token keeps
+    one. No route then names an expert that no kept route reads (beyond that last case)."""
+    valid = index < E                                                                 # [T, W]
+    own = index.gather(1, valid.int().argmax(dim=1, keepdim=True))                   # [T, 1] first kept (or E)
+    step_valid = (valid & live[:, None]) if live is not None else valid
+    flat = step_valid.reshape(-1)
+    step_first = index.reshape(-1).gather(0, flat.int().argmax().reshape(1))         # [1] first kept of the step
+    step_first = torch.where(flat.any(), step_first, torch.zeros_like(step_first))
+    own = torch.where(valid.any(dim=1, keepdim=True), own, step_first)
+    return torch.where(valid, weights, 0.0), torch.where(valid, index, own)
 
 
 def moe_runners(model: torch.nn.Module) -> list:
@@ -63,46 +132,84 @@ def moe_runners(model: torch.nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, MoERunner)]
 
 
-def install(model: torch.nn.Module, tables: RouterTables | None, tokens: StepTokens) -> int:
-    """Wrap each MoE layer's routing; returns the number of layers hooked."""
+def layer_routing(tables: RouterTables, layer: int, correction_bias=None) -> LayerRouting:
+    prefill, decode = tables.policies[layer]
+    return LayerRouting(tables.semantics, prefill, decode, tables.width(layer), correction_bias)
+
+
+def install(model: torch.nn.Module, tables: RouterTables, tokens: StepTokens, recorder=None) -> int:
+    """Replace each MoE layer's routing with ``step_routes``; returns the number of layers hooked."""
     runners = moe_runners(model)
     for runner in runners:
         layer = runner.layer_id
-        bias = tables.bias.get(layer) if tables else None
-        if bias is not None and not torch.isinf(bias).any():
-            bias = None
-        phase_k = tables.top_k.get(layer, (tokens.model_k,) * 2) if tables else (tokens.model_k,) * 2
-        if min(phase_k) < tokens.model_k and runner.routed_experts.quant_method.is_monolithic:
-            raise ValueError(f"this vLLM build routes layer {layer} inside a monolithic fused-MoE kernel, so the "
-                             f"plan's top_k cannot be applied there; use a plan without top_k")
-        _hook(runner, None if bias is None else bias.to(tokens.decode.device), phase_k, tokens)
+        if layer not in tables.policies:
+            raise ValueError(f"vLLM's MoE layer {layer} is not a MoE layer of the checkpoint's config "
+                             f"({sorted(tables.policies)}); this architecture's layer numbering is not supported")
+        if runner.routed_experts.quant_method.is_monolithic:
+            _hook_monolithic(runner, tables, layer, tokens)
+            continue
+        bias = getattr(runner.router, "e_score_correction_bias", None)
+        routing = layer_routing(tables, layer, bias)
+        _hook(runner, routing, tokens, recorder)
     return len(runners)
 
 
-def _hook(runner, bias: torch.Tensor | None, phase_k: tuple[int, int], tokens: StepTokens) -> None:
-    apply_quant, select = runner._apply_quant_method, runner.router.select_experts
-    renormalise = bool(getattr(runner.router, "renormalize", True))
-    phase_k_t = torch.tensor(phase_k, dtype=torch.long, device=tokens.k.device)       # [2]
-    trims_phase = min(phase_k) < tokens.model_k
+def _hook(runner, routing: LayerRouting, tokens: StepTokens, recorder) -> None:
+    layer = runner.layer_id
+
+    def select_experts(hidden_states, router_logits, topk_indices_dtype=None, *, input_ids=None):
+        T = router_logits.shape[0]
+        weights, ids = step_routes(router_logits, routing, tokens.live[:T], tokens.decode[:T], tokens.k[:T])
+        if recorder is not None:
+            recorder.record(layer, ids, tokens.live[:T], tokens.decode[:T])
+        # cpu_fused_moe reads contiguous float32 weights and int32 ids
+        return weights.contiguous(), ids.to(topk_indices_dtype or torch.int32).contiguous()
+
+    runner.router.select_experts = select_experts
+
+
+def _hook_monolithic(runner, tables: RouterTables, layer: int, tokens: StepTokens) -> None:
+    """A fused kernel that routes inside itself: only a logits bias can act (plain masks per phase,
+    no budgets); anything else is refused by name at start."""
+    bias = tables.mask_bias(layer)
+    if bias is None:
+        fields = sorted({k for cp in tables.policies[layer] for k in cp.policy.to_json() if k != "keep"})
+        raise ValueError(f"this vLLM build routes layer {layer} inside a monolithic fused-MoE kernel, which applies "
+                         f"only plain keep (mask) pools; the plan uses {', '.join(fields)} there: serve it with a "
+                         f"modular fused-MoE backend (the CPU one is) or moetailor's engine")
+    bias = bias.to(tokens.decode.device)
+    apply_quant = runner._apply_quant_method
 
     def apply_with_bias(hidden_states, router_logits, *args, **kwargs):
         T = router_logits.shape[0]
         phase = tokens.decode[:T].long()                                              # [T]
-        router_logits = router_logits + bias.to(router_logits.dtype)[phase]           # [T, E]
-        return apply_quant(hidden_states, router_logits, *args, **kwargs)
+        return apply_quant(hidden_states, router_logits + bias.to(router_logits.dtype)[phase], *args, **kwargs)
 
-    def select_with_budget(hidden_states, router_logits, *args, **kwargs):
-        weights, ids = select(hidden_states, router_logits, *args, **kwargs)          # [T, K]
-        if not (tokens.any_budget or trims_phase):
-            return weights, ids
-        T = weights.shape[0]
-        k = torch.minimum(tokens.k[:T], phase_k_t[tokens.decode[:T].long()])          # [T]
-        rank = weights.argsort(dim=-1, descending=True).argsort(dim=-1)               # [T, K]
-        kept = weights.masked_fill(rank >= k[:, None], 0.0)
-        if renormalise:
-            kept = kept / kept.sum(dim=-1, keepdim=True)
-        return kept.to(weights.dtype).contiguous(), ids
+    runner._apply_quant_method = apply_with_bias
 
-    if bias is not None:
-        runner._apply_quant_method = apply_with_bias
-    runner.router.select_experts = select_with_budget
+
+class RouteRecorder:
+    """Opt-in (``additional_config: {"moetailor_record_routes": true}``): per layer, the distinct
+    experts the kernel reads summed over decode-only steps, and the number of such steps, in
+    device buffers updated in place by the hooks (graph-safe). Read with ``totals``."""
+
+    def __init__(self, layers: list[int], num_experts: int, device):
+        self.index = {layer: n for n, layer in enumerate(layers)}
+        self.num_experts = num_experts
+        self.sums = torch.zeros(len(layers), 2, dtype=torch.float64, device=device)  # [L, (experts, steps)]
+
+    def record(self, layer: int, ids: torch.Tensor, live: torch.Tensor, decode: torch.Tensor) -> None:
+        E = self.num_experts
+        used = torch.zeros(E + 1, dtype=torch.float64, device=ids.device)
+        rows = torch.where(live[:, None], ids.long(), E)                             # [T, W] padding -> E
+        used.index_add_(0, rows.reshape(-1), torch.ones(rows.numel(), dtype=torch.float64, device=ids.device))
+        decode_step = ((live & ~decode).sum() == 0) & (live.sum() > 0)                # [] no prefill token
+        row = torch.stack([(used[:E] > 0).sum().double(), torch.ones((), dtype=torch.float64, device=ids.device)])
+        self.sums[self.index[layer]].add_(row * decode_step.double())
+
+    def totals(self) -> dict:
+        sums = self.sums.cpu().tolist()
+        return {layer: {"experts": s[0], "steps": int(s[1])} for layer, (s) in zip(self.index, sums)}
+
+    def reset(self) -> None:
+        self.sums.zero_()

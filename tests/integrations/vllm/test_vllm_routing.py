@@ -1,0 +1,162 @@
+"""The plugin's routing hook as a function (no vLLM needed): for every LayerPolicy the engine
+applies, ``step_routes`` on a step that mixes prefill and decode tokens and budgets gives each
+token the routes the engine's ``route`` gives it, reads no expert the engine's kept routes do not
+read, and traces into one graph (no host read, no data-dependent branch)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetailor.integrations.vllm.routing import LayerRouting, redirect_dropped, step_routes
+from moetailor.models.architectures import RouterSemantics
+from moetailor.routing import CompiledPolicy, FoldTables, LayerPolicy, route
+
+E, K, T = 16, 4, 14
+SEM = RouterSemantics(num_experts=E, top_k=K, scoring="softmax", normalise=True)
+SEM_NO_NORM = RouterSemantics(num_experts=E, top_k=K, scoring="softmax", normalise=False)
+POOL = tuple(range(0, E, 2))
+
+POLICIES = {
+    "full": LayerPolicy(),
+    "mask": LayerPolicy(keep=POOL),
+    "drop": LayerPolicy(keep=POOL, pool_mode="drop"),
+    "fold": LayerPolicy(keep=POOL, pool_mode="fold"),
+    "top_k": LayerPolicy(top_k=2),
+    "skip": LayerPolicy(skip_beta=0.5),
+    "token_fold": LayerPolicy(token_keep=2),
+    "token_drop": LayerPolicy(token_keep=2, fold=False),
+    "batch_fold": LayerPolicy(batch_pool=5),
+    "batch_drop": LayerPolicy(batch_pool=5, fold=False),
+    "stacked": LayerPolicy(keep=POOL[:6] + (1, 3), pool_mode="fold", top_k=3, skip_beta=0.2, batch_pool=6),
+}
+
+
+def fold_tables(seed: int = 0) -> FoldTables:
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(E, E, generator=g) * 1.5
+    loss = torch.rand(E, E, generator=g)
+    loss[torch.rand(E, E, generator=g) < 0.2] = float("inf")    # unobserved pairs
+    scale.fill_diagonal_(1.0), loss.fill_diagonal_(0.0)
+    return FoldTables(scale, loss, torch.rand(E, generator=g) + 0.5)
+
+
+def step(seed: int = 0, n: int = T):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, E, generator=g) * 2                                 # [T, E]
+    decode = torch.rand(n, generator=g) < 0.6                                  # [T]
+    token_k = torch.randint(1, K + 1, (n,), generator=g)                      # [T]
+    token_k[::3] = K                                                           # some requests set no budget
+    return logits, decode, token_k
+
+
+def dense(weights, index, n_experts=E):
+    """[T, E] weight per (token, expert): what the experts compute, however the routes are written."""
+    out = torch.zeros(index.shape[0], n_experts + 1, dtype=torch.float64)
+    out.scatter_add_(1, index.long(), weights.double())
+    return out[:, :n_experts]
+
+
+def layer(prefill: LayerPolicy, decode: LayerPolicy, sem=SEM) -> LayerRouting:
+    tables = fold_tables()
+    cps = [CompiledPolicy.build(p, sem, "cpu", tables) for p in (prefill, decode)]
+    width = max(p.top_k or sem.top_k for p in (prefill, decode))
+    return LayerRouting(sem, cps[0], cps[1], width)
+
+
+def engine_routes(logits, cp, sem, token_k):
+    """The engine's routes for the tokens of one of its steps (a step has one phase)."""
+    return route(logits, sem, cp, None, token_k)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("sem", [SEM, SEM_NO_NORM], ids=["renormalised", "softmax-over-all"])
+def test_each_policy_gives_the_engines_routes_in_a_mixed_step(name, sem):
+    policy = POLICIES[name]
+    lr = layer(LayerPolicy(keep=POOL[:5] + (1, 3, 5)) if name != "full" else LayerPolicy(), policy, sem)
+    logits, decode, token_k = step(seed=hash(name) % 1000)
+    live = torch.ones(T, dtype=torch.bool)
+    w, i = step_routes(logits, lr, live, decode, token_k)
+    assert w.dtype == torch.float32 and i.shape == w.shape == (T, lr.width)
+    assert bool(((i >= 0) & (i < E)).all()), "no sentinel or negative id may reach vLLM's kernel"
+    got = dense(w, i)
+    used = set()
+    for phase, cp in ((False, lr.prefill), (True, lr.decode)):
+        rows = decode == phase
+        ew, ei = engine_routes(logits[rows], cp, sem, token_k[rows])
+        torch.testing.assert_close(got[rows], dense(ew, ei), rtol=1e-6, atol=1e-7)
+        used |= {int(e) for e in ei[(ei < E)].tolist()}
+    assert {int(e) for e in i.reshape(-1).tolist()} <= used, "a dropped route must not make the step read an expert"
+
+
+def test_budgets_cut_the_experts_a_step_reads():
+    lr = layer(LayerPolicy(), LayerPolicy())
+    logits, decode, _ = step(seed=3, n=8)
+    live = torch.ones(8, dtype=torch.bool)
+    full = step_routes(logits, lr, live, decode, torch.full((8,), K))[1]
+    cut = step_routes(logits, lr, live, decode, torch.full((8,), 1))[1]
+    assert len(set(cut.reshape(-1).tolist())) == len(set(cut[:, 0].tolist())) < len(set(full.reshape(-1).tolist()))
+
+
+def test_padding_tokens_rank_in_no_batch_pool():
+    lr = layer(LayerPolicy(), POLICIES["batch_fold"])
+    logits, _, token_k = step(seed=5)
+    decode = torch.ones(T, dtype=torch.bool)
+    live = torch.arange(T) < 6
+    w, i = step_routes(logits, lr, live, decode, token_k)
+    ew, ei = engine_routes(logits[:6], lr.decode, SEM, token_k[:6])
+    torch.testing.assert_close(dense(w, i)[:6], dense(ew, ei), rtol=1e-6, atol=1e-7)
+
+
+def test_redirect_keeps_a_token_with_no_kept_route_on_a_step_expert():
+    index = torch.tensor([[E, E], [3, E], [E, 7]])
+    weights = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    w, i = redirect_dropped(weights, index, E)
+    assert i.tolist() == [[3, 3], [3, 3], [7, 7]] and w.tolist() == [[0, 0], [1, 0], [0, 1]]
+    w, i = redirect_dropped(torch.zeros(2, 2), torch.full((2, 2), E), E)   # nothing kept at all: expert 0
+    assert i.tolist() == [[0, 0], [0, 0]]
+
+
+def test_hook_traces_to_one_graph_that_follows_every_step():
+    """vLLM's CPU backend traces once and drops guards (CUDA graphs capture once): the hook must not
+    graph-break or read a per-step value, and the one graph must follow budgets and phases."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    lr = layer(POLICIES["stacked"], POLICIES["batch_fold"])
+    compiled = torch.compile(step_routes, fullgraph=True, backend="eager", dynamic=True)
+    for seed in range(3):
+        logits, decode, token_k = step(seed=seed, n=T + seed)
+        live = torch.ones(T + seed, dtype=torch.bool)
+        if seed == 2:
+            decode[:] = True
+            token_k[:] = K
+        want = step_routes(logits, lr, live, decode, token_k)
+        got = compiled(logits, lr, live, decode, token_k)
+        torch.testing.assert_close(got[0], want[0]), torch.testing.assert_close(got[1], want[1])
+
+
+def test_route_recorder_counts_decode_steps_inside_a_traced_graph():
+    """The recorder's in-place counters survive tracing (functionalised input mutation)."""
+    import torch._dynamo
+
+    from moetailor.integrations.vllm.routing import RouteRecorder
+
+    torch._dynamo.reset()
+    lr = layer(LayerPolicy(), LayerPolicy())
+    rec = RouteRecorder([7], E, "cpu")
+
+    def hooked(logits, live, decode, token_k):
+        w, i = step_routes(logits, lr, live, decode, token_k)
+        rec.record(7, i, live, decode)
+        return w, i
+
+    compiled = torch.compile(hooked, fullgraph=True, backend="aot_eager", dynamic=True)
+    want = 0
+    for seed, all_decode in ((0, False), (1, True), (2, True)):
+        logits, decode, token_k = step(seed=seed, n=T + seed)
+        decode[:] = decode | all_decode
+        live = torch.arange(T + seed) < T        # the last `seed` tokens are padding
+        i = compiled(logits, live, decode, token_k)[1]
+        if bool(decode[:T].all()):
+            want += len(set(i[:T].reshape(-1).tolist()))
+    assert rec.totals() == {7: {"experts": want, "steps": 2}}
