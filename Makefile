@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm demo test test-vllm train-reference clean
+.PHONY: setup setup-vllm setup-vllm-nixl demo test test-vllm train-reference clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,16 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q 'pytest>=8' 'pytest-timeout>=2.3' 'openai>=1.30' 'httpx>=0.27' rich tqdm matplotlib ninja
 	$(VLLM_PY) -c "import vllm, moetailor.integrations.vllm"
 	touch $(VLLM_STAMP)
+
+# Optional: NIXL for the disaggregated pair on vLLM's own NixlConnector (UCX; on CPU through shared
+# memory). The `nixl` meta package picks nixl_cuXX by the CUDA version it detects and, with none (torch
+# CPU), takes whichever nixl_cuXX is installed; its wheel requires both nixl-cu12 and nixl-cu13, so
+# it goes in with --no-deps next to nixl-cu12 only (a 68 MB wheel), whose own requirements (torch, numpy) are there.
+# Nothing imports nixl unless a NixlConnector is configured; without it the pair uses MoetailorConnector.
+NIXL_VERSION := 1.5.1
+setup-vllm-nixl: $(VLLM_STAMP)
+	$(VLLM_PY) -m pip install -q --no-deps nixl-cu12==$(NIXL_VERSION) nixl==$(NIXL_VERSION)
+	$(VLLM_PY) -c "from nixl._api import nixl_agent, nixl_agent_config; nixl_agent('check', nixl_agent_config(backends=['UCX']))"
 
 test-vllm: setup-vllm
 	$(VLLM_PY) -m pytest tests/integrations/vllm -v

@@ -53,6 +53,8 @@ def register(sub) -> None:
 
     from ..integrations.vllm.bench import register_bench as register_vllm_bench
     register_vllm_bench(bsub, common)   # `bench vllm` (runs in the vLLM environment: make setup-vllm)
+    from ..integrations.vllm.kbench import register_bench as register_vllm_k_bench
+    register_vllm_k_bench(bsub, common)   # `bench vllm-k`: split checkpoint, FIFO vs the k-aware scheduler
 
     d = bsub.add_parser("decode", help="decode step time, tokens/s, expert traffic and bandwidth per pool and batch")
     d.add_argument("--model", default="both", help="'synthetic', 'reference', 'both', or a local checkpoint path")
