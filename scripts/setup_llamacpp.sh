@@ -55,6 +55,7 @@ SHARE=$VENV/share/llama.cpp
 rm -rf "$SHARE" && mkdir -p "$SHARE"
 tar -xzf "$SDIST" -C "$SHARE" --strip-components=3 \
     "llama_cpp_python-$VERSION/vendor/llama.cpp/convert_hf_to_gguf.py" \
+    "llama_cpp_python-$VERSION/vendor/llama.cpp/conversion" \
     "llama_cpp_python-$VERSION/vendor/llama.cpp/gguf-py"
 "$PY" -m pip install -q "$SHARE/gguf-py"
 "$PY" -m pip install -q sentencepiece
