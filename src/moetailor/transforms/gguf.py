@@ -108,12 +108,11 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str | None:
 # ---- llama.cpp's converter ------------------------------------------------------------------------
 def converter_dir() -> Path:
     """Where llama.cpp's convert_hf_to_gguf.py and its conversion/ package are, or a clear error."""
-    candidates = []
-    if os.environ.get(CONVERTER_ENV):
-        candidates.append(Path(os.environ[CONVERTER_ENV]))
-    candidates.append(Path(sys.prefix) / "share" / "llama.cpp")
-    checkout = Path(__file__).resolve().parents[3]       # a source checkout: its .venv-llamacpp
-    candidates.append(checkout / ".venv-llamacpp" / "share" / "llama.cpp")
+    if os.environ.get(CONVERTER_ENV):          # when set, the only place looked at
+        candidates = [Path(os.environ[CONVERTER_ENV])]
+    else:
+        checkout = Path(__file__).resolve().parents[3]       # a source checkout: its .venv-llamacpp
+        candidates = [Path(sys.prefix) / "share" / "llama.cpp", checkout / ".venv-llamacpp" / "share" / "llama.cpp"]
     for path in candidates:
         if (path / "convert_hf_to_gguf.py").is_file() and (path / "conversion" / "__init__.py").is_file():
             return path
