@@ -125,3 +125,14 @@ def test_cli_rejects_a_top_k_above_the_models(tmp_path, capsys):
     assert main(["export", "gguf", "reference", "--expert-top-k", "9", "--allow-routing-difference",
                  "--out", str(tmp_path / "m.gguf")]) == 2
     assert "[1, 8]" in capsys.readouterr().err
+
+
+def test_shapes_llamacpps_loaders_reject_are_named():
+    from moetailor.transforms.gguf import loader_problem
+
+    assert loader_problem(tiny_config("olmoe")) and "KV heads" in loader_problem(tiny_config("olmoe"))
+    assert loader_problem(tiny_config("olmoe", num_key_value_heads=4)) is None
+    assert "26 or 27" in loader_problem(tiny_config("deepseek_v3"))          # q_lora_rank=null at 2 layers
+    assert loader_problem(tiny_config("deepseek_v3", q_lora_rank=16)) is None
+    assert loader_problem(tiny_config("deepseek_v3", layers=27)) is None
+    assert loader_problem(tiny_config("qwen2_moe")) is None

@@ -11,7 +11,8 @@ a moetailor checkpoint needs beyond a hub one, through a subclass of the convert
   the bundled tokenizer (trained here) is in no table; its tokenizer.json says what it does (digits
   split one by one, then GPT-2's byte-level regex), which is llama.cpp's "refact" pre-tokenizer, so
   that name is written (plain byte-level: "gpt-2");
-- metadata: no BOS token is added (the bundled tokenizer has none; llama.cpp's BPE default would
+- metadata: DeepSeek-V3's sigmoid expert scores (the converter reads them from a hub config's
+  ``scoring_func``, which transformers does not write); no BOS token is added (the bundled tokenizer has none; llama.cpp's BPE default would
   otherwise name id 11), the expert budget a plan sets per token (``<arch>.expert_used_count``), and
   where the experts came from (``moetailor.*``: source, kept expert ids per layer).
 
@@ -86,6 +87,21 @@ def routing_difference(config) -> str | None:
             f"{spec.norm_key}={str(ours).lower()}, so the GGUF would compute a different model from the same weights")
 
 
+def loader_problem(config) -> str | None:
+    """A shape llama.cpp's loader for this architecture rejects (checked here, before converting), or None."""
+    model_type = arch_spec(config).model_type
+    if model_type == "olmoe" and config.num_key_value_heads != config.num_attention_heads:
+        return (f"llama.cpp's olmoe loader sizes attn_k_norm for as many KV heads as query heads (as OLMoE-1B-7B has), "
+                f"but this checkpoint has {config.num_key_value_heads} KV heads for {config.num_attention_heads} "
+                "query heads; llama.cpp cannot load it")
+    if model_type == "deepseek_v3" and getattr(config, "q_lora_rank", None) is None \
+            and config.num_hidden_layers not in (26, 27):
+        return (f"llama.cpp's deepseek2 loader takes a model without a query LoRA (q_lora_rank=null) only at 26 or 27 "
+                f"layers (it recognises DeepSeek-V2-Lite by its depth), and this checkpoint has "
+                f"{config.num_hidden_layers}; llama.cpp cannot load it")
+    return None
+
+
 def pre_tokenizer_name(tokenizer_json: dict) -> str | None:
     """llama.cpp's pre-tokenizer that splits text as this tokenizer.json does (byte-level BPE only), or None.
     llama.cpp applies a pre-tokenizer's regexes one after another, as a tokenizers ``Sequence`` does."""
@@ -136,7 +152,7 @@ def import_converter():
     return conversion
 
 
-def _converter_class(base, *, untie: bool, pre_tokenizer: str | None, top_k: int | None, extra: dict):
+def _converter_class(base, *, untie: bool, pre_tokenizer: str | None, top_k: int | None, sigmoid: bool, extra: dict):
     """A subclass of the converter's class for this architecture, doing what moetailor's checkpoints need."""
     import gguf
 
@@ -159,6 +175,11 @@ def _converter_class(base, *, untie: bool, pre_tokenizer: str | None, top_k: int
             if top_k is not None:
                 w.remove_key(gguf.Keys.LLM.EXPERT_USED_COUNT.format(arch=w.arch))
                 w.add_expert_used_count(top_k)
+            gating = gguf.Keys.LLM.EXPERT_GATING_FUNC.format(arch=w.arch)
+            if sigmoid and not any(gating in kv for kv in w.kv_data):
+                # the converter reads a hub config's scoring_func, which transformers does not save: without
+                # it llama.cpp's deepseek2 falls back to softmax scores
+                w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
             for key, value in extra.items():
                 if isinstance(value, list):
                     w.add_array(f"moetailor.{key}", value)
@@ -247,6 +268,9 @@ def export_gguf(source: str | Path, out: str | Path, outtype: str = "f32", *, to
     model_k = int(config.num_experts_per_tok)
     if top_k is not None and not 1 <= top_k <= model_k:
         raise ValueError(f"expert top-k {top_k} must be in [1, {model_k}] (the model's k)")
+    problem = loader_problem(config)
+    if problem:
+        raise ValueError(problem)
     note = routing_difference(config)
     if note and not allow_routing_difference:
         raise ValueError(f"{note}. Pass --allow-routing-difference to export it anyway (e.g. to compare speed on the "
@@ -259,7 +283,7 @@ def export_gguf(source: str | Path, out: str | Path, outtype: str = "f32", *, to
     base = conversion.get_model_class(conversion.get_model_architecture(hparams, conversion.ModelType.TEXT))
     untie = bool(getattr(config, "tie_word_embeddings", False))
     pre = _pre_tokenizer_for(source, conversion, base)
-    cls = _converter_class(base, untie=untie, pre_tokenizer=pre, top_k=top_k,
+    cls = _converter_class(base, untie=untie, pre_tokenizer=pre, top_k=top_k, sigmoid=spec.scoring == "sigmoid-grouped",
                            extra={"source": str(source), **pruned_metadata(source), **(extra or {})})
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]

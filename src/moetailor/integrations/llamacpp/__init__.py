@@ -25,14 +25,19 @@ except ImportError as e:   # pragma: no cover - depends on the environment
 
 
 def load(path: str | Path, *, n_ctx: int = 512, n_threads: int = 1, top_k: int | None = None,
-         arch: str | None = None) -> "llama_cpp.Llama":
+         arch: str | None = None, kv_cache: str = "f32") -> "llama_cpp.Llama":
     """A llama.cpp model and context; ``top_k`` routes that many experts per token
-    (``kv_overrides={"<arch>.expert_used_count": top_k}``, llama-cli's --override-kv)."""
+    (``kv_overrides={"<arch>.expert_used_count": top_k}``, llama-cli's --override-kv). The KV cache is
+    f32 unless ``kv_cache="f16"`` (llama.cpp's default, which moves logits by ~2e-3 against fp32)."""
     overrides = None
     if top_k is not None:
         overrides = {f"{arch or architecture(path)}.expert_used_count": int(top_k)}
     return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=n_threads,
-                           n_threads_batch=n_threads, kv_overrides=overrides, verbose=False, seed=0)
+                           n_threads_batch=n_threads, kv_overrides=overrides, verbose=False, seed=0,
+                           type_k=KV_TYPES[kv_cache], type_v=KV_TYPES[kv_cache])
+
+
+KV_TYPES = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16}
 
 
 def architecture(path: str | Path) -> str:
@@ -87,13 +92,14 @@ class BatchedDecoder:
     """Greedy decoding of B sequences together in one llama.cpp context (one ``llama_decode`` per step for all
     of them, each sequence its own ``seq_id``): llama-cpp-python's ``Llama`` runs one sequence at a time."""
 
-    def __init__(self, llm, max_seqs: int, n_ctx: int, n_threads: int = 1):
+    def __init__(self, llm, max_seqs: int, n_ctx: int, n_threads: int = 1, kv_cache: str = "f32"):
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_ctx
         params.n_ubatch = n_ctx
         params.n_seq_max = max_seqs
         params.kv_unified = True
+        params.type_k = params.type_v = KV_TYPES[kv_cache]
         params.n_threads = params.n_threads_batch = n_threads
         self.llm = llm
         self.ctx = llama_cpp.llama_init_from_model(llm.model, params)
