@@ -44,15 +44,13 @@ test-vllm: setup-vllm
 # 2 cores; the wheel is cached under ~/.cache/moetailor keyed on the CPU's flags, so a re-run or a
 # clean clone on the same processor reuses it), plus the sdist's own convert_hf_to_gguf.py and gguf
 # package, torch and moetailor (for `moetailor export gguf` and the comparison tests).
+# The script keeps its own stamp (.venv-llamacpp/.installed holds the CPU key): it returns at once when
+# the environment is current for this processor, and reinstalls the wheel built for it when not.
 LLAMACPP_VENV := .venv-llamacpp
 LLAMACPP_PY := $(LLAMACPP_VENV)/bin/python
-LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
 
-setup-llamacpp: $(LLAMACPP_STAMP)
-
-$(LLAMACPP_STAMP): pyproject.toml scripts/setup_llamacpp.sh
+setup-llamacpp:
 	PYTHON=$(PYTHON) scripts/setup_llamacpp.sh $(LLAMACPP_VENV)
-	touch $(LLAMACPP_STAMP)
 
 test-llamacpp: setup-llamacpp
 	$(LLAMACPP_PY) -m pytest tests/integrations/llamacpp -v

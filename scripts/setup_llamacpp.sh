@@ -24,8 +24,17 @@ cpu_key() {
       echo "$CMAKE_FLAGS"; } | sha256sum | cut -c1-16
 }
 
-WHEEL_DIR=$CACHE/wheels/llama-cpp-python-$VERSION-$(cpu_key)
+KEY=$(cpu_key)
+WHEEL_DIR=$CACHE/wheels/llama-cpp-python-$VERSION-$KEY
 PY=$VENV/bin/python
+STAMP=$VENV/.installed
+
+# Up to date: set up on this processor, after the last change of the dependencies or of this script.
+# A stamp from another processor means its native wheel may not run here: the wheel is replaced.
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt "$0" ]; then
+    exit 0
+fi
+rm -f "$STAMP"
 
 test -x "$PY" || "$PYTHON" -m venv "$VENV"
 "$PY" -m pip install -q --upgrade pip
@@ -61,3 +70,4 @@ tar -xzf "$SDIST" -C "$SHARE" --strip-components=3 \
 "$PY" -m pip install -q sentencepiece
 
 "$PY" -c "import llama_cpp, gguf, moetailor; print('llama.cpp', llama_cpp.__version__, 'gguf', gguf.__file__)"
+echo "$KEY" > "$STAMP"
