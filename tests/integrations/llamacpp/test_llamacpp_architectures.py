@@ -50,3 +50,27 @@ def test_tiny_model_full_and_pruned_match_the_engine(arch, tmp_path):
         for ids, first, expected in zip(prompt_ids, firsts, want):
             assert top_logprob_gap(first, last_logits(llm, ids)) < TOLERANCE, (arch, gguf_path.name)
             assert greedy(llm, ids, 12, {0}) == expected, (arch, gguf_path.name)
+
+
+def test_split_checkpoint_and_its_elastic_budget(tmp_path):
+    """A `moetailor split` checkpoint (MoE-Prism sub-experts) is a stock MoE: its file computes what the
+    engine computes, and a smaller sub-expert budget is llama.cpp's expert_used_count."""
+    from moetailor.cli.main import main
+    from moetailor.engine import LLM
+
+    src, split = tmp_path / "model", tmp_path / "split"
+    tiny_checkpoint("qwen3_moe", src)
+    assert main(["split", str(src), "--parts", "4", "--method", "random", "--data", "tasks", "--tokens", "2048",
+                 "--seq-len", "128", "--out", str(split)]) == 0                 # 32 sub-experts, top-8
+    out = tmp_path / "split.gguf"
+    assert main(["export", "gguf", str(split), "--out", str(out)]) == 0
+    engine = LLM(str(split))
+    outputs = {}
+    for k in (None, 3):
+        want, firsts, prompt_ids = engine_run(engine, PROMPTS, max_tokens=12, expert_top_k=k)
+        llm = load(out, top_k=k)
+        outputs[k] = [greedy(llm, ids, 12, {0}) for ids in prompt_ids]
+        assert outputs[k] == want, k
+        for ids, first in zip(prompt_ids, firsts):
+            assert top_logprob_gap(first, last_logits(llm, ids)) < TOLERANCE, k
+    assert outputs[3] != outputs[None]                 # the budget changes outputs
