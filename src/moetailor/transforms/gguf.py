@@ -207,7 +207,7 @@ def _pre_tokenizer_for(source: Path, conversion, base) -> str | None:
     tok = json.loads(path.read_text())
     from transformers import AutoTokenizer
 
-    probe = base.__new__(base)
+    probe = base.__new__(base)    # get_vocab_base_pre reads only the tokenizer: no need to index the weights
     logger = logging.getLogger("hf-to-gguf")
     level = logger.level
     logger.setLevel(logging.CRITICAL)     # the converter prints a banner before it raises
@@ -224,6 +224,12 @@ def _pre_tokenizer_for(source: Path, conversion, base) -> str | None:
                          f"({json.dumps(tok.get('pre_tokenizer'))[:160]}) and moetailor knows no llama.cpp "
                          "equivalent of it (it maps plain byte-level BPE to 'gpt-2' and digits + byte-level to 'refact')")
     return name
+
+
+def _default_rope(record: logging.LogRecord) -> bool:
+    """transformers 5 writes ``rope_type: "default"`` (no scaling), which the converter does not name but
+    handles as no scaling: its warning would only alarm."""
+    return record.getMessage() != "Unknown RoPE type: default"
 
 
 @dataclass
@@ -291,12 +297,14 @@ def export_gguf(source: str | Path, out: str | Path, outtype: str = "f32", *, to
     level = logger.level
     if not verbose:
         logger.setLevel(logging.WARNING)
+    logger.addFilter(_default_rope)
     try:
         with atomic_path(out) as tmp, torch.inference_mode():
             model = cls(source, ftype, tmp, model_name=source.name)
             model.write()
     finally:
         logger.setLevel(level)
+        logger.removeFilter(_default_rope)
     return GGUFExport(Path(out), target.name, spec.num_experts(config), top_k or model_k, model_k, outtype, pre, untie,
                       note, Path(out).stat().st_size)
 
