@@ -198,7 +198,7 @@ def _converter_class(base, *, untie: bool, pre_tokenizer: str | None, top_k: int
     return MoetailorModel
 
 
-def _pre_tokenizer_for(source: Path, conversion, base) -> str | None:
+def _pre_tokenizer_for(source: Path, base) -> str | None:
     """None when llama.cpp's own table knows the tokenizer (hub models); else moetailor's reading of
     tokenizer.json, or a clear error."""
     path = source / "tokenizer.json"
@@ -288,7 +288,7 @@ def export_gguf(source: str | Path, out: str | Path, outtype: str = "f32", *, to
     hparams = conversion.ModelBase.load_hparams(source, False)
     base = conversion.get_model_class(conversion.get_model_architecture(hparams, conversion.ModelType.TEXT))
     untie = bool(getattr(config, "tie_word_embeddings", False))
-    pre = _pre_tokenizer_for(source, conversion, base)
+    pre = _pre_tokenizer_for(source, base)
     cls = _converter_class(base, untie=untie, pre_tokenizer=pre, top_k=top_k, sigmoid=spec.scoring == "sigmoid-grouped",
                            extra={"source": str(source), **pruned_metadata(source), **(extra or {})})
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
