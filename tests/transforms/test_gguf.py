@@ -136,3 +136,41 @@ def test_shapes_llamacpps_loaders_reject_are_named():
     assert loader_problem(tiny_config("deepseek_v3", q_lora_rank=16)) is None
     assert loader_problem(tiny_config("deepseek_v3", layers=27)) is None
     assert loader_problem(tiny_config("qwen2_moe")) is None
+
+
+def _converter_available() -> bool:
+    from moetailor.transforms.gguf import converter_dir
+
+    try:
+        converter_dir()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _converter_available(), reason="llama.cpp's converter is not installed: `make setup-llamacpp`")
+def test_export_from_this_environment_writes_the_plan_into_the_file(tmp_path):
+    """With .venv-llamacpp present, the verb runs from moetailor's own environment too (the converter is
+    pure Python); a plan's kept experts and top_k end up in the file's metadata."""
+    from moetailor.models.tiny import tiny_model
+    from moetailor.plans import uniform_plan
+    from moetailor.routing import LayerPolicy
+    from moetailor.transforms.gguf import import_converter
+
+    src = tmp_path / "model"
+    model = tiny_model("qwen3_moe", num_experts=8, top_k=2, vocab=8192)
+    model.save_pretrained(src)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (src / name).write_bytes((ASSETS / "reference" / name).read_bytes())
+    model.moetailor_source = str(src)
+    plan = uniform_plan(model, decode=LayerPolicy(keep=(1, 3, 4, 6), top_k=1)).save(tmp_path / "plan.json")
+    out = tmp_path / "m.gguf"
+    assert main(["export", "gguf", str(src), "--plan", str(plan), "--out", str(out)]) == 0
+    import_converter()
+    import gguf
+
+    kv = {k: f.contents() for k, f in gguf.GGUFReader(str(out)).fields.items()}
+    assert kv["general.architecture"] == "qwen3moe" and kv["qwen3moe.expert_count"] == 4
+    assert kv["qwen3moe.expert_used_count"] == 1 and kv["moetailor.kept.0"] == [1, 3, 4, 6]
+    assert kv["tokenizer.ggml.pre"] == "refact"
+    assert not list(tmp_path.glob(".moetailor-gguf-*")) and not list(tmp_path.glob(".m.gguf.tmp-*"))
