@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm setup-vllm-nixl demo test test-vllm train-reference clean
+.PHONY: setup setup-vllm setup-vllm-nixl setup-llamacpp demo test test-vllm test-llamacpp train-reference clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,21 @@ setup-vllm-nixl: $(VLLM_STAMP)
 
 test-vllm: setup-vllm
 	$(VLLM_PY) -m pytest tests/integrations/vllm -v
+
+# llama.cpp in its own environment: llama-cpp-python compiled from its PyPI sdist (8-13 minutes on
+# 2 cores; the wheel is cached under ~/.cache/moetailor keyed on the CPU's flags, so a re-run or a
+# clean clone on the same processor reuses it), plus the sdist's own convert_hf_to_gguf.py and gguf
+# package, torch and moetailor (for `moetailor export gguf` and the comparison tests).
+# The script keeps its own stamp (.venv-llamacpp/.installed holds the CPU key): it returns at once when
+# the environment is current for this processor, and reinstalls the wheel built for it when not.
+LLAMACPP_VENV := .venv-llamacpp
+LLAMACPP_PY := $(LLAMACPP_VENV)/bin/python
+
+setup-llamacpp:
+	PYTHON=$(PYTHON) scripts/setup_llamacpp.sh $(LLAMACPP_VENV)
+
+test-llamacpp: setup-llamacpp
+	$(LLAMACPP_PY) -m pytest tests/integrations/llamacpp -v
 
 demo: setup
 	$(VENV)/bin/moetailor demo

@@ -1,0 +1,114 @@
+"""Decode throughput: llama.cpp beside moetailor's engine on the same weights, one run (.venv-llamacpp).
+
+    flock /tmp/moetailor-heavy.lock .venv-llamacpp/bin/python scripts/llamacpp_vs_engine.py --batch 1 8 32
+
+Both sides run the same function: the bundled model's weights with norm_topk_prob=false (llama.cpp's
+qwen2moe graph never renormalises the top-k weights, so the engine loads a copy of the checkpoint whose
+config says so), f32 on both sides, the GGUF written by `moetailor export gguf`. With ``--plan`` the
+same again for the checkpoint pruned to the plan's decode experts (`moetailor prune`, then exported).
+Decode throughput is measured as scripts/engine_vs_hf.py does: B * (N - 1) / (t(N) - t(1)), the time of
+an N-token greedy generation minus a 1-token one (prefill only), best of ``--repeats``, EOS ignored.
+llama.cpp runs the B sequences together in one context (``BatchedDecoder``: one ``llama_decode`` per
+step, one seq_id per sequence; llama-cpp-python's ``Llama`` itself decodes one sequence at a time).
+Greedy outputs of the two sides are compared token for token.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_vs_hf import engine_decode, heldout_prompts   # noqa: E402
+
+
+def llamacpp_decode(decoder, prompts, new_tokens: int, repeats: int) -> tuple[float, list[list[int]]]:
+    best, outs = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        decoder.generate(prompts, 1)
+        t1 = time.perf_counter()
+        outs = decoder.generate(prompts, new_tokens)
+        best = min(best, (time.perf_counter() - t1) - (t1 - t0))
+    return len(prompts) * (new_tokens - 1) / best, outs
+
+
+def unnormalised_copy(source: Path, dest: Path) -> Path:
+    """``source`` with norm_topk_prob=false (weights linked): the function llama.cpp computes from them."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        target = dest / f.name
+        if target.exists() or target.is_symlink():
+            target.unlink()
+        if f.name == "config.json":
+            target.write_text(json.dumps({**json.loads(f.read_text()), "norm_topk_prob": False}, indent=1))
+        elif f.is_file():
+            target.symlink_to(f.resolve())
+    return dest
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=48)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--plan", default=None, help="also compare the checkpoint pruned to this plan's decode experts")
+    ap.add_argument("--out", default="build/llamacpp_vs_engine")
+    args = ap.parse_args()
+
+    from moetailor.cli.main import main as cli
+    from moetailor.engine import LLM
+    from moetailor.integrations.llamacpp import BatchedDecoder, load
+    from moetailor.models.loading import load_tokenizer, resolve_model_path
+    from moetailor.tables import print_table
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    models = {"full": unnormalised_copy(resolve_model_path("reference"), out / "reference-unnormalised")}
+    if args.plan:
+        pruned = out / "reference-pruned"
+        assert cli(["prune", "reference", args.plan, "--out", str(pruned), "--overwrite"]) == 0
+        models["pruned"] = unnormalised_copy(pruned, out / "reference-pruned-unnormalised")
+    n = max(args.batch)
+    tokenizer = load_tokenizer("reference")
+    prompts_all = heldout_prompts(tokenizer, n, args.prompt_len)
+    n_ctx = n * (args.prompt_len + args.new_tokens) + 16
+    rows = []
+    for name, path in models.items():
+        gguf = out / f"{name}.gguf"
+        assert cli(["export", "gguf", str(path), "--out", str(gguf), "--overwrite"]) == 0
+        engine = LLM(str(path), max_num_seqs=n)
+        llm = load(gguf, n_threads=args.threads)
+        with BatchedDecoder(llm, max_seqs=n, n_ctx=n_ctx, n_threads=args.threads) as decoder:
+            engine_decode(engine, prompts_all[:2], 4, 1)                    # warm-up
+            llamacpp_decode(decoder, prompts_all[:2], 4, 1)
+            for b in args.batch:
+                prompts = prompts_all[:b]
+                load_avg = os.getloadavg()[0]
+                e_tok_s, e_out, _ = engine_decode(engine, prompts, args.new_tokens, args.repeats)
+                l_tok_s, l_out = llamacpp_decode(decoder, prompts, args.new_tokens, args.repeats)
+                same = sum(list(a) == list(b_) for a, b_ in zip(e_out, l_out))
+                row = {"model": name, "batch": b, "engine": e_tok_s, "llama.cpp": l_tok_s, "identical": f"{same}/{b}",
+                       "load": load_avg}
+                print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+                rows.append(row)
+        del llm, engine
+    print_table(f"decode tok/s, bundled model (norm_topk_prob=false), f32, {args.prompt_len}-token prompts, "
+                f"{args.new_tokens} new tokens, {args.threads} threads",
+                ["model", "batch", "engine tok/s", "llama.cpp tok/s", "llama.cpp / engine", "identical greedy", "load"],
+                [(r["model"], r["batch"], f"{r['engine']:.0f}", f"{r['llama.cpp']:.0f}",
+                  f"{r['llama.cpp'] / r['engine']:.2f}x", r["identical"], f"{r['load']:.2f}") for r in rows])
+    (out / "results.json").write_text(json.dumps({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
+                                                  "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
