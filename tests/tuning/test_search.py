@@ -100,3 +100,17 @@ def test_a_checkpoint_scored_layer_by_layer(tmp_path):
     assert all(r["candidate"]["pool_mode"] == "mask" for r in tuner.scored.values())
     with pytest.raises(ValueError, match="--max-kl"):
         tune(path, tmp_path / "out2", min_quality=0.9, budget=0.5, stream="on", tasks="addition")
+
+
+def test_speed_targets_projected_on_a_gpu_and_measured_by_the_engine(tmp_path):
+    path = save("qwen3_moe", tmp_path / "model")
+    kw = dict(max_kl=10.0, criteria=("reap",), allocation=False, fold=False)
+    tuner, result = tune(path, tmp_path / "gpu", min_tok_s=2e5, gpu="h200", model_shape="qwen3-30b-a3b", batch=256,
+                         **kw)
+    speeds = [(r["pool_share"], r["tok_s"]) for r in sorted(result.points, key=lambda r: r["pool_share"])]
+    assert all(r["tok_s_kind"] == "projected h200 qwen3-30b-a3b" for r in result.points)
+    assert all(a[1] >= b[1] for a, b in zip(speeds, speeds[1:]))      # a smaller pool projects faster
+    if result.choice.met:
+        assert result.choice.chosen["tok_s"] >= 2e5
+    tuner, result = tune(path, tmp_path / "engine", min_tok_s=1e-3, batch=2, **kw)
+    assert all(r["tok_s"] > 0 and r["tok_s_kind"].startswith("measured") for r in result.points)
