@@ -114,3 +114,20 @@ def test_speed_targets_projected_on_a_gpu_and_measured_by_the_engine(tmp_path):
         assert result.choice.chosen["tok_s"] >= 2e5
     tuner, result = tune(path, tmp_path / "engine", min_tok_s=1e-3, batch=2, **kw)
     assert all(r["tok_s"] > 0 and r["tok_s_kind"].startswith("measured") for r in result.points)
+
+
+@pytest.mark.slow     # distils, then serves through the disaggregated engine's two worker processes
+def test_distillation_adds_a_served_decoder_point(tmp_path):
+    path = save("qwen2_moe", tmp_path / "model")
+    tok = char_tokenizer()
+    llm = LLM(load_model(path), tokenizer=tok, max_num_seqs=8)
+    prompts = [f"sort {a} {b}\n" for a in range(3) for b in range(3)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps({"prompt": p, "answer": o.text.strip(), "match": "contains"}) + "\n"
+                               for p, o in zip(prompts, outs) if o.text.strip()))
+    tuner, result = tune(path, tmp_path / "out", data=str(traffic), min_quality=0.5, budget=0.5, evaluate=1,
+                         criteria=("reap",), allocation=False, fold=False, top_k=False, distill_steps=2)
+    distilled = [r for r in result.points if r.get("distilled")]
+    assert len(distilled) == 1 and distilled[0]["key"].endswith("+distilled2")
+    assert (tmp_path / "out" / "distilled").is_dir() and "of_full" in distilled[0]

@@ -461,16 +461,22 @@ class Tuner:
         from ..engine import SamplingParams
 
         llm = self._llm()
-        room = [llm.max_model_len - len(self.tokenizer(p)["input_ids"]) - 1 for p in prompts]
-        if min(room) < 1:
-            raise ValueError(f"a prompt leaves no room to generate within the model's {llm.max_model_len} tokens; "
-                             "shorten the prompts")
         llm.set_plan(plan)
-        try:      # a user task's default length budget may exceed a small model's context
-            return llm.generate(prompts, [SamplingParams(max_tokens=min(b, r), temperature=0.0)
-                                          for b, r in zip(budgets, room)])
+        try:
+            return llm.generate(prompts, self._params(prompts, budgets))
         finally:
             llm.set_plan(None)
+
+    def _params(self, prompts: list[str], budgets: list[int]) -> list:
+        """Greedy sampling within each task's length budget and the model's context (a user task's default
+        budget may exceed a small model's context)."""
+        from ..engine import SamplingParams
+
+        limit = self._llm().max_model_len
+        room = [limit - len(self.tokenizer(p)["input_ids"]) - 1 for p in prompts]
+        if min(room) < 1:
+            raise ValueError(f"a prompt leaves no room to generate within the model's {limit} tokens; shorten it")
+        return [SamplingParams(max_tokens=min(b, r), temperature=0.0) for b, r in zip(budgets, room)]
 
     def _examples(self):
         from ..eval.runner import task_budget
@@ -495,10 +501,9 @@ class Tuner:
             c = Candidate.from_json(r["candidate"])
             if decode_model is not None:
                 from ..engine.disagg import DisaggregatedLLM
-                from ..engine import SamplingParams
                 with DisaggregatedLLM(str(self.path), decode_model=decode_model, tokenizer=self.tokenizer,
                                       max_num_seqs=64) as llm:
-                    outs = llm.generate(prompts, [SamplingParams(max_tokens=b, temperature=0.0) for b in budgets])
+                    outs = llm.generate(prompts, self._params(prompts, budgets))
             else:
                 outs = self._generate(None if c.is_full(self.E) else self.plan(c), prompts, budgets)
             gens = [score_output(ex, o, b) for (ex, b), o in zip(examples, outs)]
