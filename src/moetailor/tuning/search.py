@@ -569,13 +569,21 @@ class Tuner:
             for r in above:
                 if left <= 0 or run(r):
                     break
-        # second opinions at the target: the next best by KL among all servable candidates there
+        # second opinions at the target, where KL may rank techniques unlike accuracy does: the best
+        # of each kind (masked / folded, uniform / per-layer sizes, top-k) first, then the next best by KL
         pool = sorted((r for r in self.scored.values() if self.at_target(r) and r not in done and not self._is_probe(r)
                        and self._allowed(Candidate.from_json(r["candidate"]))
                        and not Candidate.from_json(r["candidate"]).is_full(self.E)
                        and (not inside or r["budget"] >= inside[-1]["budget"] - self.step / self.E - 1e-9)),
                       key=lambda r: r["kl"])
-        for r in pool[:max(0, left)]:
+        kind = lambda r: (r["candidate"]["pool_mode"], r["candidate"]["allocation"], r["candidate"]["top_k"])  # noqa
+        seen = {kind(r) for r in done}
+        firsts = []
+        for r in pool:
+            if kind(r) not in seen:
+                seen.add(kind(r))
+                firsts.append(r)
+        for r in (firsts + [r for r in pool if r not in firsts])[:max(0, left)]:
             run(r)
         return done
 
