@@ -1,0 +1,115 @@
+"""`moetailor tune MODEL --data TRAFFIC --min-quality 0.97 --budget 0.5 --out DIR`: the plan to serve
+for the user's traffic, the Pareto front it was chosen from, and the evidence per point."""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from ..tables import print_table
+
+
+def register(sub) -> None:
+    from ..tuning.search import CRITERIA, SERVABLE
+
+    p = sub.add_parser("tune", help="search plans (criteria, pool sizes, per-layer sizes, folding, top-k, optional "
+                       "distillation) for the cheapest one that keeps a quality floor on your traffic at a budget or "
+                       "speed; writes the plan, the Pareto front (table, PNG) and the evidence per point")
+    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    p.add_argument("--data", default=None,
+                   help="your traffic, as for `calibrate --data`: FILE.jsonl (\"text\", \"prompt\"+\"completion\", chat "
+                   "\"messages\", or \"prompt\"+\"answer\" lines: then also the tasks, calibrated on the full model's "
+                   "own answers) | FILE.txt | tasks | text | mix | ... (default for 'reference': tasks)")
+    p.add_argument("--tasks", default=None, help="prompts with answers for --min-quality, as for `eval --tasks` "
+                   "(default: --data when it holds prompt/answer lines; 'all' for 'reference' on tasks)")
+    floor = p.add_argument_group("quality floor (one or both)")
+    floor.add_argument("--min-quality", type=float, default=None,
+                       help="share of the full model's task accuracy to keep, e.g. 0.97")
+    floor.add_argument("--max-kl", type=float, default=None,
+                       help="bound on next-token KL to the full model on held-out traffic text (nats/token)")
+    target = p.add_argument_group("target (one)")
+    target.add_argument("--budget", type=float, default=None,
+                        help="share of routed expert weights a decode step may read at --batch, e.g. 0.5")
+    target.add_argument("--min-tok-s", type=float, default=None,
+                        help="decode tokens/s at --batch: measured with the engine here, or projected with --gpu")
+    target.add_argument("--gpu", default=None, help="project --min-tok-s on this GPU (as `bench project`)")
+    target.add_argument("--model-shape", default=None, help="with --gpu: the model shape to project (bench project)")
+    target.add_argument("--context", type=int, default=1024, help="with --gpu: mean context per sequence")
+    p.add_argument("--batch", type=int, default=64, help="decode batch the budget and speed are taken at (default 64)")
+    search = p.add_argument_group("search space")
+    search.add_argument("--criteria", default=",".join(CRITERIA), help="criteria to compare (default: all four)")
+    search.add_argument("--no-fold", action="store_true", help="leave folding out")
+    search.add_argument("--no-allocation", action="store_true", help="leave per-layer sizes from sensitivity out")
+    search.add_argument("--no-top-k", action="store_true", help="leave top-k reduction out")
+    search.add_argument("--servable", choices=SERVABLE, default="engine",
+                        help="engine (default: every technique) or vllm (plans vLLM's plugin runs: masked pools, top-k)")
+    search.add_argument("--distill", type=int, default=0, metavar="STEPS",
+                        help="also distil the best plan at the target for STEPS steps (heavy; 0 = off)")
+    search.add_argument("--distill-lr", type=float, default=1e-3)
+    cost = p.add_argument_group("proxy and evaluation sizes")
+    cost.add_argument("--calib-tokens", type=int, default=200_000, help="calibration tokens (default 200000)")
+    cost.add_argument("--kl-tokens", type=int, default=4096, help="held-out traffic tokens per KL score (default 4096)")
+    cost.add_argument("--kl-window", type=int, default=128)
+    cost.add_argument("--n", type=int, default=50, help="prompts per task for accuracy (a file: its first N lines)")
+    cost.add_argument("--evaluate", type=int, default=8, help="candidates given the full task evaluation (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
+                   help="score layer by layer from the shards (auto: when the model does not fit in memory)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    p.add_argument("--out", required=True, help="output folder (an earlier run's cache there is reused)")
+    p.add_argument("--overwrite", action="store_true", help="recompute cached results that do not fit this run")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..calibration.data import default_data_spec
+    from ..tuning.search import Tuner, TuneSettings, rows
+
+    data = default_data_spec(args.model, args.data)
+    command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["tune"] else ""
+    settings = TuneSettings(
+        model=args.model, data=data, out=Path(args.out), tasks=args.tasks, min_quality=args.min_quality,
+        max_kl=args.max_kl, budget=args.budget, min_tok_s=args.min_tok_s, gpu=args.gpu, model_shape=args.model_shape,
+        context=args.context, batch=args.batch, criteria=tuple(c.strip() for c in args.criteria.split(",") if c.strip()),
+        fold=not args.no_fold, allocation=not args.no_allocation, top_k=not args.no_top_k, servable=args.servable,
+        calib_tokens=args.calib_tokens, kl_tokens=args.kl_tokens, kl_window=args.kl_window, n=args.n,
+        evaluate=args.evaluate, distill_steps=args.distill, distill_lr=args.distill_lr, seed=args.seed,
+        stream=args.stream, dtype=args.dtype, overwrite=args.overwrite, command=command)
+    tuner = Tuner(settings)
+    result = tuner.run()
+    cols, table = rows(tuner, result, result.front)
+    target = (f"budget {settings.budget:g}" if settings.budget is not None else
+              f">= {settings.min_tok_s:g} tok/s" if settings.min_tok_s is not None else "no target")
+    floor = " and ".join(x for x in (f">= {settings.min_quality:.0%} of the full model's accuracy"
+                                     if settings.min_quality is not None else None,
+                                     f"KL <= {settings.max_kl:g}" if settings.max_kl is not None else None) if x)
+    s = result.summary
+    evaluated = (f"{len(result.points) - 1} evaluated on {s['prompts']} prompts" if result.quality == "accuracy"
+                 else "the floor is the held-out KL")
+    print_table(f"Pareto front ({result.quality} vs budget at batch {settings.batch}; {s['candidates_scored']} plans "
+                f"scored by held-out traffic KL, {evaluated}; {s['seconds']:.0f} s) -> {args.out}", cols, table)
+    c = result.choice
+    if c.met:
+        print(f"chosen: {c.chosen['label']} (budget {c.chosen['budget']:.3f}) meets {floor} at {target} -> "
+              f"{result.plan_path}")
+        print(f"serve it: moetailor serve {args.model} --decode-plan {result.plan_path}   |   vLLM: "
+              + (f"additional_config={{\"moetailor_decode_plan\": \"{result.plan_path}\"}}" if c.chosen.get("vllm")
+                 else "this plan folds routes, which vLLM's plugin does not run; rerun with --servable vllm"))
+        return 0
+    print(f"no plan meets {floor} at {target}.")
+    out = Path(args.out)
+    if c.cheapest_meeting_floor is not None:
+        r = c.cheapest_meeting_floor
+        where = (f"--decode-model {r['distilled']}" if r.get("distilled") else
+                 "the full model" if r["label"] == "full model" else str(out / "cheapest-meeting-floor.json"))
+        print(f"  cheapest plan meeting the floor: {r['label']} (budget {r['budget']:.3f}) -> {where}")
+    else:
+        print("  no evaluated plan meets the floor")
+    if c.best_at_target is not None:
+        r = c.best_at_target
+        q = (f"{100 * r['of_full']:.1f}% of full" if r.get("of_full") is not None else f"KL {r['kl']:.4f}")
+        print(f"  best quality at the target: {r['label']} ({q}, budget {r['budget']:.3f}) -> "
+              + (f"--decode-model {r['distilled']}" if r.get("distilled") else str(out / "best-at-target.json")))
+    else:
+        print("  no evaluated plan reaches the target")
+    return 1

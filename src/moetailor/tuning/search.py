@@ -1,0 +1,760 @@
+"""The staged search behind `moetailor tune`: cheap proxies first, task accuracy on the few best.
+
+Stages (each candidate's evidence is cached in ``OUT/candidates/KEY.json``, so a rerun resumes):
+
+1. calibrate on the traffic once (``calibration.calibrate``, with fold tables; streamed layer by layer
+   for a checkpoint that does not fit): ``OUT/stats.safetensors``. A traffic file of prompt/answer
+   lines (the ``eval --tasks`` format) is calibrated on the full model's own decode traces: each
+   prompt with the full model's greedy completion (``OUT/traces.jsonl``), since the decode pool
+   must reproduce what the full model decodes, not the prompts;
+2. score every criterion at coarse uniform pool sizes by next-token KL to the full model on held-out
+   traffic windows (the traffic stream after the calibration tokens; ``eval.metrics.HeldoutScorer``:
+   first half prefilled by the full model, KL on the decode half under the candidate);
+3. for the best criterion: every pool size on the fine grid, masked and folded; per-layer sizes
+   under a fixed total from measured layer sensitivity (``tuning.sensitivity``); top-k reduction
+   on the proxy front where the batch makes it pay;
+4. task accuracy on the user's prompts (``eval`` scorers, through the engine) for the full model and
+   the few proxy-front candidates nearest the target, walking the front until the floor is bracketed;
+5. optionally distil the best plan at the target (``transforms.distill``) and evaluate it served as
+   deployed (prefill on the original model, decode on the distilled checkpoint).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..outputs import write_json
+from .candidates import Candidate, candidate_plan
+from .front import Choice, choose, paired, pareto
+
+CRITERIA = ("frequency", "mass", "ean", "reap")
+SERVABLE = ("engine", "vllm")
+CACHE_VERSION = 1
+
+
+@dataclass
+class TuneSettings:
+    model: str
+    data: str                           # the traffic: a calibration data spec (``calibrate --data``)
+    out: Path
+    tasks: str | None = None            # prompts with answers for --min-quality (None: from data when it has them)
+    min_quality: float | None = None    # share of the full model's task accuracy
+    max_kl: float | None = None         # bound on held-out traffic KL (nats per token)
+    budget: float | None = None         # target: share of expert weights a decode step reads
+    min_tok_s: float | None = None      # target: decode tokens/s (engine-measured, or projected with gpu)
+    gpu: str | None = None
+    model_shape: str | None = None
+    context: int = 1024                 # mean context for the projection
+    batch: int = 64                     # decode batch the budget and speed are taken at
+    criteria: tuple[str, ...] = CRITERIA
+    fold: bool = True
+    allocation: bool = True
+    top_k: bool = True
+    servable: str = "engine"
+    calib_tokens: int = 200_000
+    kl_tokens: int = 4096
+    kl_window: int = 128
+    n: int = 50                         # prompts per task (built-in) or the first n lines (a file)
+    evaluate: int = 8                   # candidates given the full task evaluation (besides the full model)
+    distill_steps: int = 0
+    distill_lr: float = 1e-3
+    seed: int = 0
+    stream: str = "auto"
+    dtype: str = "auto"
+    overwrite: bool = False
+    command: str = ""
+
+    def validate(self) -> None:
+        from ..calibration.data import parse_data_spec
+        from ..plans.criteria import CRITERIA as KNOWN
+
+        parse_data_spec(self.data)
+        if self.min_quality is None and self.max_kl is None:
+            raise ValueError("give a quality floor: --min-quality SHARE (of the full model's task accuracy) "
+                             "and/or --max-kl NATS (held-out KL on the traffic)")
+        if self.min_quality is not None and not 0 < self.min_quality <= 1:
+            raise ValueError(f"--min-quality {self.min_quality} must be a share in (0, 1], e.g. 0.97")
+        if self.max_kl is not None and self.max_kl < 0:
+            raise ValueError(f"--max-kl {self.max_kl} must be >= 0 nats")
+        if self.budget is not None and self.min_tok_s is not None:
+            raise ValueError("give one target: --budget SHARE or --min-tok-s N, not both")
+        if self.budget is not None and not 0 < self.budget <= 1:
+            raise ValueError(f"--budget {self.budget} must be a share in (0, 1], e.g. 0.5")
+        if self.min_tok_s is not None and self.min_tok_s <= 0:
+            raise ValueError(f"--min-tok-s {self.min_tok_s} must be positive")
+        if (self.gpu is None) != (self.model_shape is None):
+            raise ValueError("a projected speed needs both --gpu and --model-shape (as `moetailor bench project`)")
+        if self.gpu is not None and self.min_tok_s is None:
+            raise ValueError("--gpu/--model-shape project a speed target: also give --min-tok-s N")
+        if self.gpu is not None:
+            from ..bench.roofline import GPUS, SHAPES
+            if self.gpu not in GPUS or self.model_shape not in SHAPES:
+                raise ValueError(f"unknown --gpu {self.gpu!r} or --model-shape {self.model_shape!r}; GPUs: "
+                                 f"{', '.join(GPUS)}; shapes: {', '.join(SHAPES)}")
+        bad = [c for c in self.criteria if c not in KNOWN]
+        if bad or not self.criteria:
+            raise ValueError(f"unknown criterion {bad[0] if bad else ''!r}; valid: {', '.join(KNOWN)}")
+        if self.servable not in SERVABLE:
+            raise ValueError(f"--servable {self.servable!r}: choose from {', '.join(SERVABLE)}")
+        for name in ("batch", "calib_tokens", "kl_tokens", "n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.kl_window < 8:
+            raise ValueError(f"--kl-window must be at least 8 tokens, got {self.kl_window}")
+        if self.kl_tokens < self.kl_window:
+            raise ValueError(f"--kl-tokens {self.kl_tokens} is less than one --kl-window of {self.kl_window}")
+        if self.evaluate < 0 or self.distill_steps < 0:
+            raise ValueError("--evaluate and --distill must be >= 0")
+
+
+@dataclass
+class TuneResult:
+    points: list[dict]                  # every scored candidate's evidence (full model first)
+    front: list[dict]                   # the Pareto front the choice was made on
+    choice: Choice
+    quality: str                        # "accuracy" or "kl"
+    full: dict
+    plan_path: Path | None
+    summary: dict = field(default_factory=dict)
+
+
+def _digest(data) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def is_task_traffic(spec) -> bool:
+    """Whether a traffic file holds prompt/answer lines (the ``eval --tasks`` format) rather than text."""
+    from ..calibration.data import parse_data_spec
+
+    spec = parse_data_spec(spec)
+    if spec.kind != "file" or spec.path.suffix != ".jsonl":
+        return False
+    with spec.path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    return False       # calibrate's reader names the bad line
+                return isinstance(row, dict) and "answer" in row and "text" not in row and "completion" not in row
+    return False
+
+
+def heldout_traffic_windows(tokenizer, data: str, skip: int, tokens: int, window: int) -> list[list[int]]:
+    """Full windows of the traffic stream after the first ``skip`` tokens (what calibration read):
+    text the statistics did not see, as long as the traffic holds more than ``skip + tokens`` tokens."""
+    from ..calibration.data import iter_token_windows
+
+    drop = -(-skip // window)
+    out = [w for i, w in enumerate(iter_token_windows(tokenizer, data, (drop * window) + tokens, window))
+           if i >= drop and len(w) == window]
+    if not out:
+        raise ValueError(f"--kl-tokens {tokens} give no full window of {window} tokens; raise --kl-tokens")
+    return out
+
+
+class Tuner:
+    """One `moetailor tune` run (see the module docstring). ``log`` receives one line per step."""
+
+    def __init__(self, settings: TuneSettings, log=None, progress: bool = True):
+        settings.validate()
+        self.s = settings
+        self.log = log or (lambda m: print(m, file=sys.stderr))
+        self.progress = progress
+        self.out = Path(settings.out)
+        self.scored: dict[str, dict] = {}
+        self.plans: dict[str, object] = {}
+
+    # ---- set-up ----------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        from ..calibration.data import iter_documents, parse_data_spec
+        from ..models import load_tokenizer, resolve_model_path
+        from ..models.checkpoint import should_stream, working_dtype
+        from ..outputs import check_output
+
+        s = self.s
+        self.path = resolve_model_path(s.model)
+        check_output(self.out, overwrite=True, directory=True, replaces=False,
+                     inputs=(self.path, parse_data_spec(s.data).path))
+        self.tokenizer = load_tokenizer(s.model)
+        self.task_traffic = is_task_traffic(s.data)
+        if not self.task_traffic:
+            next(iter_documents(s.data, s.seed, self.tokenizer))   # a bad traffic file fails here, as in calibrate
+        self.tasks = self._tasks()
+        if s.min_quality is not None and not self.tasks:
+            raise ValueError("--min-quality needs prompts with answers: pass --tasks FILE.jsonl (lines with "
+                             "\"prompt\" and \"answer\", as for `moetailor eval --tasks`) or use --max-kl")
+        self.dtype = working_dtype(s.dtype, self.path)
+        self.streamed = should_stream(self.path, self.dtype, s.stream)
+        if self.streamed and self.tasks and s.min_quality is not None:
+            raise ValueError("this checkpoint is evaluated layer by layer (it does not fit in memory), where the "
+                             "engine cannot run tasks; use --max-kl NATS as the floor (or --stream off)")
+        if self.streamed and s.min_tok_s is not None and s.gpu is None:
+            raise ValueError("a layer-streamed checkpoint cannot be timed by the engine; project the speed with "
+                             "--gpu and --model-shape, or use --budget")
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "candidates").mkdir(exist_ok=True)
+        (self.out / "plans").mkdir(exist_ok=True)
+        if self.streamed:
+            from ..models.streamed import LayerStream
+            self.model = LayerStream(self.path, self.dtype).model    # meta skeleton: fingerprint and routers
+        else:
+            from ..models import load_model
+            self.model = load_model(s.model, dtype=self.dtype)
+        from ..models.loading import model_fingerprint, weights_hash
+        self.fp = model_fingerprint(self.model)
+        self.E, self.k, self.layers = self.fp["num_experts"], self.fp["top_k"], list(self.fp["moe_layers"])
+        from ..models.groups import fingerprint_semantics, min_per_group
+        sem = fingerprint_semantics(self.fp)
+        n_group = sem.n_group if sem is not None else 1
+        step = max(1, self.E // 16)
+        self.step = -(-step // n_group) * n_group     # grouped routers: the same count in every group
+        self.min_pool = max(self.k, n_group * min_per_group(sem)) if sem is not None else self.k
+        self.weights = weights_hash(self.model) if not self.streamed else _digest(
+            [self.fp, sorted((p.name, p.stat().st_size) for p in self.path.glob("*.safetensors"))])
+
+    def _tasks(self) -> list:
+        from ..eval.user_tasks import select_tasks
+
+        spec = self.s.tasks
+        if spec is None and self.task_traffic:
+            spec = self.s.data
+        if spec is None and str(self.s.model) == "reference" and self.s.data.split(":")[0] in ("tasks", "mix",
+                                                                                                  "mixture"):
+            spec = "all" if self.s.data in ("tasks", "mix") or self.s.data.startswith("mixture") else \
+                self.s.data.split(":", 1)[1]
+        return select_tasks(spec) if spec else []
+
+    # ---- stage 1: calibration (and decode traces) -------------------------------------------------
+    def _traces(self) -> str:
+        """For prompt/answer traffic: each prompt with the full model's greedy completion, as text lines."""
+        from ..eval.runner import task_budget
+        from ..eval.user_tasks import load_user_tasks
+
+        path = self.out / "traces.jsonl"
+        tasks = load_user_tasks(self.s.data)
+        ident = _digest([self.weights, [t.digest for t in tasks]])
+        marker = self.out / "traces.identity"
+        if path.is_file() and marker.is_file() and marker.read_text().strip() == ident:
+            return str(path)
+        examples = [ex for t in tasks for ex in t.examples(None, self.tokenizer)]
+        self.log(f"decode traces: the full model answers the {len(examples)} traffic prompts (calibration text)")
+        outs = self._generate(None, [ex.prompt for ex in examples], [task_budget(t, self.tokenizer) for t in tasks
+                                                                     for _ in t.items])
+        lines = [json.dumps({"text": ex.prompt + o.text}) for ex, o in zip(examples, outs)]
+        from ..outputs import write_text
+        write_text(path, "\n".join(lines) + "\n")
+        write_text(marker, ident + "\n")
+        return str(path)
+
+    def _stats(self):
+        from ..calibration import ExpertStats, StatsMismatch, calibrate
+        from ..calibration.data import parse_data_spec
+
+        data = self.calib_data
+        path = self.out / "stats.safetensors"
+        want = (parse_data_spec(data).name, self.s.calib_tokens)
+        if path.exists():
+            stats = ExpertStats.load(path)
+            try:
+                stats.check_model(self.model)
+                fits = (stats.meta.get("data"), stats.meta.get("tokens")) == want and (stats.has_fold or self.streamed)
+            except StatsMismatch:
+                fits = False
+            if fits:
+                self.log(f"reusing {path} ({stats.meta['tokens']:,} tokens of {stats.meta['data']})")
+                return stats, path
+            if not self.s.overwrite:
+                raise ValueError(f"{path} holds statistics of another model or traffic; pass --overwrite or a "
+                                 "fresh --out")
+        self.log(f"calibrating on {self.s.calib_tokens:,} tokens of {data} ...")
+        if self.streamed:
+            from ..calibration.streaming import calibrate_streamed
+            stats = calibrate_streamed(self.path, self.tokenizer, data, self.s.calib_tokens, dtype=self.dtype,
+                                       seed=self.s.seed, progress=self.progress, command=self.s.command)
+        else:
+            stats = calibrate(self.model, self.tokenizer, data, self.s.calib_tokens, seed=self.s.seed,
+                              fold=self.s.fold, progress=self.progress, command=self.s.command)
+        stats.save(path)
+        return stats, path
+
+    # ---- scoring ---------------------------------------------------------------------------------
+    def _identity(self) -> dict:
+        return {"version": CACHE_VERSION, "weights": self.weights, "stats": self.stats.meta.get("data_sha256"),
+                "windows": _digest(self.windows), "kind": "streamed" if self.streamed else "phase-aware"}
+
+    def plan(self, c: Candidate):
+        if c.key not in self.plans:
+            self.plans[c.key] = candidate_plan(c, self.stats, self.fp, str(self.stats_path.resolve()),
+                                               tune_data=self.s.data)
+        return self.plans[c.key]
+
+    def _cache(self, c: Candidate) -> Path:
+        return self.out / "candidates" / f"{c.key}.json"
+
+    def _read(self, c: Candidate) -> dict | None:
+        path = self._cache(c)
+        if not path.is_file():
+            return None
+        try:
+            record = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            return None
+        if record.get("identity") == self.identity:
+            return record
+        if self.s.overwrite:
+            return None
+        raise ValueError(f"{path} was computed for another model, traffic or setting; pass --overwrite to "
+                         "recompute, or choose a fresh --out")
+
+    def score(self, c: Candidate) -> dict:
+        """The candidate's proxy evidence (cached): budget and held-out traffic KL."""
+        if c.key in self.scored:
+            return self.scored[c.key]
+        record = self._read(c)
+        if record is None:
+            t0 = time.time()
+            if c.is_full(self.E):
+                kl = 0.0
+            elif self.streamed:
+                from ..eval.streamed_kl import heldout_kl_streamed
+                kl = heldout_kl_streamed(self.path, self.windows, plan=self.plan(c), dtype=self.dtype,
+                                         progress=False).kl
+            else:
+                kl = self.scorer.score(None, self.plan(c).decode).kl
+            record = {"identity": self.identity, "candidate": c.to_json(), "kl": kl,
+                      "kl_seconds": round(time.time() - t0, 2)}
+            write_json(self._cache(c), record)
+        record = {**record, "key": c.key, "label": c.describe(self.E),
+                  "budget": round(c.read_share(self.E, self.k, self.s.batch), 6),
+                  "pool_share": round(c.pool_share(self.E), 6), "vllm": c.runs_on_vllm()}
+        self.scored[c.key] = record
+        return record
+
+    def _score_all(self, cands: list[Candidate], desc: str) -> list[dict]:
+        from tqdm import tqdm
+
+        out = []
+        for c in tqdm(cands, desc=desc, unit="plan", disable=not self.progress, file=sys.stderr, leave=False):
+            out.append(self.score(c))
+        return out
+
+    # ---- stages 2-3: the proxy search -----------------------------------------------------------
+    def _allowed(self, c: Candidate) -> bool:
+        return self.s.servable == "engine" or c.runs_on_vllm()
+
+    def _uniform(self, criterion: str, size: int, mode: str = "mask") -> Candidate:
+        return Candidate(criterion, (size,) * len(self.layers), mode)
+
+    def _proxy_target(self) -> float:
+        """The budget the proxy search centres on: --budget, or the full pool for a speed target."""
+        return self.s.budget if self.s.budget is not None else 0.5
+
+    def search(self) -> list[dict]:
+        from .sensitivity import allocate, grid, measure_curves, measured_sizes
+
+        fine = [m for m in grid(self.E, self.min_pool, self.step) if m < self.E]
+        coarse_step = max(self.step, -(-self.E // 8 // self.step) * self.step)
+        coarse = [m for m in grid(self.E, self.min_pool, coarse_step) if m < self.E] or fine
+        # stage 2: criteria at coarse sizes
+        by_criterion = {}
+        for crit in self.s.criteria:
+            by_criterion[crit] = self._score_all([self._uniform(crit, m) for m in coarse], f"criterion {crit}")
+        target = self._proxy_target()
+        nearest = min(coarse, key=lambda m: abs(m / self.E - target))
+        best = min(self.s.criteria, key=lambda c: (next(r["kl"] for r in by_criterion[c]
+                                                        if r["candidate"]["sizes"][0] == nearest),
+                                                   sum(r["kl"] for r in by_criterion[c])))
+        self.best_criterion = best
+        self.log(f"best criterion on the traffic: {best} (KL at {nearest}/{self.E}: "
+                 + ", ".join(f"{c} {next(r['kl'] for r in by_criterion[c] if r['candidate']['sizes'][0] == nearest):.4f}"
+                             for c in self.s.criteria) + ")")
+        modes = ["mask"] + (["fold"] if self.s.fold and not self.streamed and self.s.servable == "engine" else [])
+        cands = [self._uniform(best, m, mode) for m in fine for mode in modes]
+        self._score_all(cands, f"{best} pools")
+        # stage 3: per-layer sizes from measured sensitivity, every total on the fine grid
+        if self.s.allocation and len(self.layers) > 1 and not self.streamed:
+            sizes = measured_sizes(self.E, self.min_pool, self.step)
+            from tqdm import tqdm
+            bar = tqdm(total=len(sizes) * len(self.layers), desc="layer sensitivity", unit="plan",
+                       disable=not self.progress, file=sys.stderr, leave=False)
+
+            def kl_of(alloc: list[int]) -> float:
+                return self.score(Candidate(best, tuple(alloc), "mask", allocation="uniform"))["kl"]
+            curves = measure_curves(kl_of, len(self.layers), self.E, sizes, progress=bar.update)
+            bar.close()
+            self.sensitivity = {"criterion": best, "sizes": sizes,
+                                "curves": [{str(m): round(v, 6) for m, v in c.items()} for c in curves]}
+            allocs = []
+            for m in fine:
+                alloc = allocate(curves, m * len(self.layers), self.E, self.min_pool, self.step)
+                if alloc is not None and len(set(alloc)) > 1:
+                    allocs += [Candidate(best, tuple(alloc), mode, allocation="sensitivity") for mode in modes]
+            self._score_all(allocs, "sensitivity allocations")
+        # stage 3b: top-k reduction where the decode batch makes it read fewer experts
+        if self.s.top_k:
+            front = self.proxy_front()
+            extra = []
+            for r in front:
+                c = Candidate.from_json(r["candidate"])
+                if c.top_k is not None or c.is_full(self.E):
+                    continue
+                for k2 in range(self.k - 1, max(1, self.k // 2) - 1, -1):
+                    c2 = Candidate(c.criterion, c.sizes, c.pool_mode, k2, c.allocation)
+                    if c.read_share(self.E, self.k, self.s.batch) - c2.read_share(self.E, self.k, self.s.batch) >= 0.01:
+                        extra.append(c2)
+            self._score_all(extra, "top-k reduction")
+        return list(self.scored.values())
+
+    def proxy_front(self) -> list[dict]:
+        """Lowest held-out KL for each budget, among servable candidates (probes excluded)."""
+        pts = [r for r in self.scored.values() if self._allowed(Candidate.from_json(r["candidate"]))
+               and not self._is_probe(r)]
+        return pareto(pts, cost=lambda r: r["budget"], quality=lambda r: -r["kl"])
+
+    def _is_probe(self, r: dict) -> bool:
+        c = Candidate.from_json(r["candidate"])
+        return c.allocation == "uniform" and len(set(c.sizes)) > 1
+
+    # ---- speed ----------------------------------------------------------------------------------
+    def speed(self, r: dict) -> float | None:
+        """Decode tokens/s of a point at --batch: projected on --gpu, or measured by the engine."""
+        if self.s.min_tok_s is None:
+            return None
+        if "tok_s" in r:
+            return r["tok_s"]
+        if self.s.gpu is not None:
+            from ..bench.roofline import GPUS, SHAPES, step_cost
+            cost = step_cost(SHAPES[self.s.model_shape], GPUS[self.s.gpu], self.s.batch, self.s.context,
+                             keep=min(1.0, r["pool_share"]))
+            r["tok_s"], r["tok_s_kind"] = round(cost.throughput, 1), f"projected {self.s.gpu} {self.s.model_shape}"
+        else:
+            from ..bench.measure import engine_decode, make_llm
+            if not hasattr(self, "_bench_llm"):
+                self._bench_llm = make_llm(self.model, self.s.batch, 16 + 10 + 4)
+            c = Candidate.from_json(r["candidate"])
+            self._bench_llm.set_plan(None if c.is_full(self.E) else self.plan(c))
+            result = engine_decode(self._bench_llm, self.s.batch, 16, 10)
+            self._bench_llm.set_plan(None)
+            r["tok_s"], r["tok_s_kind"] = round(result.tokens_per_s, 1), "measured (engine, this machine)"
+        return r["tok_s"]
+
+    def at_target(self, r: dict) -> bool:
+        if self.s.min_tok_s is not None:
+            return self.speed(r) >= self.s.min_tok_s
+        if self.s.budget is not None:
+            return r["budget"] <= self.s.budget + 1e-9
+        return True
+
+    # ---- stage 4: task accuracy on the few best ----------------------------------------------------
+    def _llm(self):
+        if not hasattr(self, "_engine"):
+            from ..engine import LLM
+            self._engine = LLM(self.model, tokenizer=self.tokenizer, max_num_seqs=64)
+        return self._engine
+
+    def _generate(self, plan, prompts: list[str], budgets: list[int]):
+        from ..engine import SamplingParams
+
+        llm = self._llm()
+        llm.set_plan(plan)
+        try:
+            return llm.generate(prompts, self._params(prompts, budgets))
+        finally:
+            llm.set_plan(None)
+
+    def _params(self, prompts: list[str], budgets: list[int]) -> list:
+        """Greedy sampling within each task's length budget and the model's context (a user task's default
+        budget may exceed a small model's context)."""
+        from ..engine import SamplingParams
+
+        limit = self._llm().max_model_len
+        room = [limit - len(self.tokenizer(p)["input_ids"]) - 1 for p in prompts]
+        if min(room) < 1:
+            raise ValueError(f"a prompt leaves no room to generate within the model's {limit} tokens; shorten it")
+        return [SamplingParams(max_tokens=min(b, r), temperature=0.0) for b, r in zip(budgets, room)]
+
+    def _examples(self):
+        from ..eval.runner import task_budget
+        from ..eval.user_tasks import task_examples
+
+        if not hasattr(self, "_ex"):
+            budgets = {t.name: task_budget(t, self.tokenizer) for t in self.tasks}
+            self._ex = [(ex, budgets[t.name]) for t in self.tasks
+                        for ex in task_examples(t, self.s.n, self.s.seed, self.tokenizer)]
+            self._task_identity = _digest([[(ex.task, ex.prompt, ex.answer) for ex, _ in self._ex], budgets])
+        return self._ex
+
+    def evaluate(self, r: dict, decode_model: str | None = None) -> dict:
+        """Greedy accuracy on the tasks (cached in the candidate's file), paired against the full model."""
+        from ..eval.metrics import accuracy, length_stats, score_output
+
+        examples = self._examples()
+        cached = r.get("tasks")
+        if not (cached and cached.get("identity") == self._task_identity):
+            t0 = time.time()
+            prompts, budgets = [ex.prompt for ex, _ in examples], [b for _, b in examples]
+            c = Candidate.from_json(r["candidate"])
+            if decode_model is not None:
+                from ..engine.disagg import DisaggregatedLLM
+                with DisaggregatedLLM(str(self.path), decode_model=decode_model, tokenizer=self.tokenizer,
+                                      max_num_seqs=64) as llm:
+                    outs = llm.generate(prompts, self._params(prompts, budgets))
+            else:
+                outs = self._generate(None if c.is_full(self.E) else self.plan(c), prompts, budgets)
+            gens = [score_output(ex, o, b) for (ex, b), o in zip(examples, outs)]
+            lengths = length_stats(gens)
+            per_task = {}
+            for t in self.tasks:
+                mine = [g for g in gens if g.task == t.name]
+                per_task[t.name] = round(accuracy(mine), 4)
+            cached = {"identity": self._task_identity, "accuracy": accuracy(gens), "correct": [g.correct for g in gens],
+                      "per_task": per_task, "p50": lengths.p50, "p90": lengths.p90, "budget_hit": lengths.budget_hit,
+                      "prompts": len(gens), "seconds": round(time.time() - t0, 1)}
+            r["tasks"] = cached
+            stored = {k: v for k, v in r.items() if k not in ("key", "label", "budget", "pool_share", "vllm",
+                                                               "tok_s", "tok_s_kind")}
+            path = self._cache(Candidate.from_json(r["candidate"])) if decode_model is None else \
+                self.out / "candidates" / f"{r['key']}.json"
+            write_json(path, stored)
+        r["accuracy"] = cached["accuracy"]
+        return r
+
+    def _with_full(self, r: dict) -> dict:
+        full = self.full["tasks"]
+        r["of_full"] = r["accuracy"] / full["accuracy"] if full["accuracy"] else float("nan")
+        g, l, p = paired(r["tasks"]["correct"], full["correct"])
+        r["vs_full"] = {"gained": g, "lost": l, "p": round(p, 4)}
+        return r
+
+    def meets_floor(self, r: dict) -> bool:
+        ok = True
+        if self.s.min_quality is not None:
+            ok = r.get("of_full") is not None and r["of_full"] >= self.s.min_quality - 1e-9
+        if self.s.max_kl is not None:
+            ok = ok and r["kl"] <= self.s.max_kl + 1e-12
+        return ok
+
+    def _walk(self, front: list[dict]) -> list[dict]:
+        """Evaluate the proxy-front points nearest the target until the floor is bracketed: the best at
+        the target first; if it meets the floor, cheaper points until one fails; else dearer ones until
+        one passes; a second candidate at the target where the proxy ranks closely."""
+        done: list[dict] = []
+        left = self.s.evaluate
+
+        def run(r: dict) -> bool:
+            nonlocal left
+            left -= 1
+            self._with_full(self.evaluate(r))
+            done.append(r)
+            return self.meets_floor(r)
+
+        cands = [r for r in front if not Candidate.from_json(r["candidate"]).is_full(self.E)]
+        inside = [r for r in cands if self.at_target(r)]
+        above = [r for r in cands if not self.at_target(r)]
+        if inside and left > 0:
+            if run(inside[-1]):
+                for r in reversed(inside[:-1]):
+                    if left <= 0 or not run(r):
+                        break
+            else:
+                for r in above:
+                    if left <= 0 or run(r):
+                        break
+        else:
+            for r in above:
+                if left <= 0 or run(r):
+                    break
+        # second opinions at the target, where KL may rank techniques unlike accuracy does: the best
+        # of each kind (masked / folded, uniform / per-layer sizes, top-k) first, then the next best by KL
+        pool = sorted((r for r in self.scored.values() if self.at_target(r) and r not in done and not self._is_probe(r)
+                       and self._allowed(Candidate.from_json(r["candidate"]))
+                       and not Candidate.from_json(r["candidate"]).is_full(self.E)
+                       and (not inside or r["budget"] >= inside[-1]["budget"] - self.step / self.E - 1e-9)),
+                      key=lambda r: r["kl"])
+        kind = lambda r: (r["candidate"]["pool_mode"], r["candidate"]["allocation"], r["candidate"]["top_k"])  # noqa
+        seen = {kind(r) for r in done}
+        firsts = []
+        for r in pool:
+            if kind(r) not in seen:
+                seen.add(kind(r))
+                firsts.append(r)
+        for r in (firsts + [r for r in pool if r not in firsts])[:max(0, left)]:
+            run(r)
+        return done
+
+    # ---- stage 5: distillation -----------------------------------------------------------------------
+    def distill(self, r: dict) -> dict:
+        from ..transforms.distill import DistillConfig, distill_checkpoint
+
+        c = Candidate.from_json(r["candidate"])
+        out = self.out / "distilled" / f"{c.key}-{self.s.distill_steps}"
+        if not (out / "config.json").is_file():
+            plan_path = self.out / "plans" / f"{c.key}.json"
+            self.plan(c).save(plan_path)
+            from ..models.adapters import moe_layers
+            cfg = DistillConfig(steps=self.s.distill_steps, lr=self.s.distill_lr, seed=self.s.seed,
+                                se2=moe_layers(self.model)[0].shared_expert is not None)
+            self.log(f"distilling the decoder of {c.key} for {self.s.distill_steps} steps on {self.calib_data}")
+            distill_checkpoint(str(self.path), plan_path, self.calib_data, cfg, out, overwrite=True,
+                               progress=self.progress, command=self.s.command)
+        d = {**r, "key": f"{c.key}+distilled{self.s.distill_steps}",
+             "label": f"{r['label']} distilled {self.s.distill_steps}", "distilled": str(out), "vllm": False}
+        d.pop("tasks", None)
+        cache = self.out / "candidates" / f"{d['key']}.json"
+        if cache.is_file():
+            stored = json.loads(cache.read_text())
+            if stored.get("identity") == self.identity and "tasks" in stored:
+                d["tasks"] = stored["tasks"]
+        d["kl"] = self.scorer.score(None, self.plan(c).decode, self._load(out)).kl
+        return self._with_full(self.evaluate(d, decode_model=str(out)))
+
+    def _load(self, path: Path):
+        from ..models import load_model
+        return load_model(path)
+
+    # ---- the whole run ---------------------------------------------------------------------------
+    def run(self) -> TuneResult:
+        t0 = time.time()
+        self._setup()
+        self.calib_data = self._traces() if self.task_traffic else self.s.data
+        if self.task_traffic and self.streamed:
+            raise ValueError("prompt/answer traffic needs the engine to draw the full model's decode traces; pass "
+                             "a text traffic file for a checkpoint that does not fit in memory")
+        self.stats, self.stats_path = self._stats()
+        self.stats.check_model(self.model)
+        self.windows = heldout_traffic_windows(self.tokenizer, self.calib_data, self.s.calib_tokens, self.s.kl_tokens,
+                                               self.s.kl_window)
+        self.identity = self._identity()
+        if not self.streamed:
+            from ..eval.metrics import HeldoutScorer
+            from ..plans.techniques import attach_fold_tables
+            self.scorer = HeldoutScorer(self.model, self.windows)
+            if self.stats.has_fold:
+                attach_fold_tables(self.model, str(self.stats_path.resolve()))
+        full = self.score(Candidate("reap", (self.E,) * len(self.layers)))
+        full["label"] = "full model"
+        self.search()
+        front = self.proxy_front()
+        quality = "accuracy" if self.s.min_quality is not None else "kl"
+        if quality == "accuracy":
+            self.full = self.evaluate(full)
+            self.full["of_full"], self.full["vs_full"] = 1.0, {"gained": 0, "lost": 0, "p": 1.0}
+            evaluated = self._walk(front)
+            points = [self.full] + evaluated
+            if self.s.distill_steps:
+                at = [r for r in evaluated if self.at_target(r)]
+                base = max(at, key=lambda r: r["accuracy"]) if at else None
+                if base is not None:
+                    points.append(self.distill(base))
+            for r in points:
+                self.speed(r)
+            qf = lambda r: r["accuracy"]  # noqa: E731
+            shown = pareto(points, cost=lambda r: r["budget"], quality=qf)
+        else:
+            self.full = full
+            points = [full] + [r for r in front if r is not full]
+            for r in points:
+                self.speed(r)
+            qf = lambda r: -r["kl"]  # noqa: E731
+            shown = list(front)
+        if self.full not in shown:
+            shown.append(self.full)      # the reference row, even where a cheaper plan ties it
+        choice = choose(points, self.meets_floor, self.at_target, qf, quality)
+        plan_path = None
+        for name, r in (("plan.json", choice.chosen), ("cheapest-meeting-floor.json", choice.cheapest_meeting_floor),
+                        ("best-at-target.json", choice.best_at_target)):
+            target = self.out / name
+            if target.exists():
+                target.unlink()
+            if r is None or Candidate.from_json(r["candidate"]).is_full(self.E):
+                continue
+            if r.get("distilled"):
+                continue    # a distilled point is served as a checkpoint: --decode-model DIR
+            plan = self.plan(Candidate.from_json(r["candidate"]))
+            plan.meta["tune_evidence"] = {k: v for k, v in r.items() if k not in ("identity", "tasks", "candidate")}
+            plan.save(target)
+            if name == "plan.json":
+                plan_path = target
+        for r in points:
+            c = Candidate.from_json(r["candidate"])
+            if not c.is_full(self.E) and not r.get("distilled"):
+                self.plan(c).save(self.out / "plans" / f"{c.key}.json")
+        summary = {"seconds": round(time.time() - t0, 1), "candidates_scored": len(self.scored),
+                   "best_criterion": getattr(self, "best_criterion", None),
+                   "sensitivity": getattr(self, "sensitivity", None), "streamed": self.streamed,
+                   "traffic": self.s.data, "calibration_data": self.calib_data,
+                   "calibration": self.stats.meta.get("data_sha256"), "kl_tokens": len(self.windows) * self.s.kl_window,
+                   "task_traffic": self.task_traffic, "tasks": [t.name for t in self.tasks],
+                   "prompts": len(self._ex) if hasattr(self, "_ex") else 0}
+        result = TuneResult(points, shown, choice, quality, self.full, plan_path, summary)
+        write_report(self, result)
+        return result
+
+
+def _public(r: dict) -> dict:
+    """A point's evidence without the per-prompt list (kept in its candidate file)."""
+    out = {k: v for k, v in r.items() if k not in ("identity", "tasks")}
+    if "tasks" in r:
+        out["tasks"] = {k: v for k, v in r["tasks"].items() if k not in ("correct", "identity")}
+    return out
+
+
+def rows(tuner: Tuner, result: TuneResult, points: list[dict]) -> tuple[list[str], list[tuple]]:
+    """The front table: one row per point."""
+    speed = tuner.s.min_tok_s is not None
+    cols = ["plan", "budget", "pool", "KL", "accuracy %", "of full", "vs full (p)", "p90", "tok/s" if speed else None,
+            "vLLM", "meets floor", "at target"]
+    cols = [c for c in cols if c]
+    out = []
+    for r in points:
+        acc = r.get("accuracy")
+        vs = r.get("vs_full")
+        row = [r["label"], f"{r['budget']:.3f}", f"{r['pool_share']:.3f}", f"{r['kl']:.4f}",
+               f"{100 * acc:.1f}" if acc is not None else "-",
+               f"{100 * r['of_full']:.1f}%" if r.get("of_full") is not None else "-",
+               f"+{vs['gained']}/-{vs['lost']} ({vs['p']:.2g})" if vs else "-",
+               f"{r['tasks']['p90']:.0f}" if r.get("tasks") else "-"]
+        if speed:
+            row.append(f"{r['tok_s']:.0f}" if r.get("tok_s") is not None else "-")
+        row += ["yes" if r.get("vllm") else "no", "yes" if tuner.meets_floor(r) else "no",
+                "yes" if tuner.at_target(r) else "no"]
+        out.append(tuple(row))
+    return cols, out
+
+
+def write_report(tuner: Tuner, result: TuneResult) -> None:
+    """front.json (evidence per point), front.md (the table), front.png (the plot)."""
+    from ..tables import markdown_table
+    from .front import plot_front
+
+    s, out = tuner.s, tuner.out
+    target = s.budget if s.min_tok_s is None else s.min_tok_s
+    xkey = "tok_s" if s.min_tok_s is not None else "budget"
+    choice = result.choice
+    data = {"format": "moetailor-tune", "version": 1, "command": s.command,
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()},
+            "model": tuner.fp, "quality": result.quality, "summary": result.summary,
+            "points": [_public(r) for r in result.points], "front": [r["key"] for r in result.front],
+            "choice": {"met": choice.met, "chosen": choice.chosen and choice.chosen["key"],
+                       "cheapest_meeting_floor": choice.cheapest_meeting_floor and choice.cheapest_meeting_floor["key"],
+                       "best_at_target": choice.best_at_target and choice.best_at_target["key"],
+                       "plan": str(result.plan_path) if result.plan_path else None},
+            "proxy": [_public(r) for r in sorted(tuner.scored.values(), key=lambda r: (r["budget"], r["kl"]))]}
+    write_json(out / "front.json", data)
+    cols, table = rows(tuner, result, result.front)
+    from ..outputs import write_text
+    write_text(out / "front.md", markdown_table(cols, table) + "\n")
+    if result.quality == "accuracy":
+        y, ylabel, floor = "of_full", "share of the full model's accuracy", s.min_quality
+    else:
+        y, ylabel, floor = "kl", "held-out traffic KL (nats/token)", s.max_kl
+    pts = [r for r in result.points if r.get(xkey) is not None and r.get(y) is not None]
+    front = [r for r in result.front if r.get(xkey) is not None and r.get(y) is not None]
+    xlabel = "decode tok/s" if xkey == "tok_s" else f"share of expert weights read per decode step (batch {s.batch})"
+    plot_front(pts, sorted(front, key=lambda r: r[xkey]), out / "front.png", xkey, xlabel, y, ylabel,
+               f"moetailor tune: {s.model} on {Path(str(s.data)).name}", floor, target)

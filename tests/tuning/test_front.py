@@ -1,0 +1,36 @@
+"""Pareto fronts, the paired sign test and the choice against floor and target."""
+import pytest
+
+from moetailor.tuning.front import choose, paired, pareto, sign_test
+
+
+def test_sign_test_matches_the_exact_binomial():
+    assert sign_test(0, 0) == 1.0
+    assert sign_test(3, 9) == pytest.approx(0.146, abs=1e-3)      # docs/techniques.md: 3 up, 9 down, p = 0.15
+    assert sign_test(22, 7) == pytest.approx(0.0081, abs=1e-4)    # 22 gained, 7 lost: p = 0.008
+    assert sign_test(5, 5) == 1.0
+    assert sign_test(0, 6) == pytest.approx(2 / 64)
+
+
+def test_paired_counts_need_the_same_prompts():
+    assert paired([True, False, True, True], [True, True, False, False]) == (2, 1, 1.0)
+    with pytest.raises(ValueError, match="same prompts"):
+        paired([True], [True, False])
+
+
+def test_pareto_keeps_only_undominated_points_cheapest_first():
+    pts = [{"k": "a", "budget": 0.5, "q": 0.8}, {"k": "b", "budget": 0.5, "q": 0.9},
+           {"k": "c", "budget": 0.4, "q": 0.85}, {"k": "d", "budget": 0.7, "q": 0.88}, {"k": "e", "budget": 1.0, "q": 1.0}]
+    front = pareto(pts, cost=lambda p: p["budget"], quality=lambda p: p["q"])
+    assert [p["k"] for p in front] == ["c", "b", "e"]
+
+
+def test_choice_names_both_sides_when_the_floor_is_missed_at_the_target():
+    pts = [{"key": "full", "budget": 1.0, "q": 1.0}, {"key": "p60", "budget": 0.6, "q": 0.98},
+           {"key": "p50", "budget": 0.5, "q": 0.95}, {"key": "p40", "budget": 0.4, "q": 0.90}]
+    q = lambda p: p["q"]  # noqa: E731
+    met = choose(pts, lambda p: p["q"] >= 0.97, lambda p: p["budget"] <= 0.6, q, "accuracy")
+    assert met.met and met.chosen["key"] == "p60" and met.cheapest_meeting_floor["key"] == "p60"
+    missed = choose(pts, lambda p: p["q"] >= 0.97, lambda p: p["budget"] <= 0.5, q, "accuracy")
+    assert not missed.met and missed.chosen is None
+    assert missed.cheapest_meeting_floor["key"] == "p60" and missed.best_at_target["key"] == "p50"

@@ -1,0 +1,133 @@
+"""`tune` end to end on tiny checkpoints of every architecture: the front, the choice, resuming, the
+decode traces of prompt/answer traffic, and a checkpoint scored layer by layer."""
+import json
+
+import pytest
+
+from moetailor.engine import LLM, SamplingParams
+from moetailor.models import load_model
+from moetailor.models.tiny import char_tokenizer, tiny_grouped_model, tiny_model
+from moetailor.plans import Plan
+from moetailor.tuning.search import Tuner, TuneSettings
+
+SMALL = dict(calib_tokens=512, kl_tokens=256, kl_window=32, criteria=("reap", "ean"))
+
+
+def save(arch, path, shard=None):
+    model = tiny_grouped_model() if arch == "deepseek_v3-grouped" else tiny_model(arch, num_experts=8, top_k=2,
+                                                                                   layers=3)
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+def tune(path, out, **kw):
+    settings = TuneSettings(model=str(path), data=kw.pop("data", "mix"), out=out, **{**SMALL, **kw})
+    tuner = Tuner(settings, log=lambda m: None, progress=False)
+    return tuner, tuner.run()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "mixtral", "deepseek_v3-grouped"])
+def test_tune_chooses_the_best_plan_at_the_target(arch, tmp_path):
+    path = save(arch, tmp_path / "model")
+    tuner, result = tune(path, tmp_path / "out", max_kl=10.0, budget=0.6)
+    assert result.choice.met
+    chosen = result.choice.chosen
+    at_target = [r for r in tuner.scored.values() if r["budget"] <= 0.6 and not tuner._is_probe(r)]
+    assert chosen["budget"] <= 0.6 and chosen["kl"] == min(r["kl"] for r in at_target)
+    plan = Plan.load(tmp_path / "out" / "plan.json")
+    model = load_model(path)
+    plan.check_model(model)
+    assert plan.prefill.is_identity and not plan.decode.is_identity        # phase-aware
+    llm = LLM(model, plan, tokenizer=char_tokenizer(), max_num_seqs=2)
+    assert llm.generate(["add 1 + 2"], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids
+    data = json.loads((tmp_path / "out" / "front.json").read_text())
+    assert data["choice"]["chosen"] == chosen["key"] and data["points"][0]["label"] == "full model"
+    assert (tmp_path / "out" / "front.png").stat().st_size > 1000
+    front = [r for r in result.front if r is not result.full]
+    assert all(a["budget"] < b["budget"] and a["kl"] > b["kl"] for a, b in zip(front, front[1:]))
+    kinds = {(r["candidate"]["pool_mode"], r["candidate"]["allocation"]) for r in tuner.scored.values()}
+    assert ("fold", "uniform") in kinds and ("mask", "sensitivity") in kinds
+    if arch == "deepseek_v3-grouped":   # 4 routing groups: every pool keeps a multiple of 4 experts
+        assert all(s % 4 == 0 for r in tuner.scored.values() for s in r["candidate"]["sizes"])
+
+
+def test_a_missed_floor_names_the_best_on_each_side_and_a_rerun_resumes(tmp_path):
+    path = save("qwen2_moe", tmp_path / "model")
+    tuner, result = tune(path, tmp_path / "out", max_kl=0.0, budget=0.5)
+    c = result.choice
+    assert not c.met and not (tmp_path / "out" / "plan.json").exists()
+    assert c.cheapest_meeting_floor["label"] == "full model"
+    best = min((r for r in tuner.scored.values() if r["budget"] <= 0.5 and not tuner._is_probe(r)),
+               key=lambda r: r["kl"])
+    assert c.best_at_target["key"] == best["key"] and (tmp_path / "out" / "best-at-target.json").is_file()
+    files = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out" / "candidates").iterdir()}
+    again, result2 = tune(path, tmp_path / "out", max_kl=0.0, budget=0.5)
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out" / "candidates").iterdir()} == files
+    assert result2.choice.best_at_target["key"] == best["key"]
+    with pytest.raises(ValueError, match="another model, traffic or setting"):
+        tune(path, tmp_path / "out", max_kl=0.0, budget=0.5, kl_tokens=512)
+
+
+def test_prompt_answer_traffic_is_calibrated_on_the_full_models_own_answers(tmp_path):
+    path = save("qwen2_moe", tmp_path / "model")
+    tok = char_tokenizer()
+    llm = LLM(load_model(path), tokenizer=tok, max_num_seqs=8)
+    prompts = [f"add {a} + {b}\n" for a in range(3) for b in range(4)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
+    lines = [{"prompt": p, "answer": o.text.strip(), "match": "contains"} for p, o in zip(prompts, outs) if o.text.strip()]
+    assert len(lines) >= 6
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    tuner, result = tune(path, tmp_path / "out", data=str(traffic), min_quality=0.5, budget=0.6, evaluate=3, n=50,
+                         criteria=("reap",), allocation=False)
+    assert tuner.task_traffic and result.summary["prompts"] == len(lines)
+    traces = [json.loads(x)["text"] for x in (tmp_path / "out" / "traces.jsonl").read_text().splitlines()]
+    assert traces[0].startswith(lines[0]["prompt"]) and len(traces[0]) > len(lines[0]["prompt"])
+    assert result.full["accuracy"] == 1.0                        # each answer is what the full model says
+    evaluated = [r for r in result.points if r is not result.full]
+    assert 1 <= len(evaluated) <= 3
+    for r in evaluated:
+        assert r["of_full"] == r["accuracy"] and r["vs_full"]["gained"] == 0
+        assert r["vs_full"]["lost"] == round((1 - r["accuracy"]) * len(lines))
+
+
+def test_a_checkpoint_scored_layer_by_layer(tmp_path):
+    path = save("olmoe", tmp_path / "model", shard="60KB")
+    tuner, result = tune(path, tmp_path / "out", max_kl=10.0, budget=0.5, stream="on", criteria=("reap",),
+                         kl_tokens=64)
+    assert result.summary["streamed"] and result.choice.met
+    assert all(r["candidate"]["pool_mode"] == "mask" for r in tuner.scored.values())
+    with pytest.raises(ValueError, match="--max-kl"):
+        tune(path, tmp_path / "out2", min_quality=0.9, budget=0.5, stream="on", tasks="addition")
+
+
+def test_speed_targets_projected_on_a_gpu_and_measured_by_the_engine(tmp_path):
+    path = save("qwen3_moe", tmp_path / "model")
+    kw = dict(max_kl=10.0, criteria=("reap",), allocation=False, fold=False)
+    tuner, result = tune(path, tmp_path / "gpu", min_tok_s=2e5, gpu="h200", model_shape="qwen3-30b-a3b", batch=256,
+                         **kw)
+    speeds = [(r["pool_share"], r["tok_s"]) for r in sorted(result.points, key=lambda r: r["pool_share"])]
+    assert all(r["tok_s_kind"] == "projected h200 qwen3-30b-a3b" for r in result.points)
+    assert all(a[1] >= b[1] for a, b in zip(speeds, speeds[1:]))      # a smaller pool projects faster
+    if result.choice.met:
+        assert result.choice.chosen["tok_s"] >= 2e5
+    tuner, result = tune(path, tmp_path / "engine", min_tok_s=1e-3, batch=2, **kw)
+    assert all(r["tok_s"] > 0 and r["tok_s_kind"].startswith("measured") for r in result.points)
+
+
+@pytest.mark.slow     # distils, then serves through the disaggregated engine's two worker processes
+def test_distillation_adds_a_served_decoder_point(tmp_path):
+    path = save("qwen2_moe", tmp_path / "model")
+    tok = char_tokenizer()
+    llm = LLM(load_model(path), tokenizer=tok, max_num_seqs=8)
+    prompts = [f"sort {a} {b}\n" for a in range(3) for b in range(3)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps({"prompt": p, "answer": o.text.strip(), "match": "contains"}) + "\n"
+                               for p, o in zip(prompts, outs) if o.text.strip()))
+    tuner, result = tune(path, tmp_path / "out", data=str(traffic), min_quality=0.5, budget=0.5, evaluate=1,
+                         criteria=("reap",), allocation=False, fold=False, top_k=False, distill_steps=2)
+    distilled = [r for r in result.points if r.get("distilled")]
+    assert len(distilled) == 1 and distilled[0]["key"].endswith("+distilled2")
+    assert (tmp_path / "out" / "distilled").is_dir() and "of_full" in distilled[0]
