@@ -20,7 +20,8 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per forward batch (bounds memory)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence window")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence window (default 512, or the model's positions if fewer)")
     p.add_argument("--gate", choices=("renorm", "softmax"), default="renorm",
                    help="gate weight g: router scores renormalised over the chosen k (default) or not")
     p.add_argument("--fold", action="store_true", help="also collect ExFold tables (pairs co-selected by a token)")
@@ -49,7 +50,7 @@ def run(args) -> int:
     args.data = default_data_spec(args.model, args.data)
     parse_data_spec(args.data)  # bad input fails before the model loads
     path = resolve_model_path(args.model)
-    check_seq_len(args.seq_len, path)
+    args.seq_len = check_seq_len(args.seq_len, path)
     check_output(args.out, overwrite=args.overwrite, inputs=(path, data_file(args.data)))
     dtype = working_dtype(args.dtype, path)
     tokenizer = load_tokenizer(args.model)
@@ -78,18 +79,22 @@ def run(args) -> int:
     return 0
 
 
-def check_seq_len(seq_len: int, path) -> None:
+def check_seq_len(seq_len: int | None, path) -> int:
     """--seq-len within the model's positions (a 4096-token window on a 1,024-position model ran on
-    positions it never learned, exit 0), checked before the model loads."""
+    positions it never learned, exit 0), checked before the model loads; unset, 512 or the model's
+    positions if fewer."""
     from ..models.loading import read_config
 
-    if seq_len < 2:
-        raise ValueError(f"--seq-len must be at least 2 (got {seq_len})")
     config = read_config(path)
     limit = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
+    if seq_len is None:
+        return min(512, limit) if isinstance(limit, int) else 512
+    if seq_len < 2:
+        raise ValueError(f"--seq-len must be at least 2 (got {seq_len})")
     if isinstance(limit, int) and seq_len > limit:
         raise ValueError(f"--seq-len {seq_len} is longer than the model's {limit} positions "
                          f"(max_position_embeddings); give --seq-len {limit} or less")
+    return seq_len
 
 
 def command_line(args, positional: tuple[str, ...]) -> str:

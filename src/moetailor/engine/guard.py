@@ -383,9 +383,7 @@ class Guard:
         self._unwatch(seq)
         if seq.finish_reason not in ("stop", "length"):
             return
-        eos = seq.finish_reason == "stop" and not seq.sampling.ignore_eos and \
-            seq.num_completion_tokens > 0 and seq.token_ids[-1] in self.llm.eos_token_ids
-        outcome = Outcome(seq.num_completion_tokens, seq.finish_reason, w.entropy, eos=eos)
+        outcome = Outcome(seq.num_completion_tokens, seq.finish_reason, w.entropy, eos=seq.ended_on_eos)
         if w.role in ("shadow", "full") or (w.role == "fallback" and w.switched_at is None):
             self.reference.append(outcome)          # a whole request on the full pool
         elif w.role == "reduced":

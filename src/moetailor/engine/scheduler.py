@@ -111,7 +111,7 @@ class Scheduler:
             if self.detokenizer is not None and self.detokenizer.update(seq):
                 reason = "stop"
             elif not p.ignore_eos and token in self.eos_token_ids:
-                reason = "stop"
+                reason, seq.ended_on_eos = "stop", True
             elif seq.num_completion_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
                 reason = "length"
             if reason is not None:

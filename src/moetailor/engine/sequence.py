@@ -37,6 +37,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        self.ended_on_eos = False           # finished on an EOS token: its length is the model's choice
         self.error: str | None = None
         self.text = ""                      # completion text (stop strings already cut)
         self.detok_prefix = 0               # incremental detokenization window: completion tokens
