@@ -93,3 +93,24 @@ def test_rows_linear_equals_torch(rows, cols, dtype):
     torch.manual_seed(rows)
     x, w = torch.randn(rows, 64), torch.randn(cols, 64).to(dtype)
     torch.testing.assert_close(kernels.rows_linear()(x, w), x @ w.float().T, rtol=1e-5, atol=1e-4)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """A build killed midway leaves torch's lock file; the next engine must not wait on it forever."""
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    from moetailor import kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for name, age in (("stale", kernels.STALE_LOCK_S + 60), ("fresh", 5)):
+        lock = tmp_path / name / "lock"
+        lock.parent.mkdir()
+        lock.touch()
+        os.utime(lock, (time.time() - age,) * 2)
+    with pytest.warns(UserWarning, match="stale kernel build lock"):
+        kernels._clear_stale_build_lock(cpp_extension, "stale")
+    kernels._clear_stale_build_lock(cpp_extension, "fresh")
+    assert not (tmp_path / "stale" / "lock").exists() and (tmp_path / "fresh" / "lock").exists()

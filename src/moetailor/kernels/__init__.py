@@ -44,8 +44,10 @@ def _module():
     digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
+    name = f"moetailor_kernels_{digest.hexdigest()[:12]}"
+    _clear_stale_build_lock(cpp_extension, name)
     try:
-        cpp_extension.load(name=f"moetailor_kernels_{digest.hexdigest()[:12]}", sources=[str(s) for s in _SOURCES],
+        cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES],
                            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
     except Exception as err:   # no compiler, no headers: the engine still runs, on torch's kernels
@@ -54,6 +56,25 @@ def _module():
         return None
     _register_fakes()
     return torch.ops.moetailor
+
+
+STALE_LOCK_S = 600   # a build takes ~1 minute on an idle machine, a few on a loaded one
+
+
+def _clear_stale_build_lock(cpp_extension, name: str) -> None:
+    """torch's builder marks a build with a lock file and every later process waits for it to go; a
+    build killed midway (Ctrl-C, a session's end) leaves it behind and the next engine waits forever.
+    A lock older than any real build is removed."""
+    import time
+
+    try:
+        lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+        age = time.time() - lock.stat().st_mtime
+    except (AttributeError, OSError):
+        return
+    if age > STALE_LOCK_S:
+        warnings.warn(f"removing a stale kernel build lock ({lock}, {age / 60:.0f} minutes old)", stacklevel=3)
+        lock.unlink(missing_ok=True)
 
 
 def _register_fakes() -> None:
