@@ -18,6 +18,7 @@ import pytest
 
 from moetailor.engine import SamplingParams
 from moetailor.engine.disagg import DisaggregatedLLM, RemoteSequence
+from moetailor.engine.wire import Add
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
@@ -221,7 +222,7 @@ def test_a_poisoned_request_does_not_take_a_worker_down(checkpoints):
         bad_sampling.temperature = float("nan")    # fault injection: past the front end's checks
         with dis.lock:
             bad = dis.seqs["bad"] = RemoteSequence("bad", None, [5, 6, 7], bad_sampling)
-            dis.workers["prefill"].inbox.put(("add", "bad", [5, 6, 7], bad_sampling))
+            dis.workers["prefill"].inbox.put(Add("bad", [5, 6, 7], bad_sampling))
         while not (good.is_finished and bad.is_finished):
             dis.step()
         assert good.finish_reason == "length"

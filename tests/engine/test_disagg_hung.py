@@ -69,6 +69,11 @@ def test_a_stopped_worker_is_detected_failed_replaced_and_shutdown_is_bounded(ch
         r = httpx.post(base + "/v1/completions", json={"prompt": "abc", "max_tokens": 5, "ignore_eos": True},
                        headers={"authorization": "Bearer test-key"}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        # the disaggregated server's expert_plan error: no dangling "default, ", no flag it refuses
+        r = httpx.post(base + "/v1/completions", json={"prompt": "abc", "expert_plan": "half"},
+                       headers={"authorization": "Bearer test-key"}, timeout=60)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "default, " not in message and "--expert-plan" not in message, message
 
         # stopped while idle: /health says 503 without any request
         decode_pid = body["workers"]["decode"]["pid"]

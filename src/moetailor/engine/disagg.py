@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 from .sampling import SamplingParams
 from .sequence import RequestOutput, Sequence
 from .validation import encode_prompt, check_request
+from .wire import Abort, Add, Adopt, Delta, Failed, Handoff, Heartbeat, Ready, Stats, Stop
 
 log = logging.getLogger("moetailor.disagg")
 
@@ -124,11 +125,11 @@ class _SharedConn:
 
 
 def _heartbeat(kind: str, conn: _SharedConn) -> None:
-    """Send ("heartbeat", kind) every HEARTBEAT_S while the process runs; a stopped process sends none."""
+    """Send a Heartbeat every HEARTBEAT_S while the process runs; a stopped process sends none."""
     def beat() -> None:
         while True:
             try:
-                conn.send(("heartbeat", kind))
+                conn.send(Heartbeat(kind))
             except (OSError, ValueError):   # the front end is gone: the parent watch ends this process
                 return
             time.sleep(HEARTBEAT_S)
@@ -147,27 +148,27 @@ def _start_worker(kind: str, parent_pid: int, conn, build):
         llm.step_log.clear()
         llm.tokens_generated = 0
     except Exception as e:
-        conn.send(("failed", kind, f"{type(e).__name__}: {e}"))
+        conn.send(Failed(kind, f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None
     limits = llm.request_limits()
-    conn.send(("ready", kind, {"num_blocks": llm.block_manager.num_blocks, "weight_bytes": llm.runner.weight_bytes,
+    conn.send(Ready(kind, {"num_blocks": llm.block_manager.num_blocks, "weight_bytes": llm.runner.weight_bytes,
                                "block_bytes": llm.runner.block_bytes, "max_model_len": llm.max_model_len,
                                "pid": os.getpid(), "limits": limits}))
     return llm
 
 
-def _delta(seq, stage: str, prompt_logprobs=None) -> tuple:
+def _delta(seq, stage: str, prompt_logprobs=None) -> Delta:
     """The request's whole completion so far (with its logprobs when asked for): deltas from two
     processes may arrive in any order. The prefill worker also sends the prompt's logprobs."""
     logprobs = None if seq.logprobs is None else list(seq.logprobs)
-    return ("delta", seq.request_id, list(seq.completion_token_ids), seq.text, seq.finish_reason, seq.error, stage,
-            logprobs, prompt_logprobs)
+    return Delta(seq.request_id, list(seq.completion_token_ids), seq.text, seq.finish_reason, seq.error, stage,
+                 logprobs, prompt_logprobs)
 
 
-def _error(rid: str, stage: str, e: Exception) -> tuple:
+def _error(rid: str, stage: str, e: Exception) -> Delta:
     log.exception("request %s failed in the %s worker", rid, stage)
-    return ("delta", rid, [], "", "error", f"internal error ({type(e).__name__}) in the {stage} worker; the server "
-                                           "log has the details", stage)
+    return Delta(rid, [], "", "error", f"internal error ({type(e).__name__}) in the {stage} worker; the server log "
+                                       "has the details", stage)
 
 
 def _next_messages(inbox, block: bool) -> list:
@@ -187,7 +188,7 @@ def _serve(kind: str, llm, inbox, conn, on_message, on_step) -> None:
 
     def report() -> None:
         nonlocal last_stats
-        conn.send(("stats", kind, llm.stats()))
+        conn.send(Stats(kind, llm.stats()))
         last_stats = time.monotonic()
 
     while True:
@@ -196,17 +197,17 @@ def _serve(kind: str, llm, inbox, conn, on_message, on_step) -> None:
             report()
         idle_reported = idle
         for msg in _next_messages(inbox, block=idle):
-            if msg[0] == "stop":
+            if isinstance(msg, Stop):
                 return
-            if msg[0] == "abort":
-                llm.abort(msg[1])
+            if isinstance(msg, Abort):
+                llm.abort(msg.request_id)
                 continue
             try:
                 on_message(msg)
             except ValueError as e:       # a request this worker cannot run (e.g. its pool is too small)
-                conn.send(("delta", msg[1], [], "", "error", str(e), kind))
+                conn.send(Delta(msg.request_id, [], "", "error", str(e), kind))
             except Exception as e:
-                conn.send(_error(msg[1], kind, e))
+                conn.send(_error(msg.request_id, kind, e))
         stepped = llm.step()              # a request that fails in the step comes back finished with an error
         for seq in stepped:
             try:
@@ -223,9 +224,8 @@ def prefill_worker(model, kwargs: dict, inbox, conn, parent_pid: int) -> None:
     conn = _SharedConn(conn)
     llm = _start_worker("prefill", parent_pid, conn, lambda: _build_llm(model, None, kwargs))
 
-    def add(msg) -> None:
-        _, rid, ids, sampling = msg
-        llm.add_request(ids, sampling, request_id=rid)
+    def add(msg: Add) -> None:
+        llm.add_request(msg.token_ids, msg.sampling, request_id=msg.request_id)
 
     def hand_over(seq) -> None:
         if seq.is_finished:               # finished on its first token (or failed)
@@ -233,9 +233,9 @@ def prefill_worker(model, kwargs: dict, inbox, conn, parent_pid: int) -> None:
             return
         kv = llm.runner.read_blocks(seq.block_table)      # per layer (k, v) [n*bs, nKV, D]
         state = seq.generator.get_state() if seq.generator is not None else None
-        adopt = ("adopt", seq.request_id, seq.token_ids, seq.num_prompt_tokens, seq.sampling, state, kv, seq.prompt,
-                 seq.logprobs, seq.prompt_logprobs)
-        conn.send(("handoff", _delta(seq, "decode", seq.prompt_logprobs), adopt))
+        adopt = Adopt(seq.request_id, seq.token_ids, seq.num_prompt_tokens, seq.sampling, state, kv, seq.prompt,
+                      seq.logprobs, seq.prompt_logprobs)
+        conn.send(Handoff(_delta(seq, "decode", seq.prompt_logprobs), adopt))
         llm.abort(seq.request_id)         # frees the prefill worker's blocks
 
     _serve("prefill", llm, inbox, conn, add, hand_over)
@@ -281,11 +281,11 @@ def decode_worker(model, plan, kwargs: dict, inbox, conn, parent_pid: int) -> No
     conn = _SharedConn(conn)
     llm = _start_worker("decode", parent_pid, conn, lambda: _decode_llm(model, plan, kwargs))
 
-    def adopt(msg) -> None:
-        _, rid, ids, n_prompt, sampling, state, kv, prompt, logprobs, prompt_logprobs = msg
-        seq = adopted(ids, n_prompt, sampling, rid, state, prompt, logprobs, prompt_logprobs)
-        if not llm.enqueue(seq, kv):
-            raise ValueError(f"request id {rid!r} is already in use in the decode worker")
+    def adopt(msg: Adopt) -> None:
+        seq = adopted(msg.token_ids, msg.num_prompt_tokens, msg.sampling, msg.request_id, msg.generator_state,
+                      msg.prompt, msg.logprobs, msg.prompt_logprobs)
+        if not llm.enqueue(seq, msg.kv):
+            raise ValueError(f"request id {msg.request_id!r} is already in use in the decode worker")
 
     _serve("decode", llm, inbox, conn, adopt, lambda seq: conn.send(_delta(seq, "decode")))
 
@@ -430,7 +430,7 @@ class DisaggregatedLLM:
             if sampling.logprobs is not None:
                 seq.logprobs = []
             self.seqs[request_id] = seq
-            self.workers["prefill"].inbox.put(("add", request_id, ids, sampling))
+            self.workers["prefill"].inbox.put(Add(request_id, ids, sampling))
         return seq
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> bool:
@@ -441,7 +441,7 @@ class DisaggregatedLLM:
             seq.finish(reason, error)
             for worker in self.workers.values():
                 if not worker.retired:
-                    worker.inbox.put(("abort", request_id))
+                    worker.inbox.put(Abort(request_id))
             return True
 
     def has_unfinished(self) -> bool:
@@ -475,31 +475,31 @@ class DisaggregatedLLM:
         return updated
 
     def _handle(self, msg) -> list[RemoteSequence]:
-        if msg[0] == "heartbeat":
+        if isinstance(msg, Heartbeat):
             return []
-        if msg[0] == "ready":
-            self.ready[msg[1]] = msg[2]
+        if isinstance(msg, Ready):
+            self.ready[msg.kind] = msg.info
             return []
-        if msg[0] == "stats":
-            self.worker_stats[msg[1]] = msg[2]
+        if isinstance(msg, Stats):
+            self.worker_stats[msg.kind] = msg.stats
             return []
-        if msg[0] == "failed":
-            self.causes[msg[1]] = msg[2]
-            log.error("the %s worker failed: %s", msg[1], msg[2])
+        if isinstance(msg, Failed):
+            self.causes[msg.kind] = msg.cause
+            log.error("the %s worker failed: %s", msg.kind, msg.cause)
             return []
-        if msg[0] == "handoff":                     # prefill -> decode, through this process
-            _, delta, adopt = msg
+        if isinstance(msg, Handoff):                # prefill -> decode, through this process
             with self.lock:
-                if delta[1] not in self.seqs:       # aborted meanwhile
+                if msg.delta.request_id not in self.seqs:   # aborted meanwhile
                     return []
-                self.workers["decode"].inbox.put(adopt)
-            msg = delta
+                self.workers["decode"].inbox.put(msg.adopt)
+            msg = msg.delta
         seq = self._apply(msg)
         return [seq] if seq is not None else []
 
-    def _apply(self, msg) -> RemoteSequence | None:
-        _, rid, ids, text, reason, error, stage = msg[:7]
-        logprobs, prompt_logprobs = (*msg[7:], None, None)[:2]   # error deltas carry none
+    def _apply(self, msg: Delta) -> RemoteSequence | None:
+        rid, ids, text, reason, error, stage = (msg.request_id, msg.token_ids, msg.text, msg.finish_reason, msg.error,
+                                                msg.stage)
+        logprobs, prompt_logprobs = msg.logprobs, msg.prompt_logprobs
         with self.lock:
             seq = self.seqs.get(rid)
             if seq is None:
@@ -624,7 +624,7 @@ class DisaggregatedLLM:
     def close(self) -> None:
         for worker in self.workers.values():
             if worker.process.is_alive() and not worker.retired:
-                worker.inbox.put(("stop",))
+                worker.inbox.put(Stop())
         for worker in self.workers.values():
             worker.process.join(timeout=5)
             if worker.process.is_alive():
