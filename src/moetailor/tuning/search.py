@@ -223,10 +223,9 @@ class Tuner:
         spec = self.s.tasks
         if spec is None and self.task_traffic:
             spec = self.s.data
-        if spec is None and str(self.s.model) == "reference" and self.s.data.split(":")[0] in ("tasks", "mix",
-                                                                                                  "mixture"):
-            spec = "all" if self.s.data in ("tasks", "mix") or self.s.data.startswith("mixture") else \
-                self.s.data.split(":", 1)[1]
+        if spec is None and str(self.s.model) == "reference":   # its traffic is its own task suite
+            head, _, names = self.s.data.partition(":")
+            spec = (names or "all") if head == "tasks" else None
         return select_tasks(spec) if spec else []
 
     # ---- stage 1: calibration (and decode traces) -------------------------------------------------
@@ -647,7 +646,8 @@ class Tuner:
             evaluated = self._walk(front)
             points = [self.full] + evaluated
             if self.s.distill_steps:
-                at = [r for r in evaluated if self.at_target(r)]
+                # the student routes with the plan's masked pool (fold tables are not part of a checkpoint)
+                at = [r for r in evaluated if self.at_target(r) and r["candidate"]["pool_mode"] == "mask"]
                 base = max(at, key=lambda r: r["accuracy"]) if at else None
                 if base is not None:
                     points.append(self.distill(base))
