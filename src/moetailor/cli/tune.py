@@ -63,7 +63,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..calibration.data import default_data_spec
-    from ..tuning.search import Tuner, TuneSettings, rows
+    from ..tuning.report import rows
+    from ..tuning.search import Tuner, TuneSettings
 
     data = default_data_spec(args.model, args.data)
     command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["tune"] else ""
