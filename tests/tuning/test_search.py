@@ -131,3 +131,13 @@ def test_distillation_adds_a_served_decoder_point(tmp_path):
     distilled = [r for r in result.points if r.get("distilled")]
     assert len(distilled) == 1 and distilled[0]["key"].endswith("+distilled2")
     assert (tmp_path / "out" / "distilled").is_dir() and "of_full" in distilled[0]
+
+
+def test_servable_vllm_keeps_to_plans_the_vllm_plugin_applies(tmp_path):
+    from moetailor.integrations.vllm.plan import load_checked_plan
+
+    path = save("qwen3_moe", tmp_path / "model")
+    tuner, result = tune(path, tmp_path / "out", max_kl=10.0, budget=0.5, servable="vllm", criteria=("reap",))
+    assert result.choice.met and all(r["vllm"] for r in result.front)
+    plan = load_checked_plan(tmp_path / "out" / "plan.json", "decode", path)   # what vLLM's plugin checks
+    assert not plan.decode.is_identity

@@ -13,8 +13,9 @@ def register(sub) -> None:
     from ..tuning.search import CRITERIA, SERVABLE
 
     p = sub.add_parser("tune", help="search plans (criteria, pool sizes, per-layer sizes, folding, top-k, optional "
-                       "distillation) for the cheapest one that keeps a quality floor on your traffic at a budget or "
-                       "speed; writes the plan, the Pareto front (table, PNG) and the evidence per point")
+                       "distillation) for one that keeps a quality floor on your traffic at a budget or speed (the best "
+                       "quality there; else the cheapest meeting the floor and the best at the target); writes the "
+                       "plan, the Pareto front (table, PNG) and the evidence per point")
     p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
     p.add_argument("--data", default=None,
                    help="your traffic, as for `calibrate --data`: FILE.jsonl (\"text\", \"prompt\"+\"completion\", chat "
@@ -63,7 +64,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..calibration.data import default_data_spec
-    from ..tuning.search import Tuner, TuneSettings, rows
+    from ..tuning.report import rows
+    from ..tuning.search import Tuner, TuneSettings
 
     data = default_data_spec(args.model, args.data)
     command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["tune"] else ""

@@ -4,5 +4,5 @@
 the plan it becomes; ``sensitivity``: per-layer pool sizes under a fixed total from measured layer
 sensitivity; ``front``: Pareto fronts, the choice against floor and target, the sign test;
 ``search``: the staged search (KL proxies first, task accuracy on the few best), cached in its
-output folder so an interrupted run resumes.
+output folder so an interrupted run resumes; ``report``: the table, front.json, front.md, front.png.
 """

@@ -24,7 +24,7 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..outputs import write_json
@@ -223,10 +223,9 @@ class Tuner:
         spec = self.s.tasks
         if spec is None and self.task_traffic:
             spec = self.s.data
-        if spec is None and str(self.s.model) == "reference" and self.s.data.split(":")[0] in ("tasks", "mix",
-                                                                                                  "mixture"):
-            spec = "all" if self.s.data in ("tasks", "mix") or self.s.data.startswith("mixture") else \
-                self.s.data.split(":", 1)[1]
+        if spec is None and str(self.s.model) == "reference":   # its traffic is its own task suite
+            head, _, names = self.s.data.partition(":")
+            spec = (names or "all") if head == "tasks" else None
         return select_tasks(spec) if spec else []
 
     # ---- stage 1: calibration (and decode traces) -------------------------------------------------
@@ -647,7 +646,8 @@ class Tuner:
             evaluated = self._walk(front)
             points = [self.full] + evaluated
             if self.s.distill_steps:
-                at = [r for r in evaluated if self.at_target(r)]
+                # the student routes with the plan's masked pool (fold tables are not part of a checkpoint)
+                at = [r for r in evaluated if self.at_target(r) and r["candidate"]["pool_mode"] == "mask"]
                 base = max(at, key=lambda r: r["accuracy"]) if at else None
                 if base is not None:
                     points.append(self.distill(base))
@@ -692,69 +692,7 @@ class Tuner:
                    "task_traffic": self.task_traffic, "tasks": [t.name for t in self.tasks],
                    "prompts": len(self._ex) if hasattr(self, "_ex") else 0}
         result = TuneResult(points, shown, choice, quality, self.full, plan_path, summary)
+        from .report import write_report
         write_report(self, result)
         return result
 
-
-def _public(r: dict) -> dict:
-    """A point's evidence without the per-prompt list (kept in its candidate file)."""
-    out = {k: v for k, v in r.items() if k not in ("identity", "tasks")}
-    if "tasks" in r:
-        out["tasks"] = {k: v for k, v in r["tasks"].items() if k not in ("correct", "identity")}
-    return out
-
-
-def rows(tuner: Tuner, result: TuneResult, points: list[dict]) -> tuple[list[str], list[tuple]]:
-    """The front table: one row per point."""
-    speed = tuner.s.min_tok_s is not None
-    cols = ["plan", "budget", "pool", "KL", "accuracy %", "of full", "vs full (p)", "p90", "tok/s" if speed else None,
-            "vLLM", "meets floor", "at target"]
-    cols = [c for c in cols if c]
-    out = []
-    for r in points:
-        acc = r.get("accuracy")
-        vs = r.get("vs_full")
-        row = [r["label"], f"{r['budget']:.3f}", f"{r['pool_share']:.3f}", f"{r['kl']:.4f}",
-               f"{100 * acc:.1f}" if acc is not None else "-",
-               f"{100 * r['of_full']:.1f}%" if r.get("of_full") is not None else "-",
-               f"+{vs['gained']}/-{vs['lost']} ({vs['p']:.2g})" if vs else "-",
-               f"{r['tasks']['p90']:.0f}" if r.get("tasks") else "-"]
-        if speed:
-            row.append(f"{r['tok_s']:.0f}" if r.get("tok_s") is not None else "-")
-        row += ["yes" if r.get("vllm") else "no", "yes" if tuner.meets_floor(r) else "no",
-                "yes" if tuner.at_target(r) else "no"]
-        out.append(tuple(row))
-    return cols, out
-
-
-def write_report(tuner: Tuner, result: TuneResult) -> None:
-    """front.json (evidence per point), front.md (the table), front.png (the plot)."""
-    from ..tables import markdown_table
-    from .front import plot_front
-
-    s, out = tuner.s, tuner.out
-    target = s.budget if s.min_tok_s is None else s.min_tok_s
-    xkey = "tok_s" if s.min_tok_s is not None else "budget"
-    choice = result.choice
-    data = {"format": "moetailor-tune", "version": 1, "command": s.command,
-            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()},
-            "model": tuner.fp, "quality": result.quality, "summary": result.summary,
-            "points": [_public(r) for r in result.points], "front": [r["key"] for r in result.front],
-            "choice": {"met": choice.met, "chosen": choice.chosen and choice.chosen["key"],
-                       "cheapest_meeting_floor": choice.cheapest_meeting_floor and choice.cheapest_meeting_floor["key"],
-                       "best_at_target": choice.best_at_target and choice.best_at_target["key"],
-                       "plan": str(result.plan_path) if result.plan_path else None},
-            "proxy": [_public(r) for r in sorted(tuner.scored.values(), key=lambda r: (r["budget"], r["kl"]))]}
-    write_json(out / "front.json", data)
-    cols, table = rows(tuner, result, result.front)
-    from ..outputs import write_text
-    write_text(out / "front.md", markdown_table(cols, table) + "\n")
-    if result.quality == "accuracy":
-        y, ylabel, floor = "of_full", "share of the full model's accuracy", s.min_quality
-    else:
-        y, ylabel, floor = "kl", "held-out traffic KL (nats/token)", s.max_kl
-    pts = [r for r in result.points if r.get(xkey) is not None and r.get(y) is not None]
-    front = [r for r in result.front if r.get(xkey) is not None and r.get(y) is not None]
-    xlabel = "decode tok/s" if xkey == "tok_s" else f"share of expert weights read per decode step (batch {s.batch})"
-    plot_front(pts, sorted(front, key=lambda r: r[xkey]), out / "front.png", xkey, xlabel, y, ylabel,
-               f"moetailor tune: {s.model} on {Path(str(s.data)).name}", floor, target)
