@@ -67,11 +67,9 @@ def engine_run(plan_path, prompts, ks):
 
 
 def vllm_run(llm, prompts, ks):
-    from moetailor.integrations.vllm.patches import route_totals
-
-    llm.collective_rpc(route_totals, kwargs={"reset": True})
+    llm.collective_rpc("moetailor_route_totals", kwargs={"reset": True})
     got = vllm_token_ids(llm, prompts, [None if k is None else {"expert_top_k": k} for k in ks], MAX_TOKENS)
-    return got, llm.collective_rpc(route_totals)[0]
+    return got, llm.collective_rpc("moetailor_route_totals")[0]
 
 
 @pytest.mark.parametrize("budgets", ["none", "mixed"])
