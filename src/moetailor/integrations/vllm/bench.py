@@ -123,7 +123,6 @@ def run(args) -> int:
         env = dict(os.environ)
         if proc == "stock":
             env["VLLM_PLUGINS"] = ""   # vLLM loads no plugin: the unmodified engine
-        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"   # the route recorder is read with collective_rpc(callable)
         spec = {"process": proc, "model": str(setup["model"]), "plan": setup["plans"].get(proc),
                 "pruned": str(setup["pruned"]), "batches": args.batches, "prompt_tokens": args.prompt_tokens,
                 "new_tokens": args.new_tokens, "dtype": args.dtype, "repeats": args.repeats, "out": str(args.out)}
@@ -216,9 +215,7 @@ def _time_generate(llm, prompts, params) -> float:
 
 def _distinct(llm) -> float:
     """Mean distinct experts per decode step and MoE layer since the last reset (then reset)."""
-    from .patches import route_totals
-
-    totals = llm.collective_rpc(route_totals, kwargs={"reset": True})[0]
+    totals = llm.collective_rpc("moetailor_route_totals", kwargs={"reset": True})[0]
     return sum(t["experts"] for t in totals.values()) / max(1, sum(t["steps"] for t in totals.values()))
 
 

@@ -69,6 +69,9 @@ def apply_patches() -> None:
         if "load_model" in cls.__dict__:
             cls.load_model = _wrap_load_model(cls.__dict__["load_model"])
     GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(GPUModelRunner._prepare_inputs)
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    WorkerBase.moetailor_route_totals = route_totals   # LLM.collective_rpc("moetailor_route_totals")
     InputProcessor._validate_params = _wrap_validate_params(InputProcessor._validate_params)
 
 
@@ -122,7 +125,8 @@ def setup_model(runner) -> None:
 
 
 def route_totals(worker, reset: bool = False) -> dict:
-    """``LLM.collective_rpc(route_totals)``: the recorder's per-layer totals (needs RECORD_KEY)."""
+    """``LLM.collective_rpc("moetailor_route_totals", kwargs={"reset": ...})``: the recorder's per-layer
+    totals (needs RECORD_KEY), by name, so nothing is pickled."""
     runner = getattr(worker, "model_runner", worker)
     recorder = getattr(runner, "_moetailor_recorder", None)
     if recorder is None:
