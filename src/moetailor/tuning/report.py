@@ -3,12 +3,11 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..outputs import write_json
 
-if TYPE_CHECKING:
-    from .search import Tuner, TuneResult
+# The search calls write_report with itself and its result (search.Tuner, search.TuneResult); they are
+# not imported here, even for type checking, so the two modules do not import each other.
 
 
 def _public(r: dict) -> dict:
@@ -19,7 +18,7 @@ def _public(r: dict) -> dict:
     return out
 
 
-def rows(tuner: Tuner, result: TuneResult, points: list[dict]) -> tuple[list[str], list[tuple]]:
+def rows(tuner, result, points: list[dict]) -> tuple[list[str], list[tuple]]:
     """The front table: one row per point."""
     speed = tuner.s.min_tok_s is not None
     cols = ["plan", "budget", "pool", "KL", "accuracy %", "of full", "vs full (p)", "p90", "tok/s" if speed else None,
@@ -42,7 +41,7 @@ def rows(tuner: Tuner, result: TuneResult, points: list[dict]) -> tuple[list[str
     return cols, out
 
 
-def write_report(tuner: Tuner, result: TuneResult) -> None:
+def write_report(tuner, result) -> None:
     """front.json (evidence per point), front.md (the table), front.png (the plot)."""
     from ..tables import markdown_table
     from .front import plot_front
