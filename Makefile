@@ -52,7 +52,7 @@ setup-vllm-nixl: $(VLLM_STAMP)
 # Inductor compile per engine start (126-150 s each here). `make test-vllm VLLM_CPU_CI_ENV=0` runs Inductor.
 VLLM_CPU_CI_ENV ?= 1
 test-vllm: setup-vllm
-	VLLM_CPU_CI_ENV=$(VLLM_CPU_CI_ENV) $(VLLM_PY) -m pytest tests/integrations/vllm -v
+	VLLM_CPU_CI_ENV=$(VLLM_CPU_CI_ENV) $(VLLM_PY) -m pytest tests/integrations/vllm -v --durations=15 -o faulthandler_timeout=360
 
 # llama.cpp in its own environment: llama-cpp-python compiled from its PyPI sdist (8-13 minutes on
 # 2 cores; the wheel is cached under ~/.cache/moetailor keyed on the CPU's flags, so a re-run or a
@@ -67,13 +67,13 @@ setup-llamacpp:
 	PYTHON=$(PYTHON) scripts/setup_llamacpp.sh $(LLAMACPP_VENV)
 
 test-llamacpp: setup-llamacpp
-	$(LLAMACPP_PY) -m pytest tests/integrations/llamacpp -v
+	$(LLAMACPP_PY) -m pytest tests/integrations/llamacpp -v --durations=10 -o faulthandler_timeout=360
 
 demo: setup
 	$(VENV)/bin/moetailor demo
 
 test: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=15
 
 train-reference: setup
 	$(PY) -m moetailor.training.reference --out build/reference-run

@@ -26,6 +26,13 @@ cpu_key() {
 
 KEY=$(cpu_key)
 WHEEL_DIR=$CACHE/wheels/llama-cpp-python-$VERSION-$KEY
+
+# `setup_llamacpp.sh --has-wheel`: exit 0 when this processor's wheel is cached (no compile needed);
+# CI uses it to know the stage's worst case before starting it.
+if [ "$VENV" = "--has-wheel" ]; then
+    ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1
+    exit
+fi
 PY=$VENV/bin/python
 STAMP=$VENV/.installed
 

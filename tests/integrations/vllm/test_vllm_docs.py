@@ -16,8 +16,6 @@ pytest.importorskip("vllm", reason=SKIP_REASON)
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.xfail(strict=False, reason="2026-12-02: on merged main the example's vLLM engine core failed to start "
-                   "(worker initialisation; root cause not read yet); open, see the session notes")
 def test_docs_python_example_runs_and_equals_engine(tmp_path):
     from moetailor.engine import LLM, SamplingParams
     from moetailor.plans import Plan
