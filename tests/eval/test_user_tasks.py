@@ -116,3 +116,24 @@ def test_eval_on_a_user_file_reports_like_the_built_in_tasks(tmp_path, capsys):
     assert rows["addition"]["accuracy"] >= 0.5 and rows["chat"]["accuracy"] == 1.0   # the model can add
     assert "addition" in (out / "results.md").read_text()
     assert "baseline" in capsys.readouterr().out
+
+
+def test_a_prompt_past_the_context_names_its_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """The reference model has 1,024 positions: an 800-token prompt fits alone, not with the default
+    budget of 256 new tokens. The error names the file's line and the budget's source, and comes
+    before the model's weights load."""
+    import moetailor.models
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the prompts were checked")
+
+    monkeypatch.setattr(moetailor.models, "load_model", no_load)
+    long = " ".join(["add 12 + 34"] * 100)
+    path = write(tmp_path / "long.jsonl", [{"prompt": "add 1 + 2\n", "answer": "3"}, {"prompt": long, "answer": "46"}])
+    assert main(["eval", "reference", "--tasks", path, "--configs", "baseline", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:2: the prompt has" in err and "the default budget of 256 new tokens" in err
+    assert "past the model's context of 1024 tokens" in err and "--max-tokens" in err
+    assert main(["eval", "reference", "--tasks", path, "--configs", "baseline", "--max-tokens", "300",
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "and --max-tokens 300 would take it" in capsys.readouterr().err

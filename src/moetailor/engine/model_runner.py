@@ -36,6 +36,12 @@ class StepOutput:
     expert_bytes: int                   # expert weight bytes read
 
 
+
+def default_max_model_len(model_config) -> int:
+    """The context an engine gets when none is asked for: the model's positions, at most 4096 (the
+    KV pool is sized from it). ``eval`` checks its prompts against the same number before loading."""
+    return min(int(getattr(model_config, "max_position_embeddings", 4096) or 4096), 4096)
+
 class ModelRunner:
     def __init__(self, model, config: EngineConfig):
         self.model = model
@@ -62,7 +68,7 @@ class ModelRunner:
             for phase, weights in ((True, None), (False, self.decode_expert_weights))}   # is_prefill -> layer -> bytes
         limit = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
         if config.max_model_len is None:
-            config.max_model_len = min(limit, 4096)
+            config.max_model_len = default_max_model_len(model.config)
         elif config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
         self._check_attention()

@@ -33,13 +33,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..models.loading import load_checked, model_fingerprint, weights_hash
+from ..engine.model_runner import default_max_model_len
+from ..models.loading import load_checked, model_fingerprint, read_config, weights_hash
 from ..outputs import write_json
 from ..plans import Plan
 from .configurations import ConfigSpec, Serving
 from .metrics import Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output
 from ..data.tasks import TASKS, Task, eval_rng
-from .user_tasks import DEFAULT_BUDGET, select_tasks, task_examples
+from .user_tasks import DEFAULT_BUDGET, check_prompts_fit, select_tasks, task_examples
 
 SAMPLING_MODES = ("greedy", "sample")
 DEFAULT_KEEPS = (0.75, 0.5, 0.25)
@@ -371,16 +372,22 @@ class Sweep:
         self.settings, self.out, self.log, self.overwrite = settings, Path(out), log, overwrite
         self.command = command or " ".join(["moetailor", *sys.argv[1:]])
         if model is None:
-            from ..models import load_model, load_tokenizer
-            model, tokenizer = load_model(settings.model), load_tokenizer(settings.model)
+            from ..models import load_tokenizer
+            tokenizer = load_tokenizer(settings.model)
         if tokenizer is None:
             raise ValueError("a tokenizer is needed to evaluate; pass the model as a checkpoint directory with one")
+        self.budgets = {t.name: settings.max_tokens or task_budget(t, tokenizer) for t in self.tasks}
+        config = model.config if model is not None else read_config(settings.model)
+        check_prompts_fit(self.tasks, tokenizer, self.budgets, default_max_model_len(config), settings.n,
+                          settings.max_tokens is not None)
+        if model is None:
+            from ..models import load_model
+            model = load_model(settings.model)
         self.model, self.tokenizer = model, tokenizer
         for t in self.tasks:
             if not isinstance(t, Task) and len(t.items) > settings.n:
                 log(f"task {t.name} ({t.path}): evaluating the first {settings.n} of {len(t.items)} prompts (--n)")
         self.fingerprint = model_fingerprint(model)
-        self.budgets = {t.name: settings.max_tokens or task_budget(t, tokenizer) for t in self.tasks}
         # what every cell shares; each cell adds its plan, configuration, sampling, seed and data
         # a user task is named with its file's hash: an edited file is evaluated afresh
         tasks = [t.name if isinstance(t, Task) else f"{t.name}@{t.digest}" for t in self.tasks]

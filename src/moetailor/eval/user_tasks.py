@@ -66,6 +66,7 @@ class UserExample(Example):
     """An example from a user file: scored by its own match rule (``Example.is_correct``)."""
     rule: MatchRule = MatchRule("exact")
     messages: tuple | None = None    # chat turns, rendered into ``prompt`` by ``UserTask.examples``
+    line: int = 0                    # the line of the task file it came from, for error messages
 
     def is_correct(self, output: str) -> bool:
         return self.rule.matches(output, self.answer)
@@ -201,7 +202,7 @@ def _example(path: Path, number: int, record: dict, default_task: str) -> UserEx
     if not isinstance(task, str) or not task.strip() or task == "all":
         raise ValueError(f"{where}: 'task' must be a non-empty name other than 'all', got {task!r}")
     return UserExample(task, 0, prompt or "", "", answer, MatchRule(kind, compiled),
-                       tuple(messages) if messages is not None else None)
+                       tuple(messages) if messages is not None else None, number)
 
 
 def load_user_tasks(path: str | Path) -> list[UserTask]:
@@ -217,3 +218,21 @@ def load_user_tasks(path: str | Path) -> list[UserTask]:
         groups.setdefault(ex.task, []).append(ex)
     return [UserTask(name, str(path), tuple(items), digest, f"user task from {path.name} ({len(items)} prompts)")
             for name, items in groups.items()]
+
+
+def check_prompts_fit(tasks: list, tokenizer, budgets: dict[str, int], context: int, n: int,
+                      budget_given: bool) -> None:
+    """ValueError naming the file and line of the first user prompt that, with its task's budget of new
+    tokens, does not fit the model's context: said before the model loads, in the user's terms."""
+    for task in tasks:
+        if isinstance(task, Task):
+            continue
+        for ex in task.examples(n, tokenizer):
+            used = len(tokenizer.encode(ex.prompt, add_special_tokens=False))
+            budget = budgets[task.name]
+            if used + budget > context:
+                source = f"--max-tokens {budget}" if budget_given else f"the default budget of {budget} new tokens for a user task"
+                fix = (f"pass --max-tokens {context - used} or less" if used < context
+                       else "shorten the prompt")
+                raise ValueError(f"{task.path}:{ex.line}: the prompt has {used} tokens and {source} would take it "
+                                 f"past the model's context of {context} tokens; {fix}")
