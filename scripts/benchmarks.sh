@@ -22,4 +22,9 @@ run decode_floor_1thread $py scripts/decode_floor.py --batches 1 8 --layers 1 --
 run bench_decode .venv/bin/moetailor bench decode --model both --batches 1,8,32,64 --steps 4 --out "$out/decode"
 run bench_slo .venv/bin/moetailor bench slo --model both --steps 4 --out "$out/slo"
 run bench_prefill .venv/bin/moetailor bench prefill --model both --out "$out/prefill"
+# llama.cpp on the same weights (f32 GGUF), when its environment exists (make setup-llamacpp)
+if [ -x .venv-llamacpp/bin/python ]; then
+  run llamacpp_vs_engine .venv-llamacpp/bin/python scripts/llamacpp_vs_engine.py --batch 1 8 32 \
+      --plan src/moetailor/assets/plans/reference-reap-50.json
+fi
 echo "done $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/index.txt"
