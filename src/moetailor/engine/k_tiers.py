@@ -58,20 +58,6 @@ class Batch:
     upgraded: tuple[str, ...] = ()  # members served above their own k (merged upward)
 
 
-def validate_expert_top_k(k: int | None, max_k: int, parts: int | None = None) -> int:
-    """A request's budget checked against the model: 1 <= k <= max_k (= N * k_max for a split
-    model). None means the full budget. Raises ValueError naming the range."""
-    if k is None:
-        return max_k
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise ValueError(f"expert_top_k must be an integer, got {k!r}")
-    if not 1 <= k <= max_k:
-        what = f" ({parts} sub-experts x {max_k // parts} experts)" if parts else ""
-        raise ValueError(f"expert_top_k={k} is out of range: this model routes 1..{max_k} experts per token{what}; "
-                         f"ask for a budget in [1, {max_k}] or leave it unset for the full budget")
-    return k
-
-
 # ---------------------------------------------------------------------------------------------
 # cost model
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ...models.chat import chat_prompt
+from ..budgets import expert_top_k_value
 from ..logprobs import MAX_LOGPROBS
 from ..sampling import SamplingParams
 from .limits import ServerLimits
@@ -155,7 +156,7 @@ def sampling_from(body: dict, limits: ServerLimits | None = None) -> SamplingPar
                               temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", 1.0),
                               top_k=top_k, seed=seed, stop=tuple(stop),
                               ignore_eos=boolean(body, "ignore_eos"),
-                              expert_top_k=integer(body, "expert_top_k"))
+                              expert_top_k=expert_top_k_value(body.get("expert_top_k")))
     except ValueError as e:
         raise BadRequest(str(e)) from None
 
