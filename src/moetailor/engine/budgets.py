@@ -63,6 +63,13 @@ def validate_expert_top_k(k, max_k: int | None, parts: int | None = None) -> int
     return k
 
 
+def budget_of(k: int | None, full_k: int) -> int:
+    """The experts per token an admitted request runs at: its budget, never above the model's k
+    (None = the model's k). The engine's ``BudgetPolicy`` and the vLLM plugin's routing and
+    scheduler read a request's budget through it."""
+    return full_k if k is None else min(int(k), full_k)
+
+
 class BudgetPolicy:
     def __init__(self, full_k: int, num_layers: int, num_experts: int, schedule: str = "mixed",
                  cost: StepCost | None = None, max_batch: int = 64, device: str | torch.device = "cpu",
@@ -94,7 +101,7 @@ class BudgetPolicy:
         return self.full_k, self.parts
 
     def k_of(self, sampling: SamplingParams) -> int:
-        return min(sampling.expert_top_k or self.full_k, self.full_k)
+        return budget_of(sampling.expert_top_k, self.full_k)
 
     # ---- a step --------------------------------------------------------------------------------
     def token_top_k(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor | None, int | None, float]:
