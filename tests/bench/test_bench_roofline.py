@@ -1,8 +1,8 @@
 """The GPU roofline projection: byte accounting, SLO batch search, pool speedups."""
 import pytest
 
-from moetailor.bench.roofline import (GPUS, IDEAL, SHAPES, Efficiency, kept_experts, memory_batch_cap, project,
-                                      resident_bytes, slo_batch, step_cost)
+from moetailor.bench.roofline import (GPUS, IDEAL, REALISTIC, SHAPES, Efficiency, kept_experts, memory_batch_cap,
+                                      project, resident_bytes, roofline_costs, slo_batch, step_cost)
 from moetailor.bench.traffic import expected_distinct
 
 
@@ -23,6 +23,22 @@ def test_step_bytes_add_up():
     assert c.bound == "memory"
     two = step_cost(s, g, batch=8, context=1000, num_gpus=2)
     assert two.seconds == pytest.approx(c.seconds / 2)
+
+
+def test_the_roofline_is_the_engines_step_cost_model():
+    """One cost model: the roofline's memory and compute times are ``StepCost``s (the class the engine's
+    schedules plan with), and a step without overlap costs their sum plus the fixed overheads."""
+    from moetailor.engine.k_tiers import StepCost
+
+    s, g = SHAPES["qwen3.6-35b-a3b"], GPUS["a100"]
+    for batch, keep in ((1, 1.0), (8, 0.5), (64, 0.25)):
+        memory, compute = roofline_costs(s, g, 5120, keep, 2, REALISTIC)
+        assert type(memory) is StepCost and type(compute) is StepCost
+        c = step_cost(s, g, batch, 5120, keep, 2, REALISTIC)
+        expected = memory.seconds(s.top_k, batch) + compute.seconds(s.top_k, batch) + REALISTIC.overhead_s
+        assert c.seconds == pytest.approx(expected)
+        ideal_memory, _ = roofline_costs(s, g, 5120, keep, 2)
+        assert ideal_memory.seconds(s.top_k, batch) == pytest.approx(c.bytes / (2 * g.bandwidth))
 
 
 def test_smaller_pool_reads_less_and_keeps_at_least_k():

@@ -5,8 +5,9 @@ import random
 
 import pytest
 
+from moetailor.engine.budgets import expert_top_k_value, validate_expert_top_k
 from moetailor.engine.k_tiers import (KRequest, OnlineLanes, StepCost, estimated_seconds,
-                                      plan_fcfs_max_k, plan_offline, validate_expert_top_k, wait_bound)
+                                      plan_fcfs_max_k, plan_offline, wait_bound)
 from moetailor.routing.traffic import expected_distinct
 
 # a memory-bound-ish model: touching an expert dominates, compute per route is small
@@ -107,6 +108,22 @@ def test_validate_expert_top_k():
         validate_expert_top_k(0, 32)
     with pytest.raises(ValueError, match="integer"):
         validate_expert_top_k(2.5, 32)
+    with pytest.raises(ValueError, match="integer"):
+        validate_expert_top_k(True, 32)
+    with pytest.raises(ValueError, match="no experts"):
+        validate_expert_top_k(2, None)
+
+
+def test_expert_top_k_as_a_json_client_sends_it():
+    """The server's parser and the vLLM plugin read JSON: 4.0 is 4; the model's range is checked later."""
+    assert expert_top_k_value(None) is None
+    assert expert_top_k_value(4.0) == 4 and type(expert_top_k_value(4.0)) is int
+    assert expert_top_k_value(999) == 999
+    for bad, needle in ((0, "out of range"), (-3, "out of range"), (2.5, "integer"), ("four", "integer"),
+                        (False, "integer"), ([1], "integer"), ("x" * 10_000, "integer")):
+        with pytest.raises(ValueError, match=needle) as e:
+            expert_top_k_value(bad)
+        assert str(e.value).startswith("expert_top_k") and len(str(e.value)) < 200
 
 
 def test_cost_fit_recovers_coefficients():
@@ -132,6 +149,10 @@ def test_engine_rejects_out_of_range_expert_top_k():
     llm = LLM(tiny_model("qwen2_moe", top_k=2), num_kv_blocks=16)
     with pytest.raises(ValueError, match=r"expert_top_k=3 is out of range.*\[1, 2\]"):
         llm.add_request([5, 6, 7], SamplingParams(max_tokens=2, expert_top_k=3))
+    for bad in (0, 1.0, "2"):   # the Python API takes integers only; every budget is checked at admission
+        with pytest.raises(ValueError, match="expert_top_k"):
+            llm.add_request([5, 6, 7], SamplingParams(max_tokens=2, expert_top_k=bad))
+    assert not llm.has_unfinished()
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, expert_top_k=1))
     assert len(out[0].token_ids) == 2
 

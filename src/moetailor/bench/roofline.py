@@ -4,7 +4,9 @@ CPU benchmarks.
 One decode step with B sequences at mean context C reads: the dense weights (attention, routers,
 shared experts, dense FFNs, LM head), the union of routed experts (m'(1-(1-k/m')^B) per layer, a
 pool keeping m' of m experts), and each sequence's KV cache (plus recurrent state for linear
-attention). Its ideal time is max(bytes / bandwidth, FLOPs / peak); ``Efficiency`` derates it. Per-user speed is
+attention). Its ideal time is max(bytes / bandwidth, FLOPs / peak); ``Efficiency`` derates it. The two
+times are the step cost model of the engine's schedules (``routing.traffic.StepCost``, one for the
+memory part and one for the compute part: ``roofline_costs``). Per-user speed is
 1 / step time; the batch a per-user SLO allows is the largest B whose step fits 1 / SLO and whose
 KV fits in memory. All weights bf16 (2 bytes), KV bf16.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..routing.traffic import StepCost
 from .traffic import expected_distinct
 
 BYTES = 2  # bf16 weights and KV
@@ -106,7 +109,8 @@ SHAPES = _shapes()
 
 
 @dataclass(frozen=True)
-class StepCost:
+class RooflineStep:
+    """One projected decode step: what it reads and computes, and how long it takes."""
     batch: int
     keep: float
     dense_bytes: float
@@ -157,18 +161,33 @@ IDEAL = Efficiency()
 REALISTIC = Efficiency(bandwidth=0.8, flops=0.4, overlap=False, overhead_s=0.002)
 
 
+def roofline_costs(shape: ModelShape, gpu: GPU, context: int, keep: float = 1.0, num_gpus: int = 1,
+                   eff: Efficiency = IDEAL) -> tuple[StepCost, StepCost]:
+    """(memory, compute): the step cost model of a decode step at mean context ``context`` as two
+    ``StepCost``s, bytes / bandwidth (dense weights fixed, KV and state per sequence, an expert per
+    distinct expert) and FLOPs / peak (dense and attention per sequence, an expert per route)."""
+    bandwidth, peak = gpu.bandwidth * eff.bandwidth * num_gpus, gpu.flops * eff.flops * num_gpus
+    m = kept_experts(shape, keep)
+    memory = StepCost(shape.moe_layers, m, per_expert=shape.expert_params * BYTES / bandwidth,
+                      per_token=(context * shape.kv_bytes_per_token + shape.state_bytes_per_seq) / bandwidth,
+                      fixed=shape.dense_params * BYTES / bandwidth)
+    compute = StepCost(shape.moe_layers, m, per_expert=0.0, per_route=2 * shape.expert_params / peak,
+                       per_token=(2 * shape.dense_params + context * shape.attn_flops_per_ctx) / peak)
+    return memory, compute
+
+
 def step_cost(shape: ModelShape, gpu: GPU, batch: int, context: int, keep: float = 1.0, num_gpus: int = 1,
-              eff: Efficiency = IDEAL) -> StepCost:
+              eff: Efficiency = IDEAL) -> RooflineStep:
     """Roofline time of one decode step of ``batch`` sequences at mean context ``context``."""
     m = kept_experts(shape, keep)
     dense = shape.dense_params * BYTES
     experts = shape.moe_layers * expected_distinct(m, shape.top_k, batch) * shape.expert_params * BYTES
     kv = batch * (context * shape.kv_bytes_per_token + shape.state_bytes_per_seq)
     flops = batch * (2 * shape.active_params() + context * shape.attn_flops_per_ctx)
-    t_mem = (dense + experts + kv) / (gpu.bandwidth * eff.bandwidth * num_gpus)
-    t_cmp = flops / (gpu.flops * eff.flops * num_gpus)
+    memory, compute = roofline_costs(shape, gpu, context, keep, num_gpus, eff)
+    t_mem, t_cmp = memory.seconds(shape.top_k, batch), compute.seconds(shape.top_k, batch)
     seconds = (max(t_mem, t_cmp) if eff.overlap else t_mem + t_cmp) + eff.overhead_s + batch * eff.per_seq_s
-    return StepCost(batch, keep, dense, experts, kv, flops, seconds, "memory" if t_mem >= t_cmp else "compute")
+    return RooflineStep(batch, keep, dense, experts, kv, flops, seconds, "memory" if t_mem >= t_cmp else "compute")
 
 
 def resident_bytes(shape: ModelShape, keep: float) -> float:
@@ -185,7 +204,7 @@ def memory_batch_cap(shape: ModelShape, gpu: GPU, max_context: int, resident: fl
 
 
 def slo_batch(shape: ModelShape, gpu: GPU, slo_tps: float, context: int, keep: float, cap: int, num_gpus: int = 1,
-              eff: Efficiency = IDEAL) -> StepCost | None:
+              eff: Efficiency = IDEAL) -> RooflineStep | None:
     """The largest batch <= cap whose step meets the per-user SLO (None when even batch 1 misses it)."""
     budget = 1.0 / slo_tps
     ok = lambda b: step_cost(shape, gpu, b, context, keep, num_gpus, eff).seconds <= budget
@@ -210,7 +229,7 @@ class Projection:
     keep: float
     mode: str                 # "colocated" (full pool resident, masked) | "disaggregated" (pruned checkpoint)
     cap: int                  # memory batch cap
-    at_slo: StepCost | None
+    at_slo: RooflineStep | None
     speedup: float | None     # throughput at SLO vs the full pool's
     slimwise: float | None    # SlimWise's measured speedup for this keep/mode, if any
 
@@ -232,7 +251,7 @@ def project(shape: ModelShape, gpu: GPU, keeps: list[float], slo_tps: float, con
 
 
 def slo_curve(shape: ModelShape, gpu: GPU, keep: float, context: int, batches: list[int], num_gpus: int = 1,
-              eff: Efficiency = IDEAL) -> list[StepCost]:
+              eff: Efficiency = IDEAL) -> list[RooflineStep]:
     """Throughput vs per-user speed as the batch grows (SlimWise Figure 4), one pool."""
     return [step_cost(shape, gpu, b, context, keep, num_gpus, eff) for b in batches]
 

@@ -34,7 +34,9 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field (the server turns it into a 400). Floats must be finite:
-        a NaN passes every ``<`` check and a subnormal temperature overflows the logits to inf."""
+        a NaN passes every ``<`` check and a subnormal temperature overflows the logits to inf.
+        ``expert_top_k`` is checked against the model when the request is added
+        (``budgets.validate_expert_top_k``, the one owner of the budget rules)."""
         def integer(name, low, high=None, optional=False):
             value = getattr(self, name)
             if optional and value is None:
@@ -58,7 +60,6 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
         integer("top_k", 0)
         integer("seed", 0, MAX_SEED, optional=True)
-        integer("expert_top_k", 1, optional=True)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r} must be true or false")
         integer("logprobs", 0, MAX_LOGPROBS, optional=True)

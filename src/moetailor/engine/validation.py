@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .k_tiers import validate_expert_top_k
+from .budgets import validate_expert_top_k
 from .sampling import SamplingParams
 
 NO_TOKENIZER = ("a text prompt needs a tokenizer and this model folder has no tokenizer files (tokenizer.json / "
@@ -42,8 +42,7 @@ def encode_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
 def check_request(ids: list[int], sampling: SamplingParams, limits: RequestLimits) -> None:
     """ValueError naming the problem and the limit when a request can never run."""
     sampling.validate()
-    if sampling.expert_top_k is not None:
-        validate_expert_top_k(sampling.expert_top_k, *limits.budget)
+    validate_expert_top_k(sampling.expert_top_k, *limits.budget)
     if not ids:
         raise ValueError("the prompt is empty; give at least one token")
     bad = [t for t in ids if not 0 <= t < limits.vocab_size]

@@ -108,26 +108,37 @@ def source_name(path: str | Path | None) -> str | None:
     return path.name or str(path)
 
 
-def model_fingerprint(model) -> dict:
-    """Identity of a model for plans and statistics: shape facts plus a hash of the router weights."""
-    from .adapters import moe_layers
+def fingerprint(config, routers: dict[int, torch.Tensor], source: str | Path | None = None) -> dict:
+    """Identity of a model for plans and statistics: shape facts from its config (grouped routing's
+    ``n_group`` / ``topk_group`` when grouped) plus a hash of the router weights [E, H] by MoE layer
+    index. The one definition: ``model_fingerprint`` (a built model) and the vLLM plugin's
+    ``checkpoint_fingerprint`` (safetensors files, no model) both call it."""
+    from .adapters import semantics_for
+    from .architectures import arch_spec
 
-    layers = moe_layers(model)
+    sem = semantics_for(config, arch_spec(config))
     h = hashlib.sha256()
-    for layer in layers:
-        h.update(layer.router.weight.detach().float().cpu().numpy().tobytes())
+    for i in sorted(routers):
+        h.update(routers[i].detach().float().cpu().numpy().tobytes())
     fp = {
-        "model_type": model.config.model_type,
-        "moe_layers": [l.index for l in layers],
-        "num_experts": layers[0].num_experts,
-        "top_k": layers[0].top_k,
+        "model_type": config.model_type,
+        "moe_layers": sorted(routers),
+        "num_experts": sem.num_experts,
+        "top_k": sem.top_k,
         "router_hash": h.hexdigest()[:16],
-        "source": source_name(getattr(model, "moetailor_source", None)),
+        "source": source_name(source),
     }
-    sem = layers[0].semantics
     if sem.n_group > 1:  # grouped routing (DeepSeek): plans choose kept experts per group
         fp.update(n_group=sem.n_group, topk_group=sem.topk_group)
     return fp
+
+
+def model_fingerprint(model) -> dict:
+    """``fingerprint`` of a built model (or a routers-only skeleton)."""
+    from .adapters import moe_layers
+
+    routers = {layer.index: layer.router.weight for layer in moe_layers(model)}
+    return fingerprint(model.config, routers, getattr(model, "moetailor_source", None))
 
 
 def weights_hash(model) -> str:
@@ -143,7 +154,7 @@ def weights_hash(model) -> str:
 
 def fingerprint_mismatch(expected: dict, actual: dict) -> str | None:
     """A sentence naming the first difference, or None when the fingerprints agree."""
-    for key in ("model_type", "moe_layers", "num_experts", "top_k", "router_hash"):
+    for key in ("model_type", "moe_layers", "num_experts", "top_k", "n_group", "topk_group", "router_hash"):
         if key in expected and expected[key] != actual.get(key):
             return f"{key}: file says {expected[key]!r}, model has {actual.get(key)!r}"
     return None

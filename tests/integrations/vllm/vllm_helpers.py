@@ -1,7 +1,8 @@
 """Helpers of the vLLM integration tests (real vLLM CPU build, real bundled model).
 
 These tests run in the separate vLLM environment (`make setup-vllm`, then `make test-vllm`); in
-moetailor's main environment every module here skips, saying so.
+moetailor's main environment every module that starts vLLM skips, saying so (test_vllm_fingerprint.py
+imports no vLLM and runs in both).
 """
 from __future__ import annotations
 

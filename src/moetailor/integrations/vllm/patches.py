@@ -155,13 +155,11 @@ def _wrap_validate_params(validate_params):
         if EXPERT_TOP_K in extra:
             from vllm.exceptions import VLLMValidationError
 
-            from ...engine.k_tiers import validate_expert_top_k
+            from ...engine.budgets import expert_top_k_value, validate_expert_top_k
 
-            k, model_k = extra[EXPERT_TOP_K], getattr(self.model_config.hf_config, "num_experts_per_tok", None)
+            model_k = getattr(self.model_config.hf_config, "num_experts_per_tok", None)
             try:
-                if model_k is None:
-                    raise ValueError(f"{EXPERT_TOP_K} applies to Mixture-of-Experts models; this model has no experts")
-                validate_expert_top_k(int(k) if isinstance(k, float) and k.is_integer() else k, int(model_k))
+                validate_expert_top_k(expert_top_k_value(extra[EXPERT_TOP_K]), None if model_k is None else int(model_k))
             except ValueError as e:
                 raise VLLMValidationError(str(e), parameter=EXPERT_TOP_K) from None
         return result

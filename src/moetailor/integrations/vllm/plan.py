@@ -16,7 +16,6 @@ one representation. Folding policies need the plan's ``fold_stats`` (ExFold tabl
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,31 +44,28 @@ def plan_settings(additional_config) -> tuple[str, str] | None:
 
 
 def checkpoint_fingerprint(path: str | Path) -> dict:
-    """moetailor's model fingerprint (``model_fingerprint``) computed from a checkpoint's files,
-    without building the model: config facts plus the hash of the router weights read as fp32."""
+    """moetailor's model fingerprint (``models.loading.fingerprint``, as ``model_fingerprint`` computes
+    it) from a checkpoint's files, without building the model: its config plus the router weights
+    read from the safetensors shards."""
     from safetensors import safe_open
     from transformers import AutoConfig
 
+    from ...models.loading import fingerprint
+
     path = Path(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    spec = arch_spec(config)
-    num_experts = spec.num_experts(config)
+    num_experts = arch_spec(config).num_experts(config)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} holds no *.safetensors weights; moetailor reads router weights from them")
-    tensors = {}
+    routers = {}
     for f in files:
         with safe_open(f, "pt") as st:
             for key in st.keys():
                 if key.endswith(".gate.weight") and ".experts." not in key and ".layers." in key:
                     if tuple(st.get_slice(key).get_shape())[0] == num_experts:
-                        tensors[int(key.split(".layers.")[1].split(".")[0])] = st.get_tensor(key)
-    layers = sorted(tensors)
-    h = hashlib.sha256()
-    for i in layers:
-        h.update(tensors[i].detach().float().cpu().numpy().tobytes())
-    return {"model_type": config.model_type, "moe_layers": layers, "num_experts": num_experts,
-            "top_k": int(config.num_experts_per_tok), "router_hash": h.hexdigest()[:16], "source": str(path)}
+                        routers[int(key.split(".layers.")[1].split(".")[0])] = st.get_tensor(key)
+    return fingerprint(config, routers, path)
 
 
 def load_checked_plan(path: str | Path, mode: str, checkpoint: str | Path) -> Plan:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...engine.budgets import budget_of
 from ...models.architectures import RouterSemantics
 from ...routing.router import CompiledPolicy, route
 from .plan import EXPERT_TOP_K, RouterTables
@@ -65,8 +66,7 @@ class StepTokens:
 
 def request_top_k(sampling_params, model_k: int) -> int:
     extra = getattr(sampling_params, "extra_args", None) or {}
-    k = extra.get(EXPERT_TOP_K)
-    return model_k if k is None else min(int(k), model_k)
+    return budget_of(extra.get(EXPERT_TOP_K), model_k)
 
 
 @dataclass

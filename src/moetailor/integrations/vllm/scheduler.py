@@ -36,6 +36,7 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from ...engine.budgets import budget_of
 from ...engine.k_tiers import KRequest, OnlineLanes, StepCost, plan_offline
 from .plan import EXPERT_TOP_K
 
@@ -82,8 +83,7 @@ def cost_from_config(hf_config, dtype_bytes: int, overrides: dict | None = None)
 
 def request_k(request, model_k: int) -> int:
     extra = getattr(request.sampling_params, "extra_args", None) or {}
-    k = extra.get(EXPERT_TOP_K)
-    return model_k if k is None else min(int(k), model_k)
+    return budget_of(extra.get(EXPERT_TOP_K), model_k)
 
 
 class KAwareScheduler(Scheduler):
