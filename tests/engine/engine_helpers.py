@@ -23,14 +23,19 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def start_server(app):
-    """uvicorn serving ``app`` on a free port of 127.0.0.1 in a thread: (base URL, port, stop)."""
+def start_server(app, limits=None):
+    """uvicorn serving ``app`` on a free port of 127.0.0.1 in a thread: (base URL, port, stop). With
+    ``limits`` (ServerLimits) it runs with the server's own connection bounds, as ``serve`` does."""
     import uvicorn
+
+    from moetailor.engine.server import server_config
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    config = (uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning") if limits is None
+              else server_config(app, "127.0.0.1", port, limits, log_level="warning"))
+    srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
@@ -43,7 +48,7 @@ def start_server(app):
 
     def stop():
         srv.should_exit = True
-        thread.join(timeout=5)
+        thread.join(timeout=10)
         app.state.engine.close()
     return base, port, stop
 

@@ -155,32 +155,7 @@ def test_short_max_tokens_traffic_does_not_trip_the_guard(one_thread):
 # ---- 4. idle and half-header connections -------------------------------------------------------------
 def start_bounded(app, limits):
     """uvicorn with the server's own connection bounds (``server_config``, what ``serve`` runs)."""
-    import socket
-    import threading
-
-    import uvicorn
-
-    from moetailor.engine.server import server_config
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(server_config(app, "127.0.0.1", port, limits, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            httpx.get(base + "/health")
-            break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-
-    def stop():
-        srv.should_exit = True
-        thread.join(timeout=10)
-        app.state.engine.close()
-    return base, port, stop
+    return start_server(app, limits)
 
 
 def closed_by_server(sock, seconds: float) -> bool:
