@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm setup-vllm-nixl setup-llamacpp demo test test-vllm test-llamacpp train-reference clean
+.PHONY: setup setup-vllm setup-vllm-nixl setup-llamacpp demo test test-vllm test-llamacpp train-reference train-reference-qwen3 clean
 
 setup: $(STAMP)
 
@@ -77,6 +77,10 @@ test: setup
 
 train-reference: setup
 	$(PY) -m moetailor.training.reference --out build/reference-run
+
+# The second reference model (Qwen3-MoE family, no shared expert), bundled as `reference-qwen3`.
+train-reference-qwen3: setup
+	$(PY) -m moetailor.training.reference --family qwen3_moe --out build/reference-qwen3-run
 
 clean:
 	rm -rf build .pytest_cache

@@ -1,10 +1,13 @@
 """Reproduce the bundled reference model end to end: corpus -> tokenizer -> training -> export.
 
     python -m moetailor.training.reference --out build/reference-run
+    python -m moetailor.training.reference --family qwen3_moe --out build/reference-qwen3-run
 
-The model is a stock ``Qwen2MoeForCausalLM`` shaped like the fine-grained MoEs the papers study
-(64 routed experts, top-8, a sigmoid-gated shared expert, ``norm_topk_prob=True``), trained on a
-mixture of real text domains and the task suite's training stream. Everything is seeded.
+The bundled ``reference`` is a stock ``Qwen2MoeForCausalLM`` shaped like the fine-grained MoEs the
+papers study (64 routed experts, top-8, a sigmoid-gated shared expert, ``norm_topk_prob=True``);
+``reference-qwen3`` is a ``Qwen3MoeForCausalLM`` of 64 experts, top-8 and no shared expert
+(``training/config.py``). Both are trained with the same recipe on a mixture of real text domains
+and the task suite's training stream. Everything is seeded.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from tqdm import tqdm
 
 from ..data.corpus import DOMAIN_NAMES, build_corpus
 from ..data.tasks import TASKS, training_rng
-from .config import model_config
+from .config import FAMILIES, model_class, model_config
 from .diagnostics import drill_row, symbol_tokens
 
 EOS = "<|endoftext|>"
@@ -155,10 +158,12 @@ STAGES = (Stage(steps=650, lr=1.5e-3, warmup=50, task_share=0.45, mask_prompts=F
 
 
 def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 24, seq_len: int = 256, seed: int = 0,
-          threads: int = 2, start_stage: int = 1) -> Path:
+          threads: int = 2, start_stage: int = 1, family: str = "qwen2_moe") -> Path:
     """Run ``stages`` from ``start_stage`` (1-based); a later start resumes from out/checkpoint,
     which every stage writes at its end."""
-    from transformers import AutoTokenizer, Qwen2MoeForCausalLM
+    from transformers import AutoTokenizer
+
+    model_cls = model_class(family)
 
     torch.set_num_threads(threads)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,11 +176,11 @@ def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 24, s
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     torch.manual_seed(seed)
     if start_stage == 1:
-        model = Qwen2MoeForCausalLM(model_config(len(tokenizer)))
+        model = model_cls(model_config(len(tokenizer), family))
         log: list[dict] = []
         evals: list[dict] = []
     else:
-        model = Qwen2MoeForCausalLM.from_pretrained(out / "checkpoint", dtype=torch.float32)
+        model = model_cls.from_pretrained(out / "checkpoint", dtype=torch.float32)
         log = [r for r in json.loads((out / "train_log.json").read_text()) if r.get("stage", 1) < start_stage]
         evals = [r for r in json.loads((out / "stage_evals.json").read_text()) if r["stage"] < start_stage]
     model.train()
@@ -306,8 +311,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-stage", type=int, default=1, help="resume at this stage from out/checkpoint")
+    parser.add_argument("--family", choices=FAMILIES, default="qwen2_moe",
+                        help="qwen2_moe: the bundled `reference`; qwen3_moe: `reference-qwen3` (no shared expert)")
     args = parser.parse_args()
-    train(args.out, STAGES, args.batch_size, args.seq_len, args.seed, start_stage=args.start_stage)
+    train(args.out, STAGES, args.batch_size, args.seq_len, args.seed, start_stage=args.start_stage,
+          family=args.family)
 
 
 if __name__ == "__main__":
