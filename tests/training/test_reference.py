@@ -76,3 +76,36 @@ def test_loss_on_labelled_positions_matches_the_full_head():
     expected = reference.loss - model.config.router_aux_loss_coef * reference.aux_loss
     assert torch.allclose(loss, expected, atol=1e-4)
     assert torch.allclose(aux, reference.aux_loss)
+
+
+def test_a_later_model_keeps_the_shipped_heldout_text_unseen_and_unchanged(tmp_path, monkeypatch):
+    """``bundle=False``: the bundled held-out/calibration files stay byte for byte, and a training
+    document that shares a long line with them (another package version cuts other documents) is dropped."""
+    from moetailor.data import corpus
+
+    line = lambda i: f"line {i} of a document long enough to count as shared text here\n"  # noqa: E731
+    docs = ["".join(line(10 * d + j) for j in range(5)) for d in range(70)]
+    bundled = tmp_path / "bundled"
+    for split in ("heldout", "calibration"):
+        (bundled / split).mkdir(parents=True)
+    shipped = docs[3]                                                # a document the new cut trains on
+    (bundled / "heldout" / "scripture.jsonl").write_text(json.dumps({"text": shipped}) + "\n")
+    (bundled / "calibration" / "scripture.jsonl").write_text("")
+    before = {p: p.read_bytes() for p in bundled.rglob("*.jsonl")}
+    monkeypatch.setattr(corpus, "BUNDLED_DIR", bundled)
+    monkeypatch.setattr(corpus, "DOMAINS", [corpus.Domain("scripture", lambda: iter(docs), "test")])
+    summary = corpus.build_corpus(tmp_path / "work", heldout_docs=2, calib_docs=2, bundle=False)
+    trained = [json.loads(l)["text"] for l in (tmp_path / "work" / "train" / "scripture.jsonl").read_text().splitlines()]
+    assert shipped not in trained and len(trained) == summary["scripture"]["train_docs"] >= 60
+    assert {p: p.read_bytes() for p in bundled.rglob("*.jsonl")} == before
+
+
+def test_the_second_family_is_a_qwen3_moe_without_shared_expert():
+    from moetailor.training.config import model_class, model_config
+
+    cfg = model_config(8192, "qwen3_moe")
+    assert cfg.model_type == "qwen3_moe" and cfg.num_experts == 64 and cfg.num_experts_per_tok == 8
+    assert not hasattr(cfg, "shared_expert_intermediate_size") or not cfg.shared_expert_intermediate_size
+    assert model_class("qwen3_moe").__name__ == "Qwen3MoeForCausalLM"
+    with pytest.raises(ValueError, match="unknown reference family 'mixtral'; choose one of qwen2_moe, qwen3_moe"):
+        model_config(8192, "mixtral")

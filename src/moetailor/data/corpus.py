@@ -149,10 +149,14 @@ def _pypi_sdist(name: str, version: str) -> Path:
 
 
 def build_corpus(work_dir: Path, seed: int = 0, heldout_docs: int = 12, calib_docs: int = 40,
-                 max_train_chars: int = 6_000_000) -> dict[str, dict]:
+                 max_train_chars: int = 6_000_000, bundle: bool = True) -> dict[str, dict]:
     """Write train/<domain>.jsonl to ``work_dir`` and the bundled held-out/calibration text.
 
-    Returns per-domain document counts. Requires the Debian packages in ``DEBIAN_PACKAGES``.
+    With ``bundle=False`` (a later model trained beside the bundled one) the shipped held-out and
+    calibration text stays as it is, and any training document sharing a line of 40+ characters
+    with it is dropped: a Debian package of another version cuts into other documents, and the
+    held-out text must stay unseen. Returns per-domain document counts. Requires the Debian
+    packages in ``DEBIAN_PACKAGES``.
     """
     train_dir = Path(work_dir) / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
@@ -160,13 +164,21 @@ def build_corpus(work_dir: Path, seed: int = 0, heldout_docs: int = 12, calib_do
         (BUNDLED_DIR / split).mkdir(parents=True, exist_ok=True)
     summary = {}
     for domain in DOMAINS:
-        docs = [d for d in domain.read() if d.strip()]
+        try:
+            docs = [d for d in domain.read() if d.strip()]
+        except (FileNotFoundError, subprocess.CalledProcessError) as e:
+            raise RuntimeError(f"domain {domain.name} could not be read from {domain.source} ({e}); install the corpus "
+                               f"packages with: apt-get install {' '.join(DEBIAN_PACKAGES)}") from None
         if len(docs) < heldout_docs + calib_docs + 10:
             raise RuntimeError(f"domain {domain.name} yielded only {len(docs)} documents; is {domain.source} installed? "
                                f"Install with: apt-get install {' '.join(DEBIAN_PACKAGES)}")
         rng = random.Random(f"{seed}:{domain.name}")
         rng.shuffle(docs)
         heldout, calib, train = docs[:heldout_docs], docs[heldout_docs:heldout_docs + calib_docs], docs[heldout_docs + calib_docs:]
+        if not bundle:
+            shipped = [d for split in ("heldout", "calibration") for d in bundled_documents(split, [domain.name])[domain.name]]
+            seen = {line.strip() for d in shipped for line in d.splitlines() if len(line.strip()) >= 40}
+            train = [d for d in train if not any(line.strip() in seen for line in d.splitlines())]
         kept, chars = [], 0
         for d in train:
             if chars >= max_train_chars:
@@ -176,7 +188,7 @@ def build_corpus(work_dir: Path, seed: int = 0, heldout_docs: int = 12, calib_do
         with open(train_dir / f"{domain.name}.jsonl", "w") as f:
             for d in kept:
                 f.write(json.dumps({"text": d}) + "\n")
-        for split, part in (("heldout", heldout), ("calibration", calib)):
+        for split, part in (("heldout", heldout), ("calibration", calib)) if bundle else ():
             with open(BUNDLED_DIR / split / f"{domain.name}.jsonl", "w") as f:
                 for d in part:
                     f.write(json.dumps({"text": d}) + "\n")

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from ..data.corpus import DOMAIN_NAMES, build_corpus
 from ..data.tasks import TASKS, training_rng
+from ..models.paths import REFERENCE_DIR
 from .config import FAMILIES, model_class, model_config
 from .diagnostics import drill_row, symbol_tokens
 
@@ -168,11 +169,16 @@ def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 24, s
     torch.set_num_threads(threads)
     out.mkdir(parents=True, exist_ok=True)
     corpus_dir = out / "corpus"
+    bundled_family = family == "qwen2_moe"   # the bundled model's run owns the shipped text and tokenizer
     if not (corpus_dir / "train").exists():
-        (out / "corpus_summary.json").write_text(json.dumps(build_corpus(corpus_dir, seed), indent=1))
+        summary = build_corpus(corpus_dir, seed, bundle=bundled_family)
+        (out / "corpus_summary.json").write_text(json.dumps(summary, indent=1))
     tok_dir = out / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
-        train_tokenizer(corpus_dir, tok_dir, seed=seed)
+        if bundled_family:
+            train_tokenizer(corpus_dir, tok_dir, seed=seed)
+        else:  # the same tokenizer as the bundled model, so the two are evaluated on the same token ids
+            AutoTokenizer.from_pretrained(REFERENCE_DIR).save_pretrained(tok_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     torch.manual_seed(seed)
     if start_stage == 1:
