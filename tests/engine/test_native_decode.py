@@ -13,7 +13,9 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c+
 
 def decode(native: bool, prompts, max_seqs=8):
     llm = LLM("reference", max_num_seqs=max_seqs, native_kernels=native)
-    assert (llm.runner.native_experts is not None) == native and (llm.runner.native_attention is not None) == native
+    runner = llm.runner
+    assert (runner.native_experts is not None) == (runner.native_attention is not None) == native
+    assert (runner.native_linear is not None) == native   # the projections and the LM head too
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     reads = [r.distinct_experts for r in llm.step_log if r.phase == "decode"]
     return [o.token_ids for o in outs], reads
