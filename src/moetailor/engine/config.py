@@ -25,6 +25,10 @@ class EngineConfig:
     # decode steps run the compiled CPU kernels (moetailor/kernels: experts in one call per layer, paged
     # attention read in place) where they apply and build; the torch ops above otherwise
     native_kernels: bool = True
+    # decode steps of a few sequences on a Qwen-MoE-style checkpoint run the engine's own forward
+    # (engine/decode_forward.py: the same arithmetic without transformers' module calls); False =
+    # transformers' modules for every step
+    lean_decode: bool = True
     # decode steps run the model through torch.compile (inductor fuses the ops between the kernels;
     # the first decode steps of each new shape pay the compilation, about a minute here)
     compile_decode: bool = False

@@ -62,7 +62,7 @@ class LLM:
                  step_log_size: int = 10_000, guard: GuardConfig | bool | None = None,
                  k_schedule: str = "mixed", k_cost: StepCost | None = None,
                  decode_pools: PoolsByLoad | None = None, decode_expert_dtype: torch.dtype | None = None,
-                 native_kernels: bool = True, compile_decode: bool = False):
+                 native_kernels: bool = True, compile_decode: bool = False, lean_decode: bool = True):
         from ..models.loading import load_model, load_tokenizer
 
         if isinstance(model, (str, Path)):
@@ -82,7 +82,7 @@ class LLM:
                                    memory_budget=memory_budget, dtype=dtype, prefill_dtype=prefill_dtype,
                                    device=str(device), experts_impl=experts_impl, k_schedule=k_schedule,
                                    decode_expert_dtype=decode_expert_dtype, native_kernels=native_kernels,
-                                   compile_decode=compile_decode)
+                                   compile_decode=compile_decode, lean_decode=lean_decode)
         self.runner = ModelRunner(self.model, self.config)
         self.controller = self.runner.controller
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)

@@ -17,6 +17,7 @@ from .. import kernels
 from ..routing import experts
 from ..routing.controller import RoutingController
 from .config import EngineConfig
+from .decode_forward import LeanDecoder
 from .sequence import Sequence
 
 DEFAULT_KV_CAP_BYTES = 512 * 2**20   # default pool cap when neither num_kv_blocks nor memory_budget is given
@@ -81,6 +82,8 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.kv_cache = self._allocate()
         self._compiled = torch.compile(model, dynamic=True) if config.compile_decode else None   # decode steps
+        self.lean = LeanDecoder.build(model, self.controller, self.native_linear, self.native_attention) \
+            if config.lean_decode and self._compiled is None else None
 
     def _expert_copies(self, dtype: torch.dtype | None) -> dict | None:
         """MoE layer -> its experts' (gate_up, down) in ``dtype``, for decode steps; None = the model's."""
@@ -224,13 +227,16 @@ class ModelRunner:
         cast = self.config.prefill_dtype if is_prefill else None
         autocast = torch.autocast(self.device.type, dtype=cast) if cast is not None and cast != self.config.dtype \
             else nullcontext()
-        forward = self.model if is_prefill or self._compiled is None else self._compiled
         with running(step), autocast:
-            out = forward(input_ids=packed[0][None], position_ids=packed[1][None],      # [1, T] each
-                             attention_mask=self._mask_built, use_cache=False, logits_to_keep=keep)
+            if not is_prefill and self.lean is not None and len(seqs) <= NATIVE_LINEAR_ROWS and not self.lean.hooked():
+                logits = self.lean.forward(packed[0], packed[1], step, self.controller)  # [B, V]
+            else:
+                forward = self.model if is_prefill or self._compiled is None else self._compiled
+                logits = forward(input_ids=packed[0][None], position_ids=packed[1][None],   # [1, T] each
+                                 attention_mask=self._mask_built, use_cache=False, logits_to_keep=keep).logits[0]
         read = read_experts(step)
         per_expert = self.expert_bytes[is_prefill]
-        return StepOutput(out.logits[0].float(), read, sum(n * per_expert[layer] for layer, n in read.items()))
+        return StepOutput(logits.float(), read, sum(n * per_expert[layer] for layer, n in read.items()))
 
 
 NATIVE_LINEAR_ROWS = 8   # up to this many rows a linear layer runs the native op (a decode step's GEMV); else torch's GEMM

@@ -1,0 +1,160 @@
+"""The engine's decode forward for Qwen-MoE-style decoders, in one function (gpt-fast's shape).
+
+Why: at batch 1 a decode step is almost all fixed cost. Through transformers' modules it is ~110
+module calls and ~50 small ops per layer; here it is the same arithmetic written out: pre-norm,
+one fused q|k|v projection, the model's own rotary function, the new k/v written into the paged
+pool and attended over in place, the MoE block through the same routing controller and experts
+implementation every other path uses (so plans, budgets, observers and the experts-read count
+are unchanged), and one fused gate|up|gate projection for the shared expert. Prefill steps keep
+transformers' modules (they are compute-bound, and calibration and evaluation read them).
+
+Covered (``LeanDecoder.build`` returns None otherwise, and the engine keeps the module path):
+``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 with the native kernels, every layer a
+full-attention layer. The fused projection weights are copies of the dense (non-expert) weights
+(attention and shared expert), a few percent of a MoE checkpoint's bytes. A model with forward
+hooks on any module (``hooked``) runs the module path, so the hooks see every step.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..models.adapters import MoeLayer, decoder_layers, moe_layers
+from ..models.step import Step
+
+FAMILIES = ("qwen2_moe", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class Norm:
+    weight: torch.Tensor   # [D]
+    eps: float
+
+    @classmethod
+    def of(cls, module) -> "Norm":
+        return cls(module.weight, float(module.variance_epsilon))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' RMSNorm, op for op (fp32 in, fp32 out)."""
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+@dataclass(frozen=True)
+class LeanLayer:
+    index: int
+    input_norm: Norm
+    post_norm: Norm
+    qkv: torch.Tensor                 # [(nH + 2 nKV) D, H]: q, k, v projections stacked
+    qkv_bias: torch.Tensor | None     # [(nH + 2 nKV) D]
+    q_norm: Norm | None               # qwen3_moe: per-head RMSNorm of q and k
+    k_norm: Norm | None
+    o: torch.Tensor                   # [H, nH D]
+    moe: MoeLayer
+    shared: torch.Tensor | None       # [2 I + 1, H]: shared expert gate, up, and its sigmoid gate
+    shared_down: torch.Tensor | None  # [H, I]
+
+
+@dataclass(frozen=True)
+class LeanDecoder:
+    layers: tuple[LeanLayer, ...]
+    embed: torch.Tensor               # [V, H]
+    final_norm: Norm
+    lm_head: torch.Tensor             # [V, H]
+    rotary: torch.nn.Module           # the model's rotary embedding (cos, sin for positions)
+    apply_rotary: object              # the model's apply_rotary_pos_emb
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    modules: tuple[torch.nn.Module, ...]   # every module of the model, for ``hooked``
+
+    @classmethod
+    def build(cls, model, controller, linear_kernel, attention_kernel) -> "LeanDecoder | None":
+        """The lean decoder of ``model``, or None where it does not apply (see the module doc)."""
+        cfg = model.config
+        if cfg.model_type not in FAMILIES or linear_kernel is None or attention_kernel is None:
+            return None
+        inner = model.model
+        head = model.get_output_embeddings()
+        if head.weight.dtype != torch.float32 or getattr(head, "bias", None) is not None:
+            return None
+        if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+            return None
+        moe = {layer.index: layer for layer in moe_layers(model)}
+        layers = []
+        for index, block in enumerate(decoder_layers(model)):
+            attn = block.self_attn
+            if index not in moe or not getattr(block.mlp.experts, "_moetailor_native", False):
+                return None                                                   # dense layers: module path
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            biases = [p.bias for p in projections]
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            layer = moe[index]
+            shared = shared_down = None
+            if layer.shared_expert is not None:
+                mlp = layer.shared_expert
+                shared = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight, layer.shared_gate.weight]).detach()
+                shared_down = mlp.down_proj.weight.detach()
+            layers.append(LeanLayer(
+                index, Norm.of(block.input_layernorm), Norm.of(block.post_attention_layernorm),
+                torch.cat([p.weight for p in projections]).detach().contiguous(),
+                torch.cat(biases).detach() if all(b is not None for b in biases) else None,
+                Norm.of(q_norm) if q_norm is not None else None, Norm.of(k_norm) if k_norm is not None else None,
+                attn.o_proj.weight.detach(), layer, shared, shared_down))
+        if any(t.dtype != torch.float32 for l in layers for t in (l.qkv, l.o)):
+            return None
+        attn = decoder_layers(model)[0].self_attn
+        return cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), head.weight, inner.rotary_emb,
+                   sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
+                   cfg.num_key_value_heads, attn.head_dim, float(attn.scaling), tuple(model.modules()))
+
+    def hooked(self) -> bool:
+        """Whether a forward (pre-)hook is registered on the model or globally: the step then runs
+        transformers' modules, which call them."""
+        from torch.nn.modules import module as nn_module
+
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, step: Step, controller) -> torch.Tensor:
+        """One decode step: ids [B], positions [B] -> logits [B, V]. Runs inside ``running(step)``
+        (the router and experts read it); writes each layer's new k/v at ``step.kv.slot_mapping``."""
+        linear, kv = step.linear_kernel, step.kv
+        B, nH, nKV, D = ids.shape[0], self.heads, self.kv_heads, self.head_dim
+        x = F.embedding(ids, self.embed)                                      # [B, H]
+        cos, sin = self.rotary(x, positions[None])                            # [1, B, D] each
+        for layer in self.layers:
+            h = layer.input_norm(x)                                           # [B, H]
+            qkv = linear(h, layer.qkv)                                        # [B, (nH + 2 nKV) D]
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            q, k, v = qkv.split((nH * D, nKV * D, nKV * D), dim=-1)
+            q, k, v = q.view(B, nH, D), k.view(B, nKV, D), v.view(B, nKV, D)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = self.apply_rotary(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)  # [1, n, B, D]
+            k_cache, v_cache = kv.cache[layer.index]                          # [slots, nKV, D]
+            k_cache.index_copy_(0, kv.slot_mapping, k[0].transpose(0, 1).to(k_cache.dtype))
+            v_cache.index_copy_(0, kv.slot_mapping, v.to(v_cache.dtype))
+            o = kv.native(q[0].transpose(0, 1).contiguous(), k_cache, v_cache, kv.block_table, kv.context_lens,
+                          kv.block_size, self.scaling)                        # [B, nH, D]
+            x = x + linear(o.reshape(B, nH * D), layer.o)                     # [B, H]
+            h = layer.post_norm(x)
+            x = x + self.moe(layer, h, linear, controller)
+        return linear(self.final_norm(x), self.lm_head)                       # [B, V]
+
+    @staticmethod
+    def moe(layer: LeanLayer, h: torch.Tensor, linear, controller) -> torch.Tensor:
+        """The sparse MoE block: routed experts (+ the sigmoid-gated shared expert)."""
+        _, weights, index = controller._route(layer.moe, h)                   # [B, K] each
+        out = layer.moe.experts(h, index, weights)                            # [B, H]
+        if layer.shared is None:
+            return out
+        I = layer.shared_down.shape[1]
+        g = linear(h, layer.shared)                                           # [B, 2I + 1]
+        shared = linear(F.silu(g[:, :I]) * g[:, I:2 * I], layer.shared_down)  # [B, H]
+        return out + torch.sigmoid(g[:, 2 * I:]) * shared

@@ -1,0 +1,63 @@
+"""The engine's own decode forward (engine/decode_forward.py) against transformers' modules: the
+same greedy tokens and logprobs bit for bit and the same experts read, under a decode pool, skipping
+and mixed per-request budgets; hooks and uncovered architectures keep the module path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetailor.engine import LLM, SamplingParams
+from moetailor.models.tiny import tiny_model
+from moetailor.plans import uniform_plan
+from moetailor.routing import LayerPolicy
+
+from engine_helpers import random_prompts
+
+
+def run(model, plan, lean: bool, prompts, params):
+    llm = LLM(model, plan, lean_decode=lean)
+    assert (llm.runner.lean is not None) == lean
+    outs = llm.generate(prompts, params)
+    reads = [r.distinct_experts for r in llm.step_log if r.phase == "decode"]
+    return [(o.token_ids, o.logprobs) for o in outs], reads
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_lean_decode_equals_the_module_path(one_thread, arch):
+    model = tiny_model(arch, seed=3)
+    with torch.no_grad():              # qwen2_moe's q/k/v biases start at zero: give them values to get wrong
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0.0, 0.1)
+    plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 1, 2, 3, 5), skip_beta=0.2))
+    prompts = random_prompts([5, 17, 9, 12, 3], seed=3)
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2, expert_top_k=k) for k in (None, 1, 2, None, 1)]
+    lean, modules = run(model, plan, True, prompts, params), run(model, plan, False, prompts, params)
+    assert lean == modules
+    full = run(model, None, True, prompts, params)
+    assert full[0] != lean[0]          # the plan changes outputs, so the equality above can fail
+
+
+def test_the_bundled_model_decodes_through_the_lean_forward():
+    llm = LLM("reference")
+    assert llm.runner.lean is not None and len(llm.runner.lean.layers) == 6
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "mixtral"])
+def test_other_architectures_keep_the_module_path(arch):
+    assert LLM(tiny_model(arch)).runner.lean is None
+
+
+def test_a_forward_hook_sends_the_step_through_the_modules(one_thread):
+    model = tiny_model("qwen2_moe", seed=4)
+    llm = LLM(model)
+    calls = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda m, args, out: calls.append(out.shape[-2]))
+    try:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    finally:
+        handle.remove()
+    assert len(calls) == 4             # the prefill and every decode step called the LM head module
+    calls.clear()
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert calls == []
