@@ -98,7 +98,7 @@ CASES = {
         "not a readable distillation checkpoint"),
     "--decode-model /nope": (
         lambda t, m: ["generate", "reference", "--prompt", "hi", "--decode-model", "/nope"],
-        "neither 'reference' nor a local checkpoint"),
+        "neither a bundled model (reference, reference-qwen3) nor a local checkpoint"),
 }
 
 

@@ -30,8 +30,9 @@ def test_lean_decode_equals_the_module_path(one_thread, arch):
             if name.endswith("_proj.bias"):
                 p.normal_(0.0, 0.1)
     plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 1, 2, 3, 5), skip_beta=0.2))
-    prompts = random_prompts([5, 17, 9, 12, 3], seed=3)
-    params = [SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2, expert_top_k=k) for k in (None, 1, 2, None, 1)]
+    prompts = random_prompts([5, 17, 9, 12, 3, 8, 21, 4, 6, 11, 2, 14], seed=3)   # steps above and below 8 rows
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2, expert_top_k=(None, 1, 2)[i % 3])
+              for i in range(len(prompts))]
     lean, modules = run(model, plan, True, prompts, params), run(model, plan, False, prompts, params)
     assert lean == modules
     full = run(model, None, True, prompts, params)

@@ -33,8 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ..models.paths import is_bundled
+
 TASK_SEED_OFFSET = 7_000_003  # training stream, but far from the seeds training and the tokenizer used
-REFERENCE_DEFAULT_DATA = "tasks"  # the bundled model's workload: its default calibration data
+REFERENCE_DEFAULT_DATA = "tasks"  # the bundled models' workload: their default calibration data
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,11 @@ class DataSpec:
 
 
 def default_data_spec(model: str, data: str | None, flag: str = "--data") -> str:
-    """``data`` if given; for the bundled ``reference`` model its task domain; otherwise an error:
+    """``data`` if given; for a bundled model (``reference``, ``reference-qwen3``) its task domain; otherwise an error:
     any other model must be calibrated on data the user names (its own traffic)."""
     if data:
         return data
-    if str(model) == "reference":
+    if is_bundled(model):
         return REFERENCE_DEFAULT_DATA
     raise ValueError(f"{flag} is required for {model!r}: calibrate on the traffic the model will serve, e.g. "
                      f"{flag} my-traffic.jsonl (lines with \"text\", \"prompt\"+\"completion\" or chat "

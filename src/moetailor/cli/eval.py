@@ -116,10 +116,10 @@ EVAL_ENTRIES = ("cells", "results.json", "budgets.json", "split", "original")   
 def check_eval_outputs(args, inputs) -> None:
     """Before any work: --out is a folder eval may write into (new, empty, or an earlier eval's, which
     the run resumes), never one of the inputs; --write-docs is a file and not replaced silently."""
-    from ..models.loading import REFERENCE_DIR
+    from ..models.paths import is_bundled, resolve_model_path
     from ..outputs import check_output
 
-    inputs = [REFERENCE_DIR if i == "reference" else i for i in inputs]
+    inputs = [resolve_model_path(i) if is_bundled(i) else i for i in inputs]
     out = check_output(args.out, overwrite=True, inputs=inputs, directory=True, replaces=False)
     if out.is_dir() and any(out.iterdir()) and not any((out / name).exists() for name in EVAL_ENTRIES):
         if not args.overwrite:

@@ -97,7 +97,9 @@ def served_model_name(model: str, given: str | None) -> str:
         if not given.strip():
             raise ValueError("--served-model-name must not be empty")
         return given
-    return Path(model).resolve().name if str(model) != "reference" else "reference"
+    from ..models.paths import is_bundled
+
+    return str(model) if is_bundled(model) else Path(model).resolve().name
 
 
 def resolve_api_key(flag: str | None, env: str | None) -> str | None:

@@ -2,15 +2,15 @@
 
 Why: at batch 1 a decode step is almost all fixed cost. Through transformers' modules it is ~110
 module calls and ~50 small ops per layer; here it is the same arithmetic written out: pre-norm,
-one fused q|k|v projection, the model's own rotary function, the new k/v written into the paged
+one stacked q|k|v projection, the model's own rotary function, the new k/v written into the paged
 pool and attended over in place, the MoE block through the same routing controller and experts
 implementation every other path uses (so plans, budgets, observers and the experts-read count
-are unchanged), and one fused gate|up|gate projection for the shared expert. Prefill steps keep
+are unchanged), and one stacked gate|up projection for the shared expert. Prefill steps keep
 transformers' modules (they are compute-bound, and calibration and evaluation read them).
 
 Covered (``LeanDecoder.build`` returns None otherwise, and the engine keeps the module path):
 ``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 with the native kernels, every layer a
-full-attention layer. The fused projection weights are copies of the dense (non-expert) weights
+full-attention layer. The stacked projection weights are copies of the dense (non-expert) weights
 (attention and shared expert), a few percent of a MoE checkpoint's bytes. A model with forward
 hooks on any module (``hooked``) runs the module path, so the hooks see every step.
 """
@@ -53,7 +53,8 @@ class LeanLayer:
     k_norm: Norm | None
     o: torch.Tensor                   # [H, nH D]
     moe: MoeLayer
-    shared: torch.Tensor | None       # [2 I + 1, H]: shared expert gate, up, and its sigmoid gate
+    shared: torch.Tensor | None       # [2 I, H]: shared expert gate and up projections stacked
+    shared_gate: torch.Tensor | None  # [1, H]: the shared expert's sigmoid gate
     shared_down: torch.Tensor | None  # [H, I]
 
 
@@ -93,17 +94,17 @@ class LeanDecoder:
             biases = [p.bias for p in projections]
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             layer = moe[index]
-            shared = shared_down = None
+            shared = shared_gate = shared_down = None
             if layer.shared_expert is not None:
                 mlp = layer.shared_expert
-                shared = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight, layer.shared_gate.weight]).detach()
-                shared_down = mlp.down_proj.weight.detach()
+                shared = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+                shared_gate, shared_down = layer.shared_gate.weight.detach(), mlp.down_proj.weight.detach()
             layers.append(LeanLayer(
                 index, Norm.of(block.input_layernorm), Norm.of(block.post_attention_layernorm),
                 torch.cat([p.weight for p in projections]).detach().contiguous(),
                 torch.cat(biases).detach() if all(b is not None for b in biases) else None,
                 Norm.of(q_norm) if q_norm is not None else None, Norm.of(k_norm) if k_norm is not None else None,
-                attn.o_proj.weight.detach(), layer, shared, shared_down))
+                attn.o_proj.weight.detach(), layer, shared, shared_gate, shared_down))
         if any(t.dtype != torch.float32 for l in layers for t in (l.qkv, l.o)):
             return None
         attn = decoder_layers(model)[0].self_attn
@@ -122,8 +123,13 @@ class LeanDecoder:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, step: Step, controller) -> torch.Tensor:
         """One decode step: ids [B], positions [B] -> logits [B, V]. Runs inside ``running(step)``
-        (the router and experts read it); writes each layer's new k/v at ``step.kv.slot_mapping``."""
-        linear, kv = step.linear_kernel, step.kv
+        (the router and experts read it); writes each layer's new k/v at ``step.kv.slot_mapping``.
+        Up to ``NATIVE_LINEAR_ROWS`` rows the projections run the native op, above it torch's GEMM,
+        as the module path's linear layers do (stacking rows of a weight changes no column of either)."""
+        from .model_runner import NATIVE_LINEAR_ROWS
+
+        kernel, kv = step.linear_kernel, step.kv
+        linear = kernel if ids.shape[0] <= NATIVE_LINEAR_ROWS else F.linear
         B, nH, nKV, D = ids.shape[0], self.heads, self.kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)                                      # [B, H]
         cos, sin = self.rotary(x, positions[None])                            # [1, B, D] each
@@ -154,7 +160,6 @@ class LeanDecoder:
         out = layer.moe.experts(h, index, weights)                            # [B, H]
         if layer.shared is None:
             return out
-        I = layer.shared_down.shape[1]
-        g = linear(h, layer.shared)                                           # [B, 2I + 1]
-        shared = linear(F.silu(g[:, :I]) * g[:, I:2 * I], layer.shared_down)  # [B, H]
-        return out + torch.sigmoid(g[:, 2 * I:]) * shared
+        gate, up = linear(h, layer.shared).chunk(2, dim=-1)                   # [B, I] each
+        shared = linear(F.silu(gate) * up, layer.shared_down)                 # [B, H]
+        return out + torch.sigmoid(linear(h, layer.shared_gate)) * shared

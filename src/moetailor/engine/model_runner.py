@@ -228,7 +228,7 @@ class ModelRunner:
         autocast = torch.autocast(self.device.type, dtype=cast) if cast is not None and cast != self.config.dtype \
             else nullcontext()
         with running(step), autocast:
-            if not is_prefill and self.lean is not None and len(seqs) <= NATIVE_LINEAR_ROWS and not self.lean.hooked():
+            if not is_prefill and self.lean is not None and not self.lean.hooked():
                 logits = self.lean.forward(packed[0], packed[1], step, self.controller)  # [B, V]
             else:
                 forward = self.model if is_prefill or self._compiled is None else self._compiled

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .paths import REFERENCE_DIR, resolve_model_path  # noqa: F401  (re-exported)
+from .paths import REFERENCE_DIR, bundled_name, resolve_model_path  # noqa: F401  (re-exported)
 from .sidecars import DISTILL_PLAN_FILE, DISTILL_SIDECAR, SPLIT_SIDECAR, DistillSidecar, Sidecars, SplitSidecar
 
 
@@ -94,18 +94,13 @@ def load_tokenizer(name: str | Path):
 
 
 def source_name(path: str | Path | None) -> str | None:
-    """How a plan or statistics file names the checkpoint it was made from: ``reference`` for the
-    bundled model, otherwise the checkpoint's directory name — never a machine path, so a plan can
+    """How a plan or statistics file names the checkpoint it was made from: its name for a
+    bundled model (``reference``, ``reference-qwen3``), otherwise the checkpoint's directory name — never a machine path, so a plan can
     ship and move between machines (the router hash, not the name, is what identifies the model)."""
     if path is None:
         return None
     path = Path(path)
-    try:
-        if path.resolve() == REFERENCE_DIR:
-            return "reference"
-    except OSError:
-        pass
-    return path.name or str(path)
+    return bundled_name(path) or path.name or str(path)
 
 
 def fingerprint(config, routers: dict[int, torch.Tensor], source: str | Path | None = None) -> dict:

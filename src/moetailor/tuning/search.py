@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..models.paths import is_bundled
 from ..outputs import write_json
 from .candidates import Candidate, candidate_plan
 from .front import Choice, choose, paired, pareto
@@ -223,7 +224,7 @@ class Tuner:
         spec = self.s.tasks
         if spec is None and self.task_traffic:
             spec = self.s.data
-        if spec is None and str(self.s.model) == "reference":   # its traffic is its own task suite
+        if spec is None and is_bundled(self.s.model):   # a bundled model's traffic is its own task suite
             head, _, names = self.s.data.partition(":")
             spec = (names or "all") if head == "tasks" else None
         return select_tasks(spec) if spec else []
