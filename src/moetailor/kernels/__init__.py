@@ -102,7 +102,7 @@ def swiglu_experts():
 
 def rows_linear():
     """The op ``rows_linear(x [T, H] fp32, weight [N, H] fp32 or bf16) -> x @ weight.T [T, N]`` for
-    a few rows (a decode step's LM head), or None."""
+    a few rows (a decode step's linear layers and LM head), or None."""
     ops = _module()
     return None if ops is None else ops.rows_linear
 

@@ -1,9 +1,10 @@
 """Measure the reference model for its card: expert usage per domain against the same-domain noise floor.
 
     python -m moetailor.training.model_card --model reference
+    python -m moetailor.training.model_card --model reference-qwen3
 
-Writes docs/img/expert-usage.png and prints the numbers (as JSON) that docs/reference-model.md
-reports. Accuracy and the pruning drop come from `moetailor eval` (commands in the card).
+Writes docs/img/expert-usage.png (expert-usage-<model>.png for another model) and prints the
+numbers (as JSON) that docs/reference-model.md reports. Accuracy and the pruning drop come from `moetailor eval` (commands in the card).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def usage_contrast(model, tokenizer, tokens: int) -> dict:
     return {"usage": a, "between_domains_js": float(np.mean(between)), "within_domain_js": float(np.mean(within))}
 
 
-def plot_usage(usage: dict[str, np.ndarray], path: Path) -> None:
+def plot_usage(usage: dict[str, np.ndarray], path: Path, label: str = "reference model") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -63,7 +64,7 @@ def plot_usage(usage: dict[str, np.ndarray], path: Path) -> None:
         ax.set_ylabel(f"layer {layer}", fontsize=8)
         fig.colorbar(im, ax=ax, fraction=0.015, pad=0.01)
     np.atleast_1d(axes)[-1].set_xlabel("routed expert")
-    fig.suptitle("Share of routes per expert, per data domain (reference model)")
+    fig.suptitle(f"Share of routes per expert, per data domain ({label})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -81,7 +82,8 @@ def main() -> None:
     t0 = time.time()
     contrast = usage_contrast(model, tokenizer, args.usage_tokens)
     (args.out / "img").mkdir(parents=True, exist_ok=True)
-    plot_usage(contrast.pop("usage"), args.out / "img" / "expert-usage.png")
+    name = "expert-usage.png" if args.model == "reference" else f"expert-usage-{Path(args.model).name}.png"
+    plot_usage(contrast.pop("usage"), args.out / "img" / name, label=f"{Path(args.model).name}")
     contrast["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(contrast, indent=1))
 
