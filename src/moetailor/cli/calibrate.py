@@ -10,11 +10,11 @@ from ..tables import print_table
 def register(sub) -> None:
     p = sub.add_parser("calibrate", help="one forward pass over calibration text -> per-expert statistics "
                        "(frequency, mass, EAN, REAP, co-selection, NAEE beta; ExFold tables with --fold)")
-    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    p.add_argument("model", help="local checkpoint directory or a bundled model: 'reference', 'reference-qwen3'")
     p.add_argument("--data", default=None,
                    help="the traffic to calibrate on: FILE.jsonl (\"text\", \"prompt\"+\"completion\" or chat "
                    "\"messages\" per line) | FILE.txt | tasks | tasks:TASK[,TASK] | text | text:DOMAIN[,DOMAIN] | mix | "
-                   "mixture:tasks=0.7,text=0.3 (default for 'reference': tasks, its workload; required otherwise)")
+                   "mixture:tasks=0.7,text=0.3 (default for the bundled models: tasks, its workload; required otherwise)")
     p.add_argument("--tokens", type=int, default=200_000, help="calibration tokens (default 200000)")
     p.add_argument("--out", required=True, help="statistics file to write (.safetensors)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")

@@ -12,10 +12,10 @@ from ..tables import print_table
 def register(sub) -> None:
     p = sub.add_parser("distill", help="train the pruned decoder (router, norms, a residual shared expert) to continue "
                        "from the full model's KV cache; export a stock checkpoint")
-    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    p.add_argument("model", help="local checkpoint directory or a bundled model: 'reference', 'reference-qwen3'")
     p.add_argument("plan", help="plan file from `moetailor plan` (its decode policy is the student)")
     p.add_argument("--data", default=None, help="training text, the traffic to serve: FILE.jsonl | FILE.txt | tasks | "
-                   "tasks:TASK | text | text:DOMAIN[,DOMAIN] | mix | mixture:... (default for 'reference': tasks, its "
+                   "tasks:TASK | text | text:DOMAIN[,DOMAIN] | mix | mixture:... (default for the bundled models: tasks, its "
                    "workload, from the training stream, never evaluation seeds; required otherwise)")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps")
     p.add_argument("--out", required=True, help="output checkpoint directory (state for --resume: OUT.partial)")

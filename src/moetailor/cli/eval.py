@@ -16,7 +16,7 @@ def register(sub) -> None:
     from ..eval.runner import SWEEPS
 
     p = sub.add_parser("eval", help="evaluate expert budgets: accuracy, output length, budget hits, held-out KL")
-    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    p.add_argument("model", help="local checkpoint directory or a bundled model: 'reference', 'reference-qwen3'")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--plan", help="a plan JSON (from `moetailor plan`) to evaluate")
     src.add_argument("--sweep", help=f"calibrate once and sweep criteria x keep ratios: {', '.join(SWEEPS)}, or "
@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--calib-tokens", type=int, default=32768, help="calibration tokens for --sweep")
     p.add_argument("--calib-data", default=None,
                    help="calibration data for --sweep: the traffic to serve (FILE.jsonl, FILE.txt, tasks, tasks:TASK, "
-                   "text, mix, mixture:...; default for 'reference': tasks, required otherwise). A sweep axis "
+                   "text, mix, mixture:...; default for the bundled models: tasks, required otherwise). A sweep axis "
                    "'data=tasks|text|mix' (or data=domains) calibrates per domain for the cross-domain matrix")
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch size")
     p.add_argument("--out", required=True, help="output directory (an interrupted run resumes from its cells; cells "

@@ -9,7 +9,7 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="write a model for another runtime (gguf: llama.cpp)")
     formats = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
     g = formats.add_parser("gguf", help="a GGUF file for llama.cpp (llama.cpp's own converter; `make setup-llamacpp`)")
-    g.add_argument("model", help="checkpoint directory (a `moetailor prune` output too) or 'reference'")
+    g.add_argument("model", help="checkpoint directory (a `moetailor prune` output too) or a bundled model ('reference', 'reference-qwen3')")
     g.add_argument("--out", required=True, help="GGUF file to write")
     g.add_argument("--outtype", choices=("f32", "bf16", "q8_0"), default="f32",
                    help="tensor type (default f32: llama.cpp then computes what moetailor's fp32 engine does)")

@@ -23,7 +23,7 @@ def set_threads(threads: int | None) -> None:
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by `generate` and `serve`."""
-    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    p.add_argument("model", help="local checkpoint directory or a bundled model: 'reference', 'reference-qwen3'")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--decode-plan", metavar="PLAN", help="plan JSON whose decode policy runs on decode steps "
                       "(prefill keeps the full router)")

@@ -8,7 +8,7 @@ from ..tables import print_table
 def register(sub) -> None:
     p = sub.add_parser("info", help="print architecture, MoE layers, experts, top-k, gating, parameters "
                        "(or, for a plan file, what it keeps and what it was calibrated on)")
-    p.add_argument("model", help="local checkpoint directory, 'reference' (the bundled model), or a plan .json")
+    p.add_argument("model", help="local checkpoint directory, a bundled model ('reference', 'reference-qwen3'), or a plan .json")
     p.set_defaults(func=run)
 
 

@@ -7,7 +7,7 @@ from ..tables import print_table
 
 def register(sub) -> None:
     p = sub.add_parser("prune", help="write a stock checkpoint with only the kept experts of a plan")
-    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    p.add_argument("model", help="local checkpoint directory or a bundled model: 'reference', 'reference-qwen3'")
     p.add_argument("plan", help="plan file from `moetailor plan`")
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")

@@ -12,7 +12,7 @@ from ..tables import print_table
 def register(sub) -> None:
     p = sub.add_parser("search-k", help="search a per-layer active-expert allocation under a total budget "
                        "(next-token KL to the full model on calibration text) and write it as a plan")
-    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    p.add_argument("model", help="local checkpoint directory or a bundled model: 'reference', 'reference-qwen3'")
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budget", type=int, help="total active experts per token summed over MoE layers")
     budget.add_argument("--mean-k", type=float, help="mean active experts per MoE layer (budget = round(mean * layers))")

@@ -13,7 +13,7 @@ from ..tables import print_table
 
 def register(sub) -> None:
     p = sub.add_parser("split", help="split every expert into N co-activated sub-experts (elastic per-request k)")
-    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    p.add_argument("model", help="local checkpoint directory or a bundled model: 'reference', 'reference-qwen3'")
     p.add_argument("--parts", type=int, required=True, help="N: sub-experts per expert (must divide the expert width)")
     p.add_argument("--data", default="text", help="calibration data spec (tasks | text[:DOMAINS] | mix | FILE); default text")
     p.add_argument("--out", required=True, help="output checkpoint directory")

@@ -16,13 +16,13 @@ def register(sub) -> None:
                        "distillation) for one that keeps a quality floor on your traffic at a budget or speed (the best "
                        "quality there; else the cheapest meeting the floor and the best at the target); writes the "
                        "plan, the Pareto front (table, PNG) and the evidence per point")
-    p.add_argument("model", help="local checkpoint directory or 'reference' (the bundled model)")
+    p.add_argument("model", help="local checkpoint directory or a bundled model: 'reference', 'reference-qwen3'")
     p.add_argument("--data", default=None,
                    help="your traffic, as for `calibrate --data`: FILE.jsonl (\"text\", \"prompt\"+\"completion\", chat "
                    "\"messages\", or \"prompt\"+\"answer\" lines: then also the tasks, calibrated on the full model's "
-                   "own answers) | FILE.txt | tasks | text | mix | ... (default for 'reference': tasks)")
+                   "own answers) | FILE.txt | tasks | text | mix | ... (default for the bundled models: tasks)")
     p.add_argument("--tasks", default=None, help="prompts with answers for --min-quality, as for `eval --tasks` "
-                   "(default: --data when it holds prompt/answer lines; 'all' for 'reference' on tasks)")
+                   "(default: --data when it holds prompt/answer lines; 'all' for a bundled model on tasks)")
     floor = p.add_argument_group("quality floor (one or both)")
     floor.add_argument("--min-quality", type=float, default=None,
                        help="share of the full model's task accuracy to keep, e.g. 0.97")
