@@ -135,6 +135,39 @@ def test_hook_traces_to_one_graph_that_follows_every_step():
         torch.testing.assert_close(got[0], want[0]), torch.testing.assert_close(got[1], want[1])
 
 
+def test_the_hook_is_one_opaque_op_with_a_fake_implementation():
+    """The hook calls ``torch.ops.moetailor.step_routes``: vLLM's trace sees one node (nothing of the
+    routing to specialise), the op passes torch's op checks (schema, fake tensors, dynamic shapes)
+    and gives ``step_routes``'s routes."""
+    import torch._dynamo
+    from torch.library import opcheck
+
+    from moetailor.integrations.vllm import routing
+
+    lr = layer(POLICIES["stacked"], POLICIES["batch_fold"])
+    key = f"{len(routing._ROUTINGS)}:test"
+    routing._ROUTINGS[key] = lr
+    logits, decode, token_k = step(seed=0, n=T)
+    live = torch.ones(T, dtype=torch.bool)
+    opcheck(torch.ops.moetailor.step_routes.default, (logits, live, decode, token_k, key))
+    got = torch.ops.moetailor.step_routes(logits, live, decode, token_k, key)
+    want = step_routes(logits, lr, live, decode, token_k)
+    torch.testing.assert_close(got[0], want[0]), torch.testing.assert_close(got[1], want[1])
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    torch._dynamo.reset()
+    hooked = torch.compile(lambda *a: torch.ops.moetailor.step_routes(*a, key), fullgraph=True, backend=backend,
+                           dynamic=True)
+    hooked(logits, live, decode, token_k)
+    op = torch.ops.moetailor.step_routes
+    assert len(graphs) == 1 and graphs[0][0] in (op, op.default)
+    assert all("getitem" in str(t) for t in graphs[0][1:])
+
+
 def test_route_recorder_counts_decode_steps_inside_a_traced_graph():
     """The recorder's in-place counters survive tracing (functionalised input mutation)."""
     import torch._dynamo

@@ -37,13 +37,25 @@ def check_pair(model: str | Path, decode_model: str | Path) -> None:
                          f"{side['source_model'].get('router_hash')} vs {full['router_hash']}); prune this model")
 
 
-def pair_kwargs(model: str | Path, decode_model: str | Path, storage: str | Path, **common) -> tuple[dict, dict]:
+# The decode instance runs eager by default. On vLLM 0.32's CPU backend in its traced mode
+# (DYNAMO_TRACE_ONCE), a decode instance with the plugin loaded, serving requests whose prompt KV
+# the connector loaded, died on 5 of 9 starts (scripts/vllm_pair_crash.py, 2026-12-02): a segfault
+# inside oneDNN's matmul (vLLM's onednn_mm), glibc's "corrupted double-linked list", or a tensor
+# size mismatch in a later layer — memory corruption. The same loop passed 4 of 4 with the plugin
+# off and 7 of 7 eager. The prefill instance, and every colocated instance, keep the default
+# compiled mode. Pass decode_eager=False to try the traced mode.
+DECODE_EAGER = True
+
+
+def pair_kwargs(model: str | Path, decode_model: str | Path, storage: str | Path, *,
+                decode_eager: bool = DECODE_EAGER, **common) -> tuple[dict, dict]:
     """Engine arguments of the prefill (full, producer) and decode (pruned, consumer) instances."""
     check_pair(model, decode_model)
     prefill = engine_kwargs(model, kv_transfer_config=kv_transfer_config("kv_producer", storage), **common)
     # the decode instance's cache holds decode-phase KV: never serve it to a later prompt
     decode = engine_kwargs(decode_model, kv_transfer_config=kv_transfer_config("kv_consumer", storage),
-                           **{**common, "enable_prefix_caching": False})
+                           **{**common, "enable_prefix_caching": False,
+                              "enforce_eager": decode_eager or common.get("enforce_eager", False)})
     return prefill, decode
 
 

@@ -14,9 +14,13 @@ allocated once. Each MoE layer's router (``select_experts``) is then replaced by
     token, so the kernel skips it and its weights are not read: budgets and pools save the work.
 
 Graph safety (vLLM's default mode traces the model once on CPU, ``DYNAMO_TRACE_ONCE`` with guards
-dropped, and captures CUDA graphs on GPU): the hooks are tensor operations only, on buffers written
-in place between steps; nothing in them reads a per-step value on the host or branches on one.
-Every Python decision in them (which phases differ, the emitted width) is fixed per layer at load.
+dropped, and captures CUDA graphs on GPU): the routing runs as one opaque torch op,
+``torch.ops.moetailor.step_routes`` (``torch.library.custom_op``, with a fake implementation giving
+its output shapes), so Dynamo traces a single node and never specialises anything inside it; the op
+itself is tensor operations only, on buffers written in place between steps, with no host read of
+a per-step value and no branch on one (capturable in a CUDA graph). Every Python decision in it
+(which phases differ, the emitted width) is fixed per layer at load. (The disaggregated pair's
+decode instance runs eager for a crash the op did not remove: ``disagg.DECODE_EAGER``.)
 """
 from __future__ import annotations
 
@@ -110,6 +114,25 @@ def step_routes(logits: torch.Tensor, layer: LayerRouting, live: torch.Tensor, d
     return redirect_dropped(w.float(), i, layer.semantics.num_experts, live)
 
 
+# op key -> the hooked layer's routing (set at install, per process). A string, so that no trace
+# turns it into a symbolic int.
+_ROUTINGS: dict[str, LayerRouting] = {}
+
+
+@torch.library.custom_op("moetailor::step_routes", mutates_args=())
+def step_routes_op(logits: torch.Tensor, live: torch.Tensor, decode: torch.Tensor, token_k: torch.Tensor,
+                   key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``step_routes`` of the layer ``key`` names, as one op: (weights float32 [T, W], ids int64 [T, W])."""
+    return step_routes(logits, _ROUTINGS[key], live, decode, token_k)
+
+
+@step_routes_op.register_fake
+def _(logits, live, decode, token_k, key):
+    width = _ROUTINGS[key].width
+    return (logits.new_empty(logits.shape[0], width, dtype=torch.float32),
+            logits.new_empty(logits.shape[0], width, dtype=torch.long))
+
+
 def redirect_dropped(weights: torch.Tensor, index: torch.Tensor, E: int,
                      live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sentinel routes (id E) -> weight 0 on the token's first kept expert, or (a token with none
@@ -156,10 +179,13 @@ def install(model: torch.nn.Module, tables: RouterTables, tokens: StepTokens, re
 
 def _hook(runner, routing: LayerRouting, tokens: StepTokens, recorder) -> None:
     layer = runner.layer_id
+    key = f"{len(_ROUTINGS)}:layer{layer}"
+    _ROUTINGS[key] = routing
 
     def select_experts(hidden_states, router_logits, topk_indices_dtype=None, *, input_ids=None):
         T = router_logits.shape[0]
-        weights, ids = step_routes(router_logits, routing, tokens.live[:T], tokens.decode[:T], tokens.k[:T])
+        weights, ids = torch.ops.moetailor.step_routes(router_logits, tokens.live[:T], tokens.decode[:T],
+                                                       tokens.k[:T], key)
         if recorder is not None:
             recorder.record(layer, ids, tokens.live[:T], tokens.decode[:T])
         # cpu_fused_moe reads contiguous float32 weights and int32 ids
