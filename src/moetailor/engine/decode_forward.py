@@ -26,6 +26,7 @@ from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from ..models.step import Step
 
 FAMILIES = ("qwen2_moe", "qwen3_moe")
+NATIVE_LINEAR_ROWS = 8   # up to this many rows a linear layer runs the native op (a decode step's GEMV); else torch's GEMM
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,6 @@ class LeanDecoder:
         (the router and experts read it); writes each layer's new k/v at ``step.kv.slot_mapping``.
         Up to ``NATIVE_LINEAR_ROWS`` rows the projections run the native op, above it torch's GEMM,
         as the module path's linear layers do (stacking rows of a weight changes no column of either)."""
-        from .model_runner import NATIVE_LINEAR_ROWS
-
         kernel, kv = step.linear_kernel, step.kv
         linear = kernel if ids.shape[0] <= NATIVE_LINEAR_ROWS else F.linear
         B, nH, nKV, D = ids.shape[0], self.heads, self.kv_heads, self.head_dim

@@ -17,7 +17,7 @@ from .. import kernels
 from ..routing import experts
 from ..routing.controller import RoutingController
 from .config import EngineConfig
-from .decode_forward import LeanDecoder
+from .decode_forward import NATIVE_LINEAR_ROWS, LeanDecoder
 from .sequence import Sequence
 
 DEFAULT_KV_CAP_BYTES = 512 * 2**20   # default pool cap when neither num_kv_blocks nor memory_budget is given
@@ -237,9 +237,6 @@ class ModelRunner:
         read = read_experts(step)
         per_expert = self.expert_bytes[is_prefill]
         return StepOutput(logits.float(), read, sum(n * per_expert[layer] for layer, n in read.items()))
-
-
-NATIVE_LINEAR_ROWS = 8   # up to this many rows a linear layer runs the native op (a decode step's GEMV); else torch's GEMM
 
 
 def _native_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
