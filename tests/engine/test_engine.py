@@ -186,3 +186,13 @@ def test_grouped_and_loop_experts_agree_with_sentinel_routes(arch):
     for plan, params in ((drop, plain), (None, budgets)):
         outs = {impl: LLM(model, plan, experts_impl=impl).generate(prompts, params) for impl in ("grouped", "loop")}
         assert [o.token_ids for o in outs["grouped"]] == [o.token_ids for o in outs["loop"]]
+
+
+def test_dtype_names_are_accepted_and_a_bad_one_is_named():
+    from moetailor.engine.config import EngineConfig
+
+    assert EngineConfig(dtype="bfloat16", decode_expert_dtype="torch.float32").dtype is torch.bfloat16
+    with pytest.raises(ValueError, match=r"dtype='fp33' is not a dtype.*float32"):
+        EngineConfig(dtype="fp33")
+    llm = LLM(tiny_model("qwen2_moe"), dtype="float32")
+    assert llm.config.dtype is torch.float32

@@ -41,6 +41,8 @@ class EngineConfig:
     K_SCHEDULES = ("mixed", "max", "lanes", "tiers")
 
     def __post_init__(self) -> None:
+        for name in ("dtype", "prefill_dtype", "decode_expert_dtype"):
+            setattr(self, name, as_dtype(getattr(self, name), name))
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
@@ -50,3 +52,15 @@ class EngineConfig:
             raise ValueError(f"k_schedule={self.k_schedule!r}; choose one of {self.K_SCHEDULES}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be at least 1 (or None to size it automatically)")
+
+
+def as_dtype(value, what: str) -> torch.dtype | None:
+    """``value`` as a torch dtype: a dtype, None, or its name ("float32", "bfloat16", "float16"),
+    so that ``LLM(dtype="bfloat16")`` means what it says instead of failing deep in the runner."""
+    from ..models.checkpoint import DTYPES
+
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.removeprefix("torch.") in DTYPES:
+        return DTYPES[value.removeprefix("torch.")]
+    raise ValueError(f"{what}={value!r} is not a dtype; pass a torch dtype or one of {', '.join(DTYPES)}")

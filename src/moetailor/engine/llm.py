@@ -64,7 +64,9 @@ class LLM:
                  decode_pools: PoolsByLoad | None = None, decode_expert_dtype: torch.dtype | None = None,
                  native_kernels: bool = True, compile_decode: bool = False, lean_decode: bool = True):
         from ..models.loading import load_model, load_tokenizer
+        from .config import as_dtype
 
+        dtype = as_dtype(dtype, "dtype")
         if isinstance(model, (str, Path)):
             name = model
             model = load_model(name, dtype=dtype, device=device)
