@@ -17,6 +17,7 @@ from engine_helpers import random_prompts
 def run(model, plan, lean: bool, prompts, params):
     llm = LLM(model, plan, lean_decode=lean)
     assert (llm.runner.lean is not None) == lean
+    assert llm.runner.native_norm is not None and type(model.model.norm).__name__.startswith("Native")
     outs = llm.generate(prompts, params)
     reads = [r.distinct_experts for r in llm.step_log if r.phase == "decode"]
     return [(o.token_ids, o.logprobs) for o in outs], reads
@@ -42,6 +43,7 @@ def test_lean_decode_equals_the_module_path(one_thread, arch):
 def test_the_bundled_model_decodes_through_the_lean_forward():
     llm = LLM("reference")
     assert llm.runner.lean is not None and len(llm.runner.lean.layers) == 6
+    assert llm.runner.native_norm is not None and llm.runner.native_linear is not None
 
 
 @pytest.mark.parametrize("arch", ["olmoe", "mixtral"])

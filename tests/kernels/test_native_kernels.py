@@ -83,6 +83,7 @@ def test_kernels_are_torch_ops_with_fake_implementations():
     opcheck(torch.ops.moetailor.paged_decode_attention.default,
             (torch.randn(2, 4, 16), k_cache, v_cache, torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 8]), 4, 0.25))
     opcheck(torch.ops.moetailor.rows_linear.default, (torch.randn(3, 32), torch.randn(40, 32)))
+    opcheck(torch.ops.moetailor.rms_norm.default, (torch.randn(3, 40), torch.randn(40), 1e-6))
     assert kernels.swiglu_experts() is torch.ops.moetailor.swiglu_experts
 
 
@@ -93,6 +94,20 @@ def test_rows_linear_equals_torch(rows, cols, dtype):
     torch.manual_seed(rows)
     x, w = torch.randn(rows, 64), torch.randn(cols, 64).to(dtype)
     torch.testing.assert_close(kernels.rows_linear()(x, w), x @ w.float().T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 256), (12, 64), (3, 40)])
+def test_rms_norm_equals_transformers(rows, width):
+    """The decode norms' op, against transformers' RMSNorm; widths that are not whole 16-wide vectors."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    torch.manual_seed(rows)
+    norm = Qwen3MoeRMSNorm(width, eps=1e-6)
+    norm.weight.data = torch.randn(width)
+    x = 3 * torch.randn(rows, width)
+    torch.testing.assert_close(kernels.rms_norm()(x, norm.weight, 1e-6), norm(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="weight: contiguous fp32"):
+        kernels.rms_norm()(x, torch.ones(width + 1), 1e-6)
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from ..models.step import Step
+from .native_layers import NATIVE_LINEAR_ROWS
 
 FAMILIES = ("qwen2_moe", "qwen3_moe")
-NATIVE_LINEAR_ROWS = 8   # up to this many rows a linear layer runs the native op (a decode step's GEMV); else torch's GEMM
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,12 @@ class Norm:
     def of(cls, module) -> "Norm":
         return cls(module.weight, float(module.variance_epsilon))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """transformers' RMSNorm, op for op (fp32 in, fp32 out)."""
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+    def __call__(self, x: torch.Tensor, kernel) -> torch.Tensor:
+        """The RMSNorm the module path runs (``native_layers.native_rms_norm``): the native op where
+        the step has one, else transformers' ops (fp32 in, fp32 out)."""
+        if kernel is None:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        return kernel(x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.eps).view(x.shape)
 
 
 @dataclass(frozen=True)
@@ -127,20 +130,20 @@ class LeanDecoder:
         (the router and experts read it); writes each layer's new k/v at ``step.kv.slot_mapping``.
         Up to ``NATIVE_LINEAR_ROWS`` rows the projections run the native op, above it torch's GEMM,
         as the module path's linear layers do (stacking rows of a weight changes no column of either)."""
-        kernel, kv = step.linear_kernel, step.kv
+        kernel, norm, kv = step.linear_kernel, step.norm_kernel, step.kv
         linear = kernel if ids.shape[0] <= NATIVE_LINEAR_ROWS else F.linear
         B, nH, nKV, D = ids.shape[0], self.heads, self.kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)                                      # [B, H]
         cos, sin = self.rotary(x, positions[None])                            # [1, B, D] each
         for layer in self.layers:
-            h = layer.input_norm(x)                                           # [B, H]
+            h = layer.input_norm(x, norm)                                         # [B, H]
             qkv = linear(h, layer.qkv)                                        # [B, (nH + 2 nKV) D]
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             q, k, v = qkv.split((nH * D, nKV * D, nKV * D), dim=-1)
             q, k, v = q.view(B, nH, D), k.view(B, nKV, D), v.view(B, nKV, D)
             if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
+                q, k = layer.q_norm(q, norm), layer.k_norm(k, norm)
             q, k = self.apply_rotary(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)  # [1, n, B, D]
             k_cache, v_cache = kv.cache[layer.index]                          # [slots, nKV, D]
             k_cache.index_copy_(0, kv.slot_mapping, k[0].transpose(0, 1).to(k_cache.dtype))
@@ -148,9 +151,9 @@ class LeanDecoder:
             o = kv.native(q[0].transpose(0, 1).contiguous(), k_cache, v_cache, kv.block_table, kv.context_lens,
                           kv.block_size, self.scaling)                        # [B, nH, D]
             x = x + linear(o.reshape(B, nH * D), layer.o)                     # [B, H]
-            h = layer.post_norm(x)
+            h = layer.post_norm(x, norm)
             x = x + self.moe(layer, h, linear, controller)
-        return linear(self.final_norm(x), self.lm_head)                       # [B, V]
+        return linear(self.final_norm(x, norm), self.lm_head)                       # [B, V]
 
     @staticmethod
     def moe(layer: LeanLayer, h: torch.Tensor, linear, controller) -> torch.Tensor:

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from . import attention
-from ..models.step import PagedKV, Routing, Step, current, experts_read_buffer, read_experts, running
+from ..models.step import PagedKV, Routing, Step, experts_read_buffer, read_experts, running
 from .. import kernels
 from ..routing import experts
 from ..routing.controller import RoutingController
 from .config import EngineConfig
-from .decode_forward import NATIVE_LINEAR_ROWS, LeanDecoder
+from .decode_forward import LeanDecoder
+from .native_layers import install_native_linears, install_native_norms
 from .sequence import Sequence
 
 DEFAULT_KV_CAP_BYTES = 512 * 2**20   # default pool cap when neither num_kv_blocks nor memory_budget is given
@@ -56,7 +57,8 @@ class ModelRunner:
         self.native_attention = kernels.paged_decode_attention() if native else None
         for layer in self.controller.layers:           # which experts the native kernel runs (layout, once)
             layer.experts._moetailor_native = experts.native_layout(layer.experts)
-        self.native_linear = kernels.rows_linear() if native and _install_native_linears(model) else None
+        self.native_linear = kernels.rows_linear() if native and install_native_linears(model) else None
+        self.native_norm = kernels.rms_norm() if native and install_native_norms(model) else None
         # a 4-D attention mask tells transformers the mask is built (engine steps need none: paged
         # attention reads the step context), so it skips mask preparation in every step
         self._mask_built = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -204,6 +206,7 @@ class ModelRunner:
                     experts_kernel=self.native_experts,
                     expert_weights=None if is_prefill else self.decode_expert_weights,
                     linear_kernel=None if is_prefill else self.native_linear,
+                    norm_kernel=None if is_prefill else self.native_norm,
                     experts_read=experts_read_buffer(self.num_layers, self.device))
 
     def _tensor(self, values: list) -> torch.Tensor:
@@ -237,37 +240,3 @@ class ModelRunner:
         read = read_experts(step)
         per_expert = self.expert_bytes[is_prefill]
         return StepOutput(logits.float(), read, sum(n * per_expert[layer] for layer, n in read.items()))
-
-
-def _native_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """A linear layer: in an engine decode step of at most ``NATIVE_LINEAR_ROWS`` fp32 rows, the
-    native op, which streams the [N, H] weight once instead of packing it for a GEMM of a few rows
-    (2x faster on the reference model's 256-wide projections at batch 1), else the stock linear."""
-    step = current()
-    rows = x.numel() // x.shape[-1]
-    if step is not None and step.linear_kernel is not None and rows <= NATIVE_LINEAR_ROWS and x.dtype == torch.float32:
-        y = step.linear_kernel(x.reshape(rows, x.shape[-1]).contiguous(), self.weight)   # [B, N]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], -1)                                                # [..., N]
-    return torch.nn.functional.linear(x, self.weight, self.bias)
-
-
-class NativeLinear(torch.nn.Linear):
-    forward = _native_linear_forward
-
-
-def _install_native_linears(model) -> int:
-    """Let engine decode steps run the model's linear layers (projections, shared experts, gates, the
-    LM head) through the native op: a ``__class__`` swap like the router's, so outside a step each is
-    the stock linear. Only the layout the op covers: a plain fp32 ``nn.Linear`` with a contiguous
-    weight whose input size is whole 16-wide vectors. Returns the number of layers swapped."""
-    swapped = 0
-    for module in model.modules():
-        if type(module) is NativeLinear:
-            swapped += 1
-        elif type(module) is torch.nn.Linear and module.weight.dtype == torch.float32 and \
-                module.weight.is_contiguous() and module.in_features % 16 == 0:
-            module.__class__ = NativeLinear
-            swapped += 1
-    return swapped

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("experts.cpp", "attention.cpp", "bindings.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("experts.cpp", "attention.cpp", "norm.cpp", "bindings.cpp")]
 _HEADERS = [Path(__file__).with_name("vec.h")]
 
 
@@ -87,6 +87,10 @@ def _register_fakes() -> None:
     def _(x, weight):
         return x.new_empty(x.shape[0], weight.shape[0])                     # [T, N] fp32
 
+    @torch.library.register_fake("moetailor::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)                                          # [T, H] fp32
+
     @torch.library.register_fake("moetailor::paged_decode_attention")
     def _(q, k_cache, v_cache, block_table, lengths, block_size, scale):
         return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])       # [B, nH, Dv] fp32
@@ -105,6 +109,13 @@ def rows_linear():
     a few rows (a decode step's linear layers and LM head), or None."""
     ops = _module()
     return None if ops is None else ops.rows_linear
+
+
+def rms_norm():
+    """The op ``rms_norm(x [T, H] fp32, weight [H] fp32, eps) -> weight * x / sqrt(mean(x^2) + eps)``
+    in one call (a decode step's norms), or None."""
+    ops = _module()
+    return None if ops is None else ops.rms_norm
 
 
 def paged_decode_attention():
