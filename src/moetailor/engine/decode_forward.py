@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from ..models.step import Step
-from .native_layers import NATIVE_LINEAR_ROWS
+from .native_layers import NATIVE_LINEAR_ROWS, rms_norm
 
 FAMILIES = ("qwen2_moe", "qwen3_moe")
 
@@ -39,11 +39,8 @@ class Norm:
         return cls(module.weight, float(module.variance_epsilon))
 
     def __call__(self, x: torch.Tensor, kernel) -> torch.Tensor:
-        """The RMSNorm the module path runs (``native_layers.native_rms_norm``): the native op where
-        the step has one, else transformers' ops (fp32 in, fp32 out)."""
-        if kernel is None:
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-        return kernel(x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.eps).view(x.shape)
+        """The RMSNorm the module path runs (``native_layers``): the step's native op, else torch's ops."""
+        return rms_norm(x, self.weight, self.eps, kernel)
 
 
 @dataclass(frozen=True)

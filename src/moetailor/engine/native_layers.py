@@ -31,12 +31,17 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.view(*x.shape[:-1], -1)                                           # [..., N]
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel) -> torch.Tensor:
+    """transformers' RMSNorm of fp32 ``x``: one call of the native ``kernel``, or op for op without one."""
+    if kernel is None or x.dtype != torch.float32:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    return kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+
+
 def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm (fp32): in an engine decode step, one native call; else op for op."""
+    """transformers' RMSNorm: in an engine decode step, the step's native op."""
     step = current()
-    if step is not None and step.norm_kernel is not None and x.dtype == torch.float32:
-        return step.norm_kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    return rms_norm(x, weight, eps, step.norm_kernel if step is not None else None)
 
 
 class NativeLinear(torch.nn.Linear):
