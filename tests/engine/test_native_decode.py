@@ -5,6 +5,7 @@ import shutil
 import pytest
 
 from engine_helpers import random_prompts
+from moetailor import kernels
 from moetailor.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -15,7 +16,8 @@ def decode(native: bool, prompts, max_seqs=8):
     llm = LLM("reference", max_num_seqs=max_seqs, native_kernels=native)
     runner = llm.runner
     assert (runner.native_experts is not None) == (runner.native_attention is not None) == native
-    assert (runner.native_linear is not None) == native   # the projections and the LM head too
+    assert (runner.native_linear is not None) == (native and kernels.rows_linear_pays())  # projections, LM head
+    assert (runner.native_norm is not None) == native
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     reads = [r.distinct_experts for r in llm.step_log if r.phase == "decode"]
     return [o.token_ids for o in outs], reads

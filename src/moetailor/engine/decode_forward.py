@@ -9,7 +9,8 @@ are unchanged), and one stacked gate|up projection for the shared expert. Prefil
 transformers' modules (they are compute-bound, and calibration and evaluation read them).
 
 Covered (``LeanDecoder.build`` returns None otherwise, and the engine keeps the module path):
-``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 with the native kernels, every layer a
+``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 with the native experts and attention kernels (projections through `rows_linear`
+where `kernels.rows_linear_pays()`, else torch's GEMV), every layer a
 full-attention layer. The stacked projection weights are copies of the dense (non-expert) weights
 (attention and shared expert), a few percent of a MoE checkpoint's bytes. A model with forward
 hooks on any module (``hooked``) runs the module path, so the hooks see every step.
@@ -74,10 +75,10 @@ class LeanDecoder:
     modules: tuple[torch.nn.Module, ...]   # every module of the model, for ``hooked``
 
     @classmethod
-    def build(cls, model, controller, linear_kernel, attention_kernel) -> "LeanDecoder | None":
+    def build(cls, model, controller, attention_kernel) -> "LeanDecoder | None":
         """The lean decoder of ``model``, or None where it does not apply (see the module doc)."""
         cfg = model.config
-        if cfg.model_type not in FAMILIES or linear_kernel is None or attention_kernel is None:
+        if cfg.model_type not in FAMILIES or attention_kernel is None:
             return None
         inner = model.model
         head = model.get_output_embeddings()
@@ -128,7 +129,7 @@ class LeanDecoder:
         Up to ``NATIVE_LINEAR_ROWS`` rows the projections run the native op, above it torch's GEMM,
         as the module path's linear layers do (stacking rows of a weight changes no column of either)."""
         kernel, norm, kv = step.linear_kernel, step.norm_kernel, step.kv
-        linear = kernel if ids.shape[0] <= NATIVE_LINEAR_ROWS else F.linear
+        linear = kernel if kernel is not None and ids.shape[0] <= NATIVE_LINEAR_ROWS else F.linear
         B, nH, nKV, D = ids.shape[0], self.heads, self.kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)                                      # [B, H]
         cos, sin = self.rotary(x, positions[None])                            # [1, B, D] each

@@ -57,7 +57,8 @@ class ModelRunner:
         self.native_attention = kernels.paged_decode_attention() if native else None
         for layer in self.controller.layers:           # which experts the native kernel runs (layout, once)
             layer.experts._moetailor_native = experts.native_layout(layer.experts)
-        self.native_linear = kernels.rows_linear() if native and install_native_linears(model) else None
+        self.native_linear = kernels.rows_linear() if native and kernels.rows_linear_pays() \
+            and install_native_linears(model) else None
         self.native_norm = kernels.rms_norm() if native and install_native_norms(model) else None
         # a 4-D attention mask tells transformers the mask is built (engine steps need none: paged
         # attention reads the step context), so it skips mask preparation in every step
@@ -84,7 +85,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.kv_cache = self._allocate()
         self._compiled = torch.compile(model, dynamic=True) if config.compile_decode else None   # decode steps
-        self.lean = LeanDecoder.build(model, self.controller, self.native_linear, self.native_attention) \
+        self.lean = LeanDecoder.build(model, self.controller, self.native_attention) \
             if config.lean_decode and self._compiled is None else None
 
     def _expert_copies(self, dtype: torch.dtype | None) -> dict | None:

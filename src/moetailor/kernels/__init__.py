@@ -118,6 +118,14 @@ def rms_norm():
     return None if ops is None else ops.rms_norm
 
 
+def rows_linear_pays() -> bool:
+    """Whether ``rows_linear`` beats torch's GEMV on this processor: with AVX-512 it was 2x faster on
+    the reference model's 256-wide projections at batch 1; on an AVX2-only EPYC (znver3) torch's was
+    2x faster there, and a batch-1 step ran 12.2 ms with it against 10.0 ms without
+    (docs/benchmarks.md). Fixed per processor, not timed per run, so outputs do not change between runs."""
+    return "avx512f" in _cpu_flags().split()
+
+
 def paged_decode_attention():
     """The op ``paged_decode_attention(q, k_cache, v_cache, block_table, lengths, block_size,
     scale) -> out``, or None."""
