@@ -1,0 +1,53 @@
+"""Batch-1 decode step time of the engine on the bundled model, optionally with a torch profile.
+
+    flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/decode_step_time.py [--profile]
+
+Time per decode step = (t(64 tokens) - t(1 token)) / 63 after a 48-token held-out prompt, greedy,
+EOS ignored, after one warm-up generation. To compare two trees, run it alternately with
+``PYTHONPATH=<other worktree>/src`` (one machine, minutes apart: only same-run ratios compare).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_vs_hf import heldout_prompts   # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="reference")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of one generation")
+    args = ap.parse_args()
+
+    from moetailor.engine import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    llm = LLM(args.model)
+    prompts = heldout_prompts(llm.tokenizer, 1, 48)
+    full, one = (SamplingParams(max_tokens=n, ignore_eos=True) for n in (args.new_tokens, 1))
+    llm.generate(prompts, full)
+    t0 = time.perf_counter()
+    llm.generate(prompts, one)
+    t1 = time.perf_counter()
+    llm.generate(prompts, full)
+    t2 = time.perf_counter()
+    print(f"{args.model}: {1000 * ((t2 - t1) - (t1 - t0)) / (args.new_tokens - 1):.2f} ms per batch-1 decode step "
+          f"(lean forward: {llm.runner.lean is not None}, rows_linear: {llm.runner.native_linear is not None})")
+    if args.profile:
+        from torch.profiler import profile
+
+        with profile() as prof:
+            llm.generate(prompts, full)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
