@@ -66,3 +66,18 @@ def test_a_forward_hook_sends_the_step_through_the_modules(one_thread):
     calls.clear()
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert calls == []
+
+
+def test_a_swapped_norm_is_the_stock_norm_outside_a_decode_step():
+    """Outside an engine decode step (and on bf16 input, as under a prefill autocast) a swapped RMSNorm
+    runs transformers' own forward, which takes the variance in fp32."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeRMSNorm
+
+    from moetailor.engine.native_layers import install_native_norms
+
+    torch.manual_seed(0)
+    norm, stock = Qwen2MoeRMSNorm(64), Qwen2MoeRMSNorm(64)
+    norm.weight.data = stock.weight.data = torch.randn(64)
+    assert install_native_norms(norm) == 1 and type(norm).__name__ == "NativeQwen2MoeRMSNorm"
+    for x in (torch.randn(3, 64), torch.randn(3, 64).bfloat16()):
+        assert torch.equal(norm(x), stock(x))

@@ -33,15 +33,9 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel) -> torch.Tensor:
     """transformers' RMSNorm of fp32 ``x``: one call of the native ``kernel``, or op for op without one."""
-    if kernel is None or x.dtype != torch.float32:
+    if kernel is None:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     return kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
-
-
-def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: in an engine decode step, the step's native op."""
-    step = current()
-    return rms_norm(x, weight, eps, step.norm_kernel if step is not None else None)
 
 
 class NativeLinear(torch.nn.Linear):
@@ -50,7 +44,12 @@ class NativeLinear(torch.nn.Linear):
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return native_rms_norm(x, self.weight, self.variance_epsilon)
+    """In an engine decode step on fp32 input, the step's native op; else the stock forward (which
+    also covers a bf16 input under a prefill autocast: it takes the variance in fp32)."""
+    step = current()
+    if step is None or step.norm_kernel is None or x.dtype != torch.float32:
+        return type(self).__mro__[1].forward(self, x)
+    return rms_norm(x, self.weight, self.variance_epsilon, step.norm_kernel)
 
 
 _NORM_CLASSES: dict[type, type] = {}
