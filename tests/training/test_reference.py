@@ -109,3 +109,58 @@ def test_the_second_family_is_a_qwen3_moe_without_shared_expert():
     assert model_class("qwen3_moe").__name__ == "Qwen3MoeForCausalLM"
     with pytest.raises(ValueError, match="unknown reference family 'mixtral'; choose one of qwen2_moe, qwen3_moe"):
         model_config(8192, "mixtral")
+
+
+def test_a_stopped_stage_resumes_on_the_batches_and_weights_of_an_unbroken_run(corpus, tmp_path, monkeypatch):
+    """A run stopped mid-stage continues from out/resume.pt to the same weights as one that never stopped
+    (a training run outlasts a session here); a resume point of another run is refused by name."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moetailor.training import reference
+
+    tok = load_tokenizer("reference")
+    stage = reference.Stage(steps=4, lr=1e-3, warmup=2, task_share=0.5, mask_prompts=True, drill_share=0.2)
+    run = reference.RunIdentity("qwen3_moe", batch_size=2, seq_len=32, seed=0)
+    config = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, intermediate_size=64, moe_intermediate_size=16,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, pad_token_id=1,
+                            bos_token_id=None, eos_token_id=0)
+
+    def fresh_stage_run(out, resume=None):
+        out.mkdir(exist_ok=True)
+        torch.manual_seed(0)
+        model = Qwen3MoeForCausalLM(config)
+        if resume is not None:
+            model.load_state_dict(resume["model"])
+        mixture = Mixture(tok, corpus, 32, stage.task_share, 0, stage.mask_prompts, {}, stage.drill_share)
+        log = [] if resume is None else resume["log"]
+        reference._run_stage(model, mixture, stage, 1, 2, 32, log, out, [], run, resume, eval_every=10**6)
+        return model, log
+
+    monkeypatch.setattr(reference, "RESUME_EVERY", 2)
+    unbroken, unbroken_log = fresh_stage_run(tmp_path / "unbroken")
+
+    class Stop(Exception):
+        pass
+
+    real_batch, calls = Mixture.batch, []
+
+    def stop_at_the_fourth_batch(self, batch_size):
+        calls.append(1)
+        if len(calls) == 4:
+            raise Stop
+        return real_batch(self, batch_size)
+
+    monkeypatch.setattr(Mixture, "batch", stop_at_the_fourth_batch)
+    with pytest.raises(Stop):
+        fresh_stage_run(tmp_path / "stopped")
+    monkeypatch.setattr(Mixture, "batch", real_batch)
+    state = reference.load_resume(tmp_path / "stopped", run)
+    assert state["stage"] == 1 and state["step"] == 2 and len(state["log"]) == 2
+    resumed, resumed_log = fresh_stage_run(tmp_path / "stopped", state)
+    assert [r["loss"] for r in resumed_log] == [r["loss"] for r in unbroken_log]
+    for (name, a), (_, b) in zip(unbroken.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(SystemExit, match="belongs to another run .* pass the same --family"):
+        reference.load_resume(tmp_path / "stopped", reference.RunIdentity("qwen2_moe", 2, 32, 0))

@@ -159,9 +159,10 @@ STAGES = (Stage(steps=650, lr=1.5e-3, warmup=50, task_share=0.45, mask_prompts=F
 
 
 def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 24, seq_len: int = 256, seed: int = 0,
-          threads: int = 2, start_stage: int = 1, family: str = "qwen2_moe") -> Path:
+          threads: int = 2, start_stage: int = 1, family: str = "qwen2_moe", fresh: bool = False) -> Path:
     """Run ``stages`` from ``start_stage`` (1-based); a later start resumes from out/checkpoint,
-    which every stage writes at its end."""
+    which every stage writes at its end. A run that was stopped resumes from out/resume.pt (written
+    every ``RESUME_EVERY`` steps) on the same batches it would have drawn, unless ``fresh``."""
     from transformers import AutoTokenizer
 
     model_cls = model_class(family)
@@ -181,7 +182,14 @@ def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 24, s
             AutoTokenizer.from_pretrained(REFERENCE_DIR).save_pretrained(tok_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     torch.manual_seed(seed)
-    if start_stage == 1:
+    run = RunIdentity(family, batch_size, seq_len, seed)
+    resume = None if fresh or start_stage != 1 else load_resume(out, run)
+    if resume is not None:
+        model = model_cls(model_config(len(tokenizer), family))
+        model.load_state_dict(resume["model"])
+        log, evals, start_stage = resume["log"], resume["evals"], resume["stage"]
+        print(f"resuming {out / RESUME_FILE}: stage {start_stage}, step {resume['step']} ({len(log)} steps done)")
+    elif start_stage == 1:
         model = model_cls(model_config(len(tokenizer), family))
         log: list[dict] = []
         evals: list[dict] = []
@@ -197,9 +205,11 @@ def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 24, s
         torch.manual_seed(seed + number)
         mixture = Mixture(tokenizer, corpus_dir, seq_len, stage.task_share, seed + number - 1, stage.mask_prompts,
                           dict(stage.task_weights), stage.drill_share)
-        _run_stage(model, mixture, stage, number, batch_size, seq_len, log, out, evals)
+        within = resume if resume is not None and resume["stage"] == number and resume["step"] > 0 else None
+        _run_stage(model, mixture, stage, number, batch_size, seq_len, log, out, evals, run, within)
         evals.append({"stage": number, "step": len(log), **progress_check(model, tokenizer, n_per_task=24)})
         (out / "stage_evals.json").write_text(json.dumps(evals, indent=1))
+        save_resume(out, run, model, None, None, number + 1, 0, log, evals)
         print(f"after stage {number}: " + ", ".join(f"{k} {evals[-1][k]:.0%}" for k in (*TASKS, "mean")) + "; probes: "
               + ", ".join(f"{k} {v:.2f}" for k, v in evals[-1].items() if k.endswith("_nats")))
     export_dir = out / "model"
@@ -207,18 +217,64 @@ def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 24, s
     model.to(torch.bfloat16).save_pretrained(export_dir)
     tokenizer.save_pretrained(export_dir)
     plot_loss(log, out / "loss.png")
+    (out / RESUME_FILE).unlink(missing_ok=True)   # the run is complete; a new one starts fresh
     minutes = sum(r["step_s"] for r in log) / 60
     print(f"trained {len(log)} steps, {sum(r['batch_tokens'] for r in log):,} tokens in {minutes:.1f} min -> {export_dir}")
     return export_dir
 
 
+RESUME_FILE = "resume.pt"
+RESUME_EVERY = 100   # steps between resume points: ~10 minutes of fp32 training on 2 AVX2 cores
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a resume point must agree on with the run that continues it."""
+
+    family: str
+    batch_size: int
+    seq_len: int
+    seed: int
+
+
+def save_resume(out: Path, run: RunIdentity, model, opt, mixture: "Mixture | None", stage: int, step: int,
+                log: list, evals: list) -> None:
+    """One file, replaced atomically: the weights, the optimizer and every random state, so the run
+    continues on the batches it would have drawn (a training run outlasts a 3-hour session here)."""
+    state = {"run": run, "stage": stage, "step": step, "model": model.state_dict(), "log": log, "evals": evals,
+             "optimizer": None if opt is None else opt.state_dict(), "torch_rng": torch.get_rng_state(),
+             "rng": None if mixture is None else (mixture.rng.getstate(), mixture.task_rng.getstate())}
+    partial = out / (RESUME_FILE + ".partial")
+    torch.save(state, partial)
+    partial.replace(out / RESUME_FILE)
+
+
+def load_resume(out: Path, run: RunIdentity) -> dict | None:
+    path = out / RESUME_FILE
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=False)
+    if state["run"] != run:
+        raise SystemExit(f"{path} belongs to another run ({state['run']}), not {run}: pass the same --family, "
+                         f"--batch-size, --seq-len and --seed to continue it, or --fresh to start over")
+    return state
+
+
 def _run_stage(model, mixture: Mixture, stage: Stage, number: int, batch_size: int, seq_len: int, log: list,
-               out: Path, evals: list, eval_every: int = 500) -> None:
+               out: Path, evals: list, run: RunIdentity, resume: dict | None = None, eval_every: int = 500) -> None:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=stage.lr, betas=(0.9, 0.95))
-    bar = tqdm(range(stage.steps), desc=f"training stage {number}", mininterval=10)
+    first = 0
+    if resume is not None:
+        opt.load_state_dict(resume["optimizer"])
+        mixture.rng.setstate(resume["rng"][0])
+        mixture.task_rng.setstate(resume["rng"][1])
+        torch.set_rng_state(resume["torch_rng"])
+        first = resume["step"]
+    bar = tqdm(range(first, stage.steps), desc=f"training stage {number}", mininterval=10, initial=first,
+               total=stage.steps)
     for step in bar:
         t0 = time.time()
         scale = min(1.0, (step + 1) / stage.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / stage.steps)))
@@ -234,12 +290,14 @@ def _run_stage(model, mixture: Mixture, stage: Stage, number: int, batch_size: i
         log.append({"stage": number, "step": len(log), "loss": lm_loss, "aux": aux, "lr": stage.lr * scale,
                     "step_s": time.time() - t0, "batch_tokens": batch_size * seq_len})
         bar.set_postfix(loss=f"{lm_loss:.3f}", tok_s=f"{batch_size * seq_len / log[-1]['step_s']:.0f}", refresh=False)
-        if (step + 1) % 200 == 0 or step + 1 == stage.steps:
-            (out / "train_log.json").write_text(json.dumps(log))
-            model.save_pretrained(out / "checkpoint")
         if (step + 1) % eval_every == 0 and step + 1 < stage.steps:   # progress check, not timed as training
             evals.append({"stage": number, "step": len(log), **progress_check(model, mixture.tok, n_per_task=8)})
             (out / "stage_evals.json").write_text(json.dumps(evals, indent=1))
+        if (step + 1) % 200 == 0 or step + 1 == stage.steps:
+            (out / "train_log.json").write_text(json.dumps(log))
+            model.save_pretrained(out / "checkpoint")
+        if (step + 1) % RESUME_EVERY == 0 and step + 1 < stage.steps:
+            save_resume(out, run, model, opt, mixture, number, step + 1, log, evals)
 
 
 def bf16_matmuls_are_fast() -> bool:
@@ -323,11 +381,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-stage", type=int, default=1, help="resume at this stage from out/checkpoint")
+    parser.add_argument("--fresh", action="store_true", help=f"ignore out/{RESUME_FILE} and start over")
     parser.add_argument("--family", choices=FAMILIES, default="qwen2_moe",
                         help="qwen2_moe: the bundled `reference`; qwen3_moe: `reference-qwen3` (no shared expert)")
     args = parser.parse_args()
     train(args.out, STAGES, args.batch_size, args.seq_len, args.seed, start_stage=args.start_stage,
-          family=args.family)
+          family=args.family, fresh=args.fresh)
 
 
 if __name__ == "__main__":
