@@ -72,6 +72,7 @@ def apply_patches() -> None:
     from vllm.v1.worker.worker_base import WorkerBase
 
     WorkerBase.moetailor_route_totals = route_totals   # LLM.collective_rpc("moetailor_route_totals")
+    WorkerBase.moetailor_use_plan = use_plan           # LLM.collective_rpc("moetailor_use_plan", ...)
     InputProcessor._validate_params = _wrap_validate_params(InputProcessor._validate_params)
 
 
@@ -118,10 +119,10 @@ def setup_model(runner) -> None:
     recorder = None
     if isinstance(config.additional_config, dict) and config.additional_config.get(RECORD_KEY):
         recorder = RouteRecorder(sorted(tables.policies), tables.semantics.num_experts, runner.device)
-    layers = install(model, tables, tokens, recorder)
+    runner._moetailor_keys = install(model, tables, tokens, recorder)
     runner._moetailor_tokens = tokens
     runner._moetailor_recorder = recorder
-    log.info("moetailor: hooked %d MoE layers (plan: %s)", layers, settings[0] if settings else "none")
+    log.info("moetailor: hooked %d MoE layers (plan: %s)", len(moe_runners(model)), settings[0] if settings else "none")
 
 
 def route_totals(worker, reset: bool = False) -> dict:
@@ -135,6 +136,26 @@ def route_totals(worker, reset: bool = False) -> dict:
     if reset:
         recorder.reset()
     return totals
+
+
+def use_plan(worker, plan: str | None, mode: str = "decode") -> str:
+    """``LLM.collective_rpc("moetailor_use_plan", args=(path, "decode" | "plan"))``, or ``(None,)`` for
+    the full router: a running engine routes its next steps by another plan, checked as at start.
+    ``moetailor bench vllm`` times every plan row on one engine this way, interleaved, so that the
+    machine's drift between processes is not read as a difference between plans. Between requests only:
+    a request in flight would decode part of its tokens under each plan."""
+    from .routing import swap_tables
+
+    runner = getattr(worker, "model_runner", worker)
+    keys = getattr(runner, "_moetailor_keys", None)
+    if keys is None:
+        raise ValueError("this vLLM engine has no moetailor hooks (its model has no MoE layer moetailor knows)")
+    config = runner.vllm_config
+    checked = load_checked_plan(plan, mode, config.model_config.model) if plan else None
+    if checked is not None and checked.prefill != checked.decode and config.cache_config.enable_prefix_caching:
+        raise ValueError(f"plan {plan}: a decode policy that differs from the prefill policy needs prefix caching off")
+    swap_tables(keys, router_tables(checked, config.model_config.model, device=runner.device, where=plan or "the plan"))
+    return plan or "full router"
 
 
 def _wrap_prepare_inputs(prepare_inputs):

@@ -160,9 +160,11 @@ def layer_routing(tables: RouterTables, layer: int, correction_bias=None) -> Lay
     return LayerRouting(tables.semantics, prefill, decode, tables.width(layer), correction_bias)
 
 
-def install(model: torch.nn.Module, tables: RouterTables, tokens: StepTokens, recorder=None) -> int:
-    """Replace each MoE layer's routing with ``step_routes``; returns the number of layers hooked."""
+def install(model: torch.nn.Module, tables: RouterTables, tokens: StepTokens, recorder=None) -> dict[int, str]:
+    """Replace each MoE layer's routing with ``step_routes``; returns each hooked layer's op key
+    (a monolithic kernel's layer, which takes a fixed logits bias, has none)."""
     runners = moe_runners(model)
+    keys = {}
     for runner in runners:
         layer = runner.layer_id
         if layer not in tables.policies:
@@ -173,11 +175,26 @@ def install(model: torch.nn.Module, tables: RouterTables, tokens: StepTokens, re
             continue
         bias = getattr(runner.router, "e_score_correction_bias", None)
         routing = layer_routing(tables, layer, bias)
-        _hook(runner, routing, tokens, recorder)
-    return len(runners)
+        keys[layer] = _hook(runner, routing, tokens, recorder)
+    return keys
 
 
-def _hook(runner, routing: LayerRouting, tokens: StepTokens, recorder) -> None:
+def swap_tables(keys: dict[int, str], tables: RouterTables) -> None:
+    """Route the hooked layers by ``tables`` from the next step on. The traced graph holds only the
+    op and its key, so this holds in the compiled mode too, provided each layer's emitted width
+    (its largest top_k) is unchanged; a plan that changes it is refused, naming the layer."""
+    new = {}
+    for layer, key in keys.items():
+        old = _ROUTINGS[key]
+        routing = layer_routing(tables, layer, old.correction_bias)
+        if routing.width != old.width:
+            raise ValueError(f"layer {layer} would route {routing.width} experts per token where the running graph "
+                             f"was traced for {old.width}: start a new engine for a plan that changes top_k")
+        new[key] = routing
+    _ROUTINGS.update(new)
+
+
+def _hook(runner, routing: LayerRouting, tokens: StepTokens, recorder) -> str:
     layer = runner.layer_id
     key = f"{len(_ROUTINGS)}:layer{layer}"
     _ROUTINGS[key] = routing
@@ -192,6 +209,7 @@ def _hook(runner, routing: LayerRouting, tokens: StepTokens, recorder) -> None:
         return weights.contiguous(), ids.to(topk_indices_dtype or torch.int32).contiguous()
 
     runner.router.select_experts = select_experts
+    return key
 
 
 def _hook_monolithic(runner, tables: RouterTables, layer: int, tokens: StepTokens) -> None:
