@@ -10,7 +10,6 @@ vLLM calls ``register`` in every process it starts. It patches three vLLM method
   * ``InputProcessor._validate_params``: reject an ``expert_top_k`` outside [1, k] at admission
     (the OpenAI server answers 400).
 
-It also wraps ``load_model`` once more for ``compact.py`` (opt-in: ``moetailor_compact_decode``).
 Other modules: ``nixl.py`` (the pair on vLLM's NixlConnector), ``scheduler.py`` (the k-aware
 scheduler class), ``kbench.py`` (``moetailor bench vllm-k``).
 
@@ -27,8 +26,6 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from .compact import apply_compaction_patch
     from .patches import apply_patches
 
     apply_patches()
-    apply_compaction_patch()   # opt-in (additional_config moetailor_compact_decode): compact.py

@@ -2,19 +2,27 @@
 (its default compiled mode), in one run.
 
 Rows: stock (plugin off: ``VLLM_PLUGINS=""``); the plugin at full k (the same batch with the hooks);
-per-request ``expert_top_k=4`` and a mixed-budget batch; masked decode pools of 50% and 25%; a
-folding decode pool (ExFold, 50%, tables calibrated once on the model); dynamic skipping (NAEE
-threshold); the disaggregated pair (pruned 50% decode instance). Each process runs one engine
-(the three budget rows share one), one after another.
+per-request ``expert_top_k=4`` and a mixed-budget batch; masked decode pools of 50% and 25% (and the
+50% pool in eager mode, the mode of the pair's decode instance); a folding decode pool (ExFold, 50%,
+tables calibrated once on the model); dynamic skipping (NAEE threshold); the disaggregated pair
+(pruned 50% decode instance).
+
+How it is timed: one process holds every engine the rows need (stock, the plugin, the plugin eager,
+the pair's two instances), and each round times every row once, in turn, so that drift of the
+machine hits every row alike; the plugin's rows share one engine, which switches plans between
+rows (``moetailor_use_plan``). Before a row on another engine the run waits ``IDLE_S``: an idle vLLM
+worker busy-polls its queue for 1 s after its last step. The first round warms up; each row keeps
+its fastest of ``--repeats`` timed rounds. (Timing each configuration in its own process, one after
+another, gave stock and the plugin at full k, the same expert work, 0.64x-1.14x of each other.)
 
 Per batch size B: ``t1`` = time to generate 1 token for B prompts, ``tN`` = time to generate N;
 decode tokens/s = B * (N - 1) / (tN - t1), per-user tokens/s = (N - 1) / (tN - t1). The pair's
 decode instance is timed the same way on its own requests (prompt + first token, the prompt's KV
-loaded through the connector). Distinct experts per decode step are counted from the routes vLLM's
-kernel receives (the plugin's route recorder, mean over MoE layers); the ideal speed-up is stock's
-distinct experts over the row's, what a purely weight-bandwidth-bound decode would gain. KV
-capacity: blocks a fixed memory budget holds after the weights, from the checkpoint sizes and
-vLLM's block shape.
+loaded through the connector) while the prefill instance is idle. Distinct experts per decode step
+are counted from the routes vLLM's kernel receives (the plugin's route recorder, mean over MoE
+layers); the ideal speed-up is full k's distinct experts over the row's, what a purely
+weight-bandwidth-bound decode would gain. KV capacity: blocks a fixed memory budget holds after the
+weights, from the checkpoint sizes and vLLM's block shape.
 """
 from __future__ import annotations
 
@@ -23,13 +31,14 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-# process -> rows it measures
+# group (--only) -> rows it measures
 PROCESSES = {"stock": ("stock",), "budgets": ("full k", "k=4", "mixed k"), "masked-50": ("masked 50%",),
-             "masked-25": ("masked 25%",), "fold-50": ("fold 50%",), "skip": ("skip",),
-             "disaggregated": ("pair",)}
+             "masked-50-eager": ("masked 50% eager",), "masked-25": ("masked 25%",), "fold-50": ("fold 50%",),
+             "skip": ("skip",), "disaggregated": ("pair",)}
+IDLE_S = 1.5                    # an idle vLLM worker busy-polls for 1 s after its last step
 MIXED_K = (2, 4, 6, 8)          # the mixed batch's budgets, request i gets MIXED_K[i % 4] (capped at the model's k)
 SKIP_BETA = 0.5
 
@@ -118,27 +127,25 @@ def run(args) -> int:
     if unknown:
         raise ValueError(f"--only names unknown processes {unknown}; choose from {', '.join(PROCESSES)}")
     setup = prepare(args)
-    results = {}
-    for proc in only:
-        env = dict(os.environ)
-        if proc == "stock":
-            env["VLLM_PLUGINS"] = ""   # vLLM loads no plugin: the unmodified engine
-        spec = {"process": proc, "model": str(setup["model"]), "plan": setup["plans"].get(proc),
-                "pruned": str(setup["pruned"]), "batches": args.batches, "prompt_tokens": args.prompt_tokens,
-                "new_tokens": args.new_tokens, "dtype": args.dtype, "repeats": args.repeats, "out": str(args.out)}
-        print(f"[{proc}] starting", flush=True)
-        t0 = time.time()
-        out = subprocess.run([sys.executable, "-m", "moetailor.integrations.vllm.bench", json.dumps(spec)], env=env,
-                             capture_output=True, text=True)
-        line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-        if out.returncode != 0 or not line:
-            raise RuntimeError(f"{proc} run failed (exit {out.returncode}): {out.stderr[-3000:]}")
-        results.update(json.loads(line[-1][len("RESULT "):]))
-        print(f"[{proc}] done in {time.time() - t0:.0f} s", flush=True)
+    spec = {"groups": only, "model": str(setup["model"]), "plans": setup["plans"], "pruned": str(setup["pruned"]),
+            "batches": args.batches, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+            "dtype": args.dtype, "repeats": args.repeats, "out": str(args.out)}
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-m", "moetailor.integrations.vllm.bench", json.dumps(spec)],
+                         stdout=subprocess.PIPE, text=True)   # progress and vLLM's log on stderr, as it happens
+    line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]   # one per finished batch size
+    if not line:
+        raise RuntimeError(f"the benchmark process failed (exit {out.returncode}) before any batch size "
+                           f"finished; its log is above")
+    results = json.loads(line[-1][len("RESULT "):])
+    if out.returncode != 0:
+        print(f"the benchmark process stopped (exit {out.returncode}) after batch sizes "
+              f"{sorted({b for r in results.values() for b in r}, key=int)}: reporting those", flush=True)
+    print(f"measured in {time.time() - t0:.0f} s", flush=True)
     capacity = kv_capacity(setup["model"], setup["pruned"], args.dtype, args.budget_gib)
     report = {"model": str(args.model), "plans": setup["plans"], "prompt_tokens": args.prompt_tokens,
               "new_tokens": args.new_tokens, "dtype": args.dtype, "results": results, "kv_capacity": capacity,
-              "mixed_k": MIXED_K, "skip_beta": SKIP_BETA,
+              "mixed_k": MIXED_K, "skip_beta": SKIP_BETA, "method": "interleaved, one process",
               "command": "moetailor " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M")}
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
     print_report(report, args.slo)
@@ -219,75 +226,142 @@ def _distinct(llm) -> float:
     return sum(t["experts"] for t in totals.values()) / max(1, sum(t["steps"] for t in totals.values()))
 
 
-def worker(spec: dict) -> dict:
-    import random
+@dataclass(frozen=True)
+class Row:
+    name: str
+    engine: str                          # "stock" | "plugin" | "eager" | "pair"
+    plan: str | None = None              # decode plan the plugin engine switches to for this row
+    budgets: tuple[int, ...] | None = None
+
+
+def rows_of(groups: list[str], plans: dict[str, str], model_k: int) -> list[Row]:
+    mixed = tuple(min(k, model_k) for k in MIXED_K)
+    every = {"stock": [Row("stock", "stock")],
+             "budgets": [Row("full k", "plugin"), Row("k=4", "plugin", budgets=(4,)),
+                         Row("mixed k", "plugin", budgets=mixed)],
+             "masked-50": [Row("masked 50%", "plugin", plans["masked-50"])],
+             "masked-50-eager": [Row("masked 50% eager", "eager", plans["masked-50"])],
+             "masked-25": [Row("masked 25%", "plugin", plans["masked-25"])],
+             "fold-50": [Row("fold 50%", "plugin", plans["fold-50"])],
+             "skip": [Row("skip", "plugin", plans["skip"])],
+             "disaggregated": [Row("pair", "pair")]}
+    return [row for group in groups for row in every[group]]
+
+
+def start_engines(spec: dict, rows: list[Row]) -> dict:
+    """Every engine the rows need, alive together: name -> (LLM that decodes, instances to shut down)."""
     import tempfile
 
-    from transformers import AutoConfig
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from .disagg import pair_kwargs
     from .launch import engine_kwargs
     from .patches import RECORD_KEY
 
-    proc, new_tokens, prompt_tokens = spec["process"], spec["new_tokens"], spec["prompt_tokens"]
     batches = [int(b) for b in spec["batches"].split(",")]
-    common = dict(dtype=spec["dtype"], kv_cache_mib=1024, max_num_seqs=max(batches),
-                  max_model_len=prompt_tokens + new_tokens + 8,
-                  max_num_batched_tokens=max(2048, max(batches) * prompt_tokens), disable_log_stats=True,
+    common = dict(dtype=spec["dtype"], kv_cache_mib=256, max_num_seqs=max(batches),
+                  max_model_len=spec["prompt_tokens"] + spec["new_tokens"] + 8,
+                  max_num_batched_tokens=max(2048, max(batches) * spec["prompt_tokens"]), disable_log_stats=True,
                   enable_prefix_caching=False)  # every configuration recomputes its prompts
-    recording = proc != "stock"
-    rng = random.Random(0)
-    model_k = AutoConfig.from_pretrained(spec["model"], local_files_only=True).num_experts_per_tok
-    vocab = AutoConfig.from_pretrained(spec["model"], local_files_only=True).vocab_size
-    rows = {name: {} for name in PROCESSES[proc]}
-    budgets = {"stock": None, "full k": None, "k=4": [4], "mixed k": [min(k, model_k) for k in MIXED_K]}
-    if proc == "disaggregated":
+    needed = {row.engine for row in rows}
+    engines = {}
+    # the plugin's engines first: vLLM loads plugins once per process, and the stock engine's
+    # worker process is started without them (VLLM_PLUGINS="")
+    for name in ("plugin", "eager"):
+        if name in needed:
+            kwargs = engine_kwargs(spec["model"], enforce_eager=name == "eager", **common)
+            kwargs.setdefault("additional_config", {})[RECORD_KEY] = True
+            llm = LLM(**kwargs)
+            engines[name] = (llm, (llm,))
+    if "pair" in needed:
         storage = tempfile.mkdtemp(prefix="moetailor-kv-", dir=spec["out"])
         pk, dk = pair_kwargs(spec["model"], spec["pruned"], storage, **common)
         dk.setdefault("additional_config", {})[RECORD_KEY] = True
         prefill, decode = LLM(**pk), LLM(**dk)
-        engines, recorded = (prefill, decode), decode
-    else:
-        kwargs = engine_kwargs(spec["model"], decode_plan=spec["plan"], **common)
-        if recording:
-            kwargs.setdefault("additional_config", {})[RECORD_KEY] = True
-        llm = LLM(**kwargs)
-        engines, recorded = (llm,), llm
-    for b in batches:
-        for name in rows:
-            ks = budgets.get(name)
-            extra = [None if ks is None else {"expert_top_k": ks[i % len(ks)]} for i in range(b)]
-            best = None
-            if recording:
-                _distinct(recorded)
-            for rep in range(spec["repeats"] + 1):   # the first run warms up
-                prompts = [[rng.randrange(3, vocab) for _ in range(prompt_tokens)] for _ in range(b)]
-                reqs = [{"prompt_token_ids": p} for p in prompts]
+        engines["pair"] = (decode, (prefill, decode))
+        engines["pair-prefill"] = (prefill, ())
+    if "stock" in needed:
+        os.environ["VLLM_PLUGINS"] = ""   # the unmodified engine
+        try:
+            llm = LLM(**engine_kwargs(spec["model"], **common))
+        finally:
+            del os.environ["VLLM_PLUGINS"]
+        engines["stock"] = (llm, (llm,))
+    return engines
 
-                def params(n):
-                    return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, extra_args=e) for e in extra]
-                if proc == "disaggregated":
-                    # the decode instance frees a prompt's stored KV when its request ends: prefill twice
-                    def handoff(max_tokens):
-                        firsts = prefill.generate(reqs, params(1), use_tqdm=False)
-                        cont = [{"prompt_token_ids": p + list(f.outputs[0].token_ids)} for p, f in zip(prompts, firsts)]
-                        return _time_generate(decode, cont, params(max_tokens))
-                    first = handoff(1)
-                    seconds = (handoff(new_tokens - 1) - first) * (new_tokens - 1) / (new_tokens - 2)
-                else:
-                    first = _time_generate(llm, reqs, params(1))
-                    seconds = _time_generate(llm, reqs, params(new_tokens)) - first
-                if rep and (best is None or seconds < best):
-                    best = seconds
-            rows[name][str(b)] = {"decode_seconds": best, "decode_tok_s": b * (new_tokens - 1) / best,
-                                  "per_user_tok_s": (new_tokens - 1) / best,
-                                  "distinct": _distinct(recorded) if recording else None}
-    for engine in engines:
-        engine.llm_engine.engine_core.shutdown()
-    return rows
+
+def worker(spec: dict) -> dict:
+    import random
+
+    from transformers import AutoConfig
+    from vllm import SamplingParams
+
+    new_tokens, prompt_tokens = spec["new_tokens"], spec["prompt_tokens"]
+    batches = [int(b) for b in spec["batches"].split(",")]
+    config = AutoConfig.from_pretrained(spec["model"], local_files_only=True)
+    rows = rows_of(spec["groups"], spec["plans"], config.num_experts_per_tok)
+    engines = start_engines(spec, rows)
+    current_plan = {"plugin": None, "eager": None}
+    rng = random.Random(0)
+    results = {row.name: {} for row in rows}
+    last_engine = None
+
+    def timed_row(row: Row, b: int, prompts: list[list[int]]) -> float:
+        nonlocal last_engine
+        llm = engines[row.engine][0]
+        if row.engine in current_plan and current_plan[row.engine] != row.plan:
+            llm.collective_rpc("moetailor_use_plan", args=(row.plan, "decode"))
+            current_plan[row.engine] = row.plan
+        if last_engine is not None and last_engine != row.engine:
+            time.sleep(IDLE_S)
+        last_engine = row.engine
+        extra = [None if row.budgets is None else {"expert_top_k": row.budgets[i % len(row.budgets)]} for i in range(b)]
+        reqs = [{"prompt_token_ids": p} for p in prompts]
+
+        def params(n):
+            return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, extra_args=e) for e in extra]
+        if row.engine == "pair":
+            prefill = engines["pair-prefill"][0]
+
+            # the decode instance frees a prompt's stored KV when its request ends: prefill twice
+            def handoff(max_tokens):
+                firsts = prefill.generate(reqs, params(1), use_tqdm=False)
+                cont = [{"prompt_token_ids": p + list(f.outputs[0].token_ids)} for p, f in zip(prompts, firsts)]
+                return _time_generate(llm, cont, params(max_tokens))
+            first = handoff(1)
+            return (handoff(new_tokens - 1) - first) * (new_tokens - 1) / (new_tokens - 2)
+        first = _time_generate(llm, reqs, params(1))
+        return _time_generate(llm, reqs, params(new_tokens)) - first
+
+    for b in batches:
+        best: dict[str, float] = {}
+        experts: dict[str, list[float]] = {row.name: [] for row in rows}
+        for rnd in range(spec["repeats"] + 1):   # round 0 warms up
+            prompts = [[rng.randrange(3, config.vocab_size) for _ in range(prompt_tokens)] for _ in range(b)]
+            order = rows[rnd % len(rows):] + rows[:rnd % len(rows)]    # each round starts one row later
+            for row in order:
+                recorded = row.engine != "stock"
+                if recorded:
+                    _distinct(engines[row.engine][0])
+                seconds = timed_row(row, b, prompts)
+                if recorded:
+                    experts[row.name].append(_distinct(engines[row.engine][0]))
+                if rnd and (row.name not in best or seconds < best[row.name]):
+                    best[row.name] = seconds
+            print(f"[B={b}] round {rnd}: " + ", ".join(f"{n} {b * (new_tokens - 1) / s:.0f}" for n, s in best.items()),
+                  file=sys.stderr, flush=True)
+        for row in rows:
+            seconds = best[row.name]
+            results[row.name][str(b)] = {"decode_seconds": seconds, "decode_tok_s": b * (new_tokens - 1) / seconds,
+                                         "per_user_tok_s": (new_tokens - 1) / seconds,
+                                         "distinct": (sum(experts[row.name][1:]) / len(experts[row.name][1:])
+                                                      if experts[row.name][1:] else None)}
+        print("RESULT " + json.dumps(results), flush=True)   # what is measured so far survives a stop
+    for _, instances in engines.values():
+        for engine in instances:
+            engine.llm_engine.engine_core.shutdown()
+    return results
 
 
 if __name__ == "__main__":
-    res = worker(json.loads(sys.argv[1]))
-    print("RESULT " + json.dumps(res), flush=True)
+    worker(json.loads(sys.argv[1]))
