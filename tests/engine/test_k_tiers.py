@@ -217,3 +217,23 @@ def test_engine_fits_its_step_cost_and_rejects_unknown_schedules(budget_model):
     assert llm.budgets.lanes.cost is cost and cost.num_experts == 16
     with pytest.raises(ValueError, match="k_schedule='fastest'.*mixed"):
         LLM(budget_model, k_schedule="fastest")
+
+
+@pytest.mark.parametrize("lanes_s, joint_s, settles", [(0.004, 0.010, "lanes"), (0.009, 0.010, "joint")])
+def test_measured_choice_keeps_the_mode_the_clock_says_is_faster(lanes_s, joint_s, settles):
+    """8 requests: a lanes step decodes 4 tokens in ``lanes_s``, a joint step 8 in ``joint_s``; each mode
+    gets a trial, the faster runs, and after ``recheck`` steps the other is tried again."""
+    from moetailor.engine.k_tiers import MeasuredChoice
+
+    choice = MeasuredChoice(window=4, recheck=20)
+    modes = []
+    for _ in range(60):
+        modes.append(choice.mode)
+        choice.record(*((4, lanes_s) if choice.mode == "lanes" else (8, joint_s)))
+    assert modes[:8] == ["lanes"] * 4 + ["joint"] * 4                  # the cost model's proposal, then a trial
+    loser = "joint" if settles == "lanes" else "lanes"
+    assert modes[8:].count(settles) > 3 * modes[8:].count(loser) > 0   # mostly the faster, with re-trials
+    assert loser in modes[30:]                                          # a re-trial after `recheck` steps
+    choice.record(0, 1.0)
+    choice.record(3, 0.0)                                               # nothing decoded / no time: ignored
+    assert all(t > 0 and s > 0 for mode in choice.samples.values() for t, s in mode)

@@ -198,6 +198,49 @@ class OnlineLanes:
         self.last_served.pop(request_id, None)
 
 
+@dataclass
+class MeasuredChoice:
+    """Lanes or one joint step, decided by the clock: the cost model proposes lanes, and each mode is
+    then kept only while its measured decode throughput is the higher one.
+
+    Why: the lanes pay only where a step's cost follows the experts its batch touches. Where it is
+    mostly fixed cost (a small model, a CPU), running half the requests per step loses (measured in
+    vLLM: the k-aware scheduler at 0.58-0.81x FIFO with the shape-based cost model). Each mode gets a
+    trial of ``window`` all-decode steps (tokens and seconds recorded by the caller); the faster by
+    tokens per second over its last ``window`` steps runs until ``recheck`` steps have passed, then the
+    other gets a new trial, so a change in load (other budgets, other batch sizes) is noticed."""
+
+    window: int = 8
+    recheck: int = 96
+    mode: str = "lanes"              # "lanes" | "joint"
+    since_check: int = 0
+    samples: dict[str, list[tuple[int, float]]] = field(default_factory=lambda: {"lanes": [], "joint": []})
+
+    def rate(self, mode: str) -> float | None:
+        """Decode tokens per second over the mode's last ``window`` steps (None before a full trial)."""
+        recent = self.samples[mode][-self.window:]
+        if len(recent) < self.window:
+            return None
+        return sum(t for t, _ in recent) / max(1e-9, sum(s for _, s in recent))
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """One all-decode step of the current mode: ``tokens`` decoded in ``seconds``."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        self.samples[self.mode].append((tokens, seconds))
+        del self.samples[self.mode][:-self.window]
+        self.since_check += 1
+        other = "joint" if self.mode == "lanes" else "lanes"
+        mine, theirs = self.rate(self.mode), self.rate(other)
+        if mine is None:
+            return                                    # the current trial is not over
+        if theirs is None or self.since_check >= self.recheck:
+            self.samples[other].clear()               # (re)try the other mode
+            self.mode, self.since_check = other, 0
+        elif theirs > mine:
+            self.mode, self.since_check = other, 0
+
+
 def wait_bound(lanes: OnlineLanes, lane_size: int) -> int:
     """Most steps a request in a lane of ``lane_size`` waits between two of its turns."""
     return math.ceil(lane_size / lanes.max_batch) * (lanes.max_wait + 1)

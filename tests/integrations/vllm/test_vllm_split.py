@@ -63,9 +63,10 @@ def k_aware(split, tmp_path_factory):
     from moetailor.integrations.vllm.scheduler import scheduler_kwargs
 
     log = tmp_path_factory.mktemp("sched") / "steps.jsonl"
-    # 4 running requests at most: admission order (tiers) and lanes both have a choice to make
+    # 4 running requests at most: admission order (tiers) and lanes both have a choice to make; the
+    # lanes are kept whatever they cost (measure=False), so that every step shows them
     with vllm_engine(**engine_kwargs(split, kv_cache_mib=128, max_num_seqs=4,
-                                     **scheduler_kwargs("tiers+lanes", log=log))) as llm:
+                                     **scheduler_kwargs("tiers+lanes", log=log, measure=False))) as llm:
         yield llm, log
 
 
@@ -88,6 +89,23 @@ def test_k_aware_scheduler_groups_requests_by_budget(k_aware, stock, prompts, bu
             assert max(decode_ks) <= s["boundary"] or min(decode_ks) > s["boundary"]
     assert sum(1 for s in steps for _, _, phase, _ in s["scheduled"] if phase == "decode") == \
         sum(len(g) - 1 for g in got)                                # every decode token ran exactly once
+
+
+def test_measured_lanes_time_decode_steps_and_keep_outputs(split, stock, prompts, budgets, tmp_path):
+    """The default scheduler (the clock decides lanes or one joint step): steps are timed through
+    ``update_from_output`` without changing what comes out, and the step log says which mode ran."""
+    from moetailor.integrations.vllm.launch import engine_kwargs
+    from moetailor.integrations.vllm.scheduler import scheduler_kwargs
+
+    log = tmp_path / "steps.jsonl"
+    extra = [{"expert_top_k": k} for k in budgets]
+    with vllm_engine(**engine_kwargs(split, kv_cache_mib=128, max_num_seqs=4,
+                                     **scheduler_kwargs("lanes", log=log))) as llm:
+        got = vllm_token_ids(llm, prompts, extra)
+    assert got == vllm_token_ids(stock, prompts, extra)
+    modes = [json.loads(line)["mode"] for line in log.read_text().splitlines()]
+    assert set(modes) <= {"lanes", "joint"} and modes[0] == "lanes"
+    assert "joint" in modes, "after a trial of 8 timed all-decode steps the joint step must get its trial"
 
 
 def test_scheduler_kwargs_refuse_an_unknown_schedule():

@@ -20,7 +20,13 @@ Settings, through ``additional_config`` (they reach the engine-core process):
 
     {"moetailor_k_schedule": "lanes" | "tiers" | "tiers+lanes" | "fifo",   # default "lanes"
      "moetailor_k_cost": {"per_expert": s, "per_route": s, "per_token": s, "fixed": s},  # optional
+     "moetailor_k_measure": true,                                           # default true
      "moetailor_schedule_log": "steps.jsonl"}                               # optional
+
+With ``moetailor_k_measure`` (the default) the lanes are kept only while they decode faster than one
+joint step of every running request, measured on the clock (``k_tiers.MeasuredChoice``: each
+all-decode step is timed from ``schedule`` to ``update_from_output``, which run in turn on the CPU
+backend); false keeps the lanes whatever they cost.
 
 "fifo" keeps vLLM's order (the baseline, with the step log). Without ``moetailor_k_cost`` the cost
 model is ``StepCost``'s first estimate from the checkpoint's shapes (moetailor's engine fits one
@@ -37,23 +43,25 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from ...engine.budgets import budget_of
-from ...engine.k_tiers import KRequest, OnlineLanes, StepCost, plan_offline
+from ...engine.k_tiers import KRequest, MeasuredChoice, OnlineLanes, StepCost, plan_offline
 from .plan import EXPERT_TOP_K
 
 SCHEDULER_CLS = "moetailor.integrations.vllm.scheduler.KAwareScheduler"
 SCHEDULE_KEY = "moetailor_k_schedule"
 COST_KEY = "moetailor_k_cost"
 LOG_KEY = "moetailor_schedule_log"
+MEASURE_KEY = "moetailor_k_measure"
 MODES = ("lanes", "tiers", "tiers+lanes", "fifo")
 
 
 def scheduler_kwargs(schedule: str = "lanes", cost: dict | None = None, log: str | None = None,
-                     additional_config: dict | None = None) -> dict:
+                     additional_config: dict | None = None, measure: bool = True) -> dict:
     """``vllm.LLM`` / ``vllm serve`` arguments that select the k-aware scheduler."""
     if schedule not in MODES:
         raise ValueError(f"unknown k schedule {schedule!r}; choose one of {MODES}")
     extra = dict(additional_config or {})
     extra[SCHEDULE_KEY] = schedule
+    extra[MEASURE_KEY] = bool(measure)
     if cost:
         extra[COST_KEY] = dict(cost)
     if log:
@@ -101,6 +109,8 @@ class KAwareScheduler(Scheduler):
         self.k_cost = cost_from_config(hf, dtype_bytes, extra.get(COST_KEY))
         self.lanes = OnlineLanes(self.k_cost, max_batch=self.max_num_running_reqs) \
             if "lanes" in self.k_schedule else None
+        self.choice = MeasuredChoice() if self.lanes is not None and extra.get(MEASURE_KEY, True) else None
+        self._timing: tuple[float, int] | None = None   # (start, decode tokens) of an all-decode step
         self._ordered: set[str] = set()     # waiting requests already placed by the tier order
         log = extra.get(LOG_KEY)
         self._log = open(log, "a", buffering=1) if log else None
@@ -128,7 +138,7 @@ class KAwareScheduler(Scheduler):
     def _hold_lanes(self) -> list:
         """Mark the running decode requests outside this step's lane as ineligible; returns them."""
         decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        if not decoding:
+        if not decoding or (self.choice is not None and self.choice.mode == "joint"):
             return []
         batch = self.lanes.next_batch([KRequest(r.request_id, request_k(r, self.model_k), r.arrival_time)
                                        for r in decoding])
@@ -152,7 +162,31 @@ class KAwareScheduler(Scheduler):
             r.next_decode_eligible_step = 0
         if self._log is not None:
             self._write_step(output, held, waiting)
+        if self.choice is not None:
+            self._timing = self._decode_only(output)
         return output
+
+    def _decode_only(self, output) -> tuple[float, int] | None:
+        """(now, tokens) when every token of the step is a decode token, else None (a step with prompt
+        tokens says nothing about how the lanes decode)."""
+        import time
+
+        steps = output.num_scheduled_tokens
+        for rid, n in steps.items():
+            r = self.requests.get(rid)
+            # schedule() has already added this step's tokens to num_computed_tokens
+            if r is None or n != 1 or r.num_computed_tokens - n < r.num_prompt_tokens:
+                return None
+        return (time.perf_counter(), len(steps)) if steps else None
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        if self._timing is not None:
+            import time
+
+            start, tokens = self._timing
+            self._timing = None
+            self.choice.record(tokens, time.perf_counter() - start)
+        return super().update_from_output(scheduler_output, model_runner_output)
 
     def _write_step(self, output, held, waiting) -> None:
         requests = self.requests
@@ -168,7 +202,8 @@ class KAwareScheduler(Scheduler):
         record: dict[str, Any] = {"step": self.current_step, "scheduled": rows,
                                   "held": [[r.request_id, request_k(r, self.model_k)] for r in held],
                                   "waiting": waiting,     # budgets of the waiting queue, in order, before the step
-                                  "boundary": None if self.lanes is None else self.lanes.boundary}
+                                  "boundary": None if self.lanes is None else self.lanes.boundary,
+                                  "mode": None if self.choice is None else self.choice.mode}
         self._log.write(json.dumps(record) + "\n")
 
     def _free_request(self, request, *args, **kwargs):   # every finished or aborted request passes here
