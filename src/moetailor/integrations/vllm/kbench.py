@@ -43,6 +43,9 @@ def prepare_split(args) -> Path:
     from ...transforms.split import split_checkpoint
 
     if args.split:
+        if not (Path(args.split) / "config.json").exists():
+            raise ValueError(f"--split {args.split} is not a checkpoint directory (no config.json); give the "
+                             f"directory `moetailor split` wrote, or leave --split out to split --model here")
         return Path(args.split)
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"split-{args.parts}"
