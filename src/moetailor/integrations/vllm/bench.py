@@ -281,11 +281,15 @@ def start_engines(spec: dict, rows: list[Row]) -> dict:
         engines["pair"] = (decode, (prefill, decode))
         engines["pair-prefill"] = (prefill, ())
     if "stock" in needed:
-        os.environ["VLLM_PLUGINS"] = ""   # the unmodified engine
+        before = os.environ.get("VLLM_PLUGINS")
+        os.environ["VLLM_PLUGINS"] = ""   # the unmodified engine: its worker process loads no plugin
         try:
             llm = LLM(**engine_kwargs(spec["model"], **common))
         finally:
-            del os.environ["VLLM_PLUGINS"]
+            if before is None:
+                del os.environ["VLLM_PLUGINS"]
+            else:
+                os.environ["VLLM_PLUGINS"] = before
         engines["stock"] = (llm, (llm,))
     return engines
 

@@ -38,6 +38,7 @@ backend runs without it anyway.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -169,8 +170,6 @@ class KAwareScheduler(Scheduler):
     def _decode_only(self, output) -> tuple[float, int] | None:
         """(now, tokens) when every token of the step is a decode token, else None (a step with prompt
         tokens says nothing about how the lanes decode)."""
-        import time
-
         steps = output.num_scheduled_tokens
         for rid, n in steps.items():
             r = self.requests.get(rid)
@@ -181,8 +180,6 @@ class KAwareScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output, model_runner_output):
         if self._timing is not None:
-            import time
-
             start, tokens = self._timing
             self._timing = None
             self.choice.record(tokens, time.perf_counter() - start)
