@@ -1,8 +1,8 @@
-"""Batch-1 decode step time of the engine on the bundled model, optionally with a torch profile.
+"""Decode step time of the engine on the bundled model (batch 1 by default), optionally with a torch profile.
 
-    flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/decode_step_time.py [--profile]
+    flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/decode_step_time.py [--batch 1 8 32] [--profile]
 
-Time per decode step = (t(64 tokens) - t(1 token)) / 63 after a 48-token held-out prompt, greedy,
+Time per decode step = (t(64 tokens) - t(1 token)) / 63 after 48-token held-out prompts (B of them), greedy,
 EOS ignored, after one warm-up generation. To compare two trees, run it alternately with
 ``PYTHONPATH=<other worktree>/src`` (one machine, minutes apart: only same-run ratios compare).
 """
@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--model", default="reference")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes, each timed in turn")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of one generation")
     args = ap.parse_args()
 
@@ -31,16 +32,18 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     llm = LLM(args.model)
-    prompts = heldout_prompts(llm.tokenizer, 1, 48)
-    full, one = (SamplingParams(max_tokens=n, ignore_eos=True) for n in (args.new_tokens, 1))
-    llm.generate(prompts, full)
-    t0 = time.perf_counter()
-    llm.generate(prompts, one)
-    t1 = time.perf_counter()
-    llm.generate(prompts, full)
-    t2 = time.perf_counter()
-    print(f"{args.model}: {1000 * ((t2 - t1) - (t1 - t0)) / (args.new_tokens - 1):.2f} ms per batch-1 decode step "
-          f"(lean forward: {llm.runner.lean is not None}, rows_linear: {llm.runner.native_linear is not None})")
+    for batch in args.batch:
+        prompts = heldout_prompts(llm.tokenizer, batch, 48)
+        full, one = (SamplingParams(max_tokens=n, ignore_eos=True) for n in (args.new_tokens, 1))
+        llm.generate(prompts, full)
+        t0 = time.perf_counter()
+        llm.generate(prompts, one)
+        t1 = time.perf_counter()
+        llm.generate(prompts, full)
+        t2 = time.perf_counter()
+        step_ms = 1000 * ((t2 - t1) - (t1 - t0)) / (args.new_tokens - 1)
+        print(f"{args.model}: {step_ms:.2f} ms per batch-{batch} decode step, {1000 * batch / step_ms:.0f} tok/s "
+              f"(lean forward: {llm.runner.lean is not None}, rows_linear: {llm.runner.native_linear is not None})")
     if args.profile:
         from torch.profiler import profile
 

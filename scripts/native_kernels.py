@@ -7,7 +7,10 @@ T tokens routed by a skewed softmax; `kernels.swiglu_experts` vs the grouped-GEM
 (`torch._grouped_mm` over the routes sorted by expert, as `routing.experts.grouped_experts_forward`).
 Attention: B sequences of S cached positions in scattered 16-token blocks, 4 query / 2 KV heads of
 64; `kernels.paged_decode_attention` vs gathering the blocks into a dense copy + SDPA (the engine's
-torch-op path). Microseconds per call, best of 5 x 100 calls.
+torch-op path). Linear layers of a decode step: `kernels.rows_linear` vs `F.linear` on the reference
+model's projection shapes and its LM head, with the weight cached ("hot") and cycling through
+96 MB of copies so every call reads memory ("cold", as inside a step). Microseconds per call, best of
+5 rounds.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def main() -> None:
     from moetailor import kernels
     from moetailor.tables import print_table
 
-    experts, attention = kernels.swiglu_experts(), kernels.paged_decode_attention()
+    experts, attention, linear = kernels.swiglu_experts(), kernels.paged_decode_attention(), kernels.rows_linear()
     if experts is None:
         raise SystemExit("the native kernels did not build here (see the warning above)")
     torch.manual_seed(0)
@@ -82,6 +85,16 @@ def main() -> None:
         native = best_us(lambda: attention(q, k_cache, v_cache, table, lengths, bs, D ** -0.5))
         torch_ops = best_us(gathered)
         rows.append((f"decode attention, B={B}, S={S}", f"{torch_ops:.0f}", f"{native:.0f}", f"{torch_ops / native:.1f}x"))
+    for N, T in ((256, 1), (512, 1), (768, 1), (8192, 1), (768, 8), (8192, 8)):
+        copies = [torch.randn(N, H) for _ in range(max(2, (96 << 20) // (N * H * 4)))]
+        x = torch.randn(T, H)
+        torch.testing.assert_close(linear(x, copies[0]), F.linear(x, copies[0]), rtol=1e-4, atol=1e-4)
+        for kind, calls in (("hot", 100), ("cold", len(copies))):
+            which = iter(range(10**9))
+            pick = (lambda: copies[0]) if kind == "hot" else (lambda: copies[next(which) % len(copies)])
+            native, torch_ops = best_us(lambda: linear(x, pick()), calls), best_us(lambda: F.linear(x, pick()), calls)
+            rows.append((f"linear {T} x [{N}, {H}], {kind}", f"{torch_ops:.1f}", f"{native:.1f}",
+                         f"{torch_ops / native:.1f}x"))
     print_table(f"native kernels vs torch ops, µs per call, {torch.get_num_threads()} threads",
                 ["case", "torch ops", "native", "speedup"], rows)
 

@@ -119,11 +119,12 @@ def rms_norm():
 
 
 def rows_linear_pays() -> bool:
-    """Whether ``rows_linear`` beats torch's GEMV on this processor: with AVX-512 it was 2x faster on
-    the reference model's 256-wide projections at batch 1; on an AVX2-only EPYC (znver3) torch's was
-    2x faster there, and a batch-1 step ran 12.2 ms with it against 10.0 ms without
-    (docs/benchmarks.md). Fixed per processor, not timed per run, so outputs do not change between runs."""
-    return "avx512f" in _cpu_flags().split()
+    """Whether ``rows_linear`` beats torch's GEMV on this processor: where the kernels have a register
+    tile for it, AVX-512 or AVX2 with FMA (on an AVX2 EPYC, 2026-12-02: 1.35-3.1x torch's GEMV at
+    batch 1 on the reference model's projections, ``scripts/native_kernels.py``). Before its AVX2 tile
+    it was 2-3x slower there. Fixed per processor, not timed per run, so outputs do not change between runs."""
+    flags = _cpu_flags().split()
+    return "avx512f" in flags or ("avx2" in flags and "fma" in flags)
 
 
 def paged_decode_attention():

@@ -19,6 +19,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "vec.h"
 
 namespace {
@@ -46,31 +50,61 @@ inline void tile(const float* const* a, const W* w, int j0, int cols, int depth,
   for (int r = 0; r < RB; ++r)
     for (int j = 0; j < CB && j0 + j < cols; ++j) out[(int64_t)r * ldo + j0 + j] = sums[r * CB + j];
 }
-#else
-// Without AVX-512 a v16 is two of the 16 ymm registers, and 16 accumulators spilled to the stack
-// (rows_linear ran at 6.6 GB/s, a third of torch's GEMV, on an AVX2 EPYC): the 16 / RB columns go
-// in passes of at most 4 accumulators (8 ymm) each.
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2: 8-wide ymm registers through intrinsics. The 16-wide vector-extension type is not a
+// register here: GCC splits it and kept the accumulators in memory, so rows_linear ran at 3-12 GB/s
+// (a quarter to a half of torch's GEMV) on an AVX2 EPYC. Each pass holds 8 accumulators (RB rows x
+// 8 / RB columns) and sums them with one horizontal-add tree.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {   // bf16 -> fp32 is a 16-bit left shift
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// lane i = the sum of a[i]'s 8 lanes
+inline __m256 sum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 template <int RB, typename W>
 inline void tile(const float* const* a, const W* w, int j0, int cols, int depth, float* out, int ldo) {
-  constexpr int CB = 16 / RB, PB = RB >= 4 ? 1 : 4 / RB;
+  constexpr int CB = 16 / RB, PB = 8 / RB;
   for (int p = 0; p < CB; p += PB) {
     const W* wr[PB];
     for (int j = 0; j < PB; ++j) wr[j] = w + (int64_t)std::min(j0 + p + j, cols - 1) * depth;
-    v16 acc[RB * PB] = {};
-    for (int d = 0; d < depth; d += 16) {
-      v16 av[RB];
-      for (int r = 0; r < RB; ++r) av[r] = load(a[r] + d);
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int d = 0; d < depth; d += 8) {
+      __m256 av[RB];
+      for (int r = 0; r < RB; ++r) av[r] = _mm256_loadu_ps(a[r] + d);
       for (int j = 0; j < PB; ++j) {
-        const v16 wv = load(wr[j] + d);
-        for (int r = 0; r < RB; ++r) acc[r * PB + j] += av[r] * wv;
+        const __m256 wv = load8(wr[j] + d);
+        for (int r = 0; r < RB; ++r) acc[r * PB + j] = _mm256_fmadd_ps(av[r], wv, acc[r * PB + j]);
       }
     }
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, sum8(acc));
     for (int r = 0; r < RB; ++r)
-      for (int j = 0; j < PB && j0 + p + j < cols; ++j) {
-        float sum = 0.f;
-        for (int lane = 0; lane < 16; ++lane) sum += acc[r * PB + j][lane];
-        out[(int64_t)r * ldo + j0 + p + j] = sum;
-      }
+      for (int j = 0; j < PB && j0 + p + j < cols; ++j) out[(int64_t)r * ldo + j0 + p + j] = sums[r * PB + j];
+  }
+}
+#else
+// Neither AVX-512 nor AVX2 + FMA: the 16-wide vector-extension type, summed lane by lane.
+template <int RB, typename W>
+inline void tile(const float* const* a, const W* w, int j0, int cols, int depth, float* out, int ldo) {
+  constexpr int CB = 16 / RB;
+  for (int j = 0; j < CB && j0 + j < cols; ++j) {
+    const W* wr = w + (int64_t)(j0 + j) * depth;
+    for (int r = 0; r < RB; ++r) {
+      v16 acc = {};
+      for (int d = 0; d < depth; d += 16) acc += load(a[r] + d) * load(wr + d);
+      float sum = 0.f;
+      for (int lane = 0; lane < 16; ++lane) sum += acc[lane];
+      out[(int64_t)r * ldo + j0 + j] = sum;
+    }
   }
 }
 #endif
@@ -208,7 +242,7 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& weight) {
   std::vector<const float*> a(rows);
   for (int64_t r = 0; r < rows; ++r) a[r] = x.data_ptr<float>() + r * depth;
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, (cols + 15) / 16, 32, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, (cols + 15) / 16, 8, [&](int64_t begin, int64_t end) {
     const int j0 = (int)(begin * 16), j1 = (int)std::min<int64_t>(end * 16, cols);
     if (weight.scalar_type() == torch::kFloat32)
       rows_times_weight(a.data(), (int)rows, weight.data_ptr<float>() + (int64_t)j0 * depth, j1 - j0, (int)depth,
