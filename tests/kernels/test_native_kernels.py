@@ -84,6 +84,9 @@ def test_kernels_are_torch_ops_with_fake_implementations():
             (torch.randn(2, 4, 16), k_cache, v_cache, torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 8]), 4, 0.25))
     opcheck(torch.ops.moetailor.rows_linear.default, (torch.randn(3, 32), torch.randn(40, 32)))
     opcheck(torch.ops.moetailor.rms_norm.default, (torch.randn(3, 40), torch.randn(40), 1e-6))
+    cos, sin = torch.randn(2, 16), torch.randn(2, 16)
+    opcheck(torch.ops.moetailor.rotary_kv_write.default, (torch.randn(2, 4, 16), torch.randn(2, 2, 16),
+            torch.randn(2, 2, 16), cos, sin, k_cache, v_cache, torch.tensor([3, 9])))
     assert kernels.swiglu_experts() is torch.ops.moetailor.swiglu_experts
 
 
@@ -129,3 +132,31 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
         kernels._clear_stale_build_lock(cpp_extension, "stale")
     kernels._clear_stale_build_lock(cpp_extension, "fresh")
     assert not (tmp_path / "stale" / "lock").exists() and (tmp_path / "fresh" / "lock").exists()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,heads,kv_heads,dim", [(1, 4, 2, 64), (5, 8, 8, 32)])
+def test_rotary_kv_write_equals_transformers_bit_for_bit(batch, heads, kv_heads, dim, cache_dtype):
+    """The lean decode forward's rotary + cache write: q, k, v as the strided views of one stacked
+    projection (as the step has them), against transformers' apply_rotary_pos_emb and two index
+    copies. Equal, not close: the lean forward and the module path must write the same cache."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import apply_rotary_pos_emb
+
+    torch.manual_seed(batch)
+    qkv = 4 * torch.randn(batch, (heads + 2 * kv_heads) * dim)
+    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    q, k, v = q.view(batch, heads, dim), k.view(batch, kv_heads, dim), v.view(batch, kv_heads, dim)
+    angles = torch.rand(batch, dim // 2) * 300
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)   # [B, D]
+    slots = torch.randperm(64)[:batch]
+    k_cache, v_cache = (torch.zeros(64, kv_heads, dim, dtype=cache_dtype) for _ in range(2))
+    out = kernels.rotary_kv_write()(q, k, v, cos, sin, k_cache, v_cache, slots)
+
+    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    k_expected, v_expected = (torch.zeros(64, kv_heads, dim, dtype=cache_dtype) for _ in range(2))
+    k_expected.index_copy_(0, slots, k_ref[0].transpose(0, 1).to(cache_dtype))
+    v_expected.index_copy_(0, slots, v.to(cache_dtype))
+    assert torch.equal(out, q_ref[0].transpose(0, 1)) and out.is_contiguous()
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    with pytest.raises(RuntimeError, match="slot outside the cache"):
+        kernels.rotary_kv_write()(q, k, v, cos, sin, k_cache, v_cache, slots + 64)

@@ -2,8 +2,8 @@
 
 Why: at batch 1 a decode step is almost all fixed cost. Through transformers' modules it is ~110
 module calls and ~50 small ops per layer; here it is the same arithmetic written out: pre-norm,
-one stacked q|k|v projection, the model's own rotary function, the new k/v written into the paged
-pool and attended over in place, the MoE block through the same routing controller and experts
+one stacked q|k|v projection, the rotary embedding and the new k/v written into the paged pool in
+one native op (``rotary_kv_write``, equal to the model's rotary bit for bit) and attended over in place, the MoE block through the same routing controller and experts
 implementation every other path uses (so plans, budgets, observers and the experts-read count
 are unchanged), and one stacked gate|up projection for the shared expert. Prefill steps keep
 transformers' modules (they are compute-bound, and calibration and evaluation read them).
@@ -73,9 +73,10 @@ class LeanDecoder:
     head_dim: int
     scaling: float
     modules: tuple[torch.nn.Module, ...]   # every module of the model, for ``hooked``
+    rotary_kv: object = None               # the native rotary + k/v write op, else the model's rotary and two copies
 
     @classmethod
-    def build(cls, model, controller, attention_kernel) -> "LeanDecoder | None":
+    def build(cls, model, controller, attention_kernel, rotary_kernel=None) -> "LeanDecoder | None":
         """The lean decoder of ``model``, or None where it does not apply (see the module doc)."""
         cfg = model.config
         if cfg.model_type not in FAMILIES or attention_kernel is None:
@@ -112,7 +113,8 @@ class LeanDecoder:
         attn = decoder_layers(model)[0].self_attn
         return cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), head.weight, inner.rotary_emb,
                    sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
-                   cfg.num_key_value_heads, attn.head_dim, float(attn.scaling), tuple(model.modules()))
+                   cfg.num_key_value_heads, attn.head_dim, float(attn.scaling), tuple(model.modules()),
+                   rotary_kernel)
 
     def hooked(self) -> bool:
         """Whether a forward (pre-)hook is registered on the model or globally: the step then runs
@@ -142,12 +144,15 @@ class LeanDecoder:
             q, k, v = q.view(B, nH, D), k.view(B, nKV, D), v.view(B, nKV, D)
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q, norm), layer.k_norm(k, norm)
-            q, k = self.apply_rotary(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)  # [1, n, B, D]
             k_cache, v_cache = kv.cache[layer.index]                          # [slots, nKV, D]
-            k_cache.index_copy_(0, kv.slot_mapping, k[0].transpose(0, 1).to(k_cache.dtype))
-            v_cache.index_copy_(0, kv.slot_mapping, v.to(v_cache.dtype))
-            o = kv.native(q[0].transpose(0, 1).contiguous(), k_cache, v_cache, kv.block_table, kv.context_lens,
-                          kv.block_size, self.scaling)                        # [B, nH, D]
+            if self.rotary_kv is not None:                                    # one op: rotary, k/v written
+                q = self.rotary_kv(q, k, v, cos[0], sin[0], k_cache, v_cache, kv.slot_mapping)  # [B, nH, D]
+            else:
+                q, k = self.apply_rotary(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)  # [1, n, B, D]
+                k_cache.index_copy_(0, kv.slot_mapping, k[0].transpose(0, 1).to(k_cache.dtype))
+                v_cache.index_copy_(0, kv.slot_mapping, v.to(v_cache.dtype))
+                q = q[0].transpose(0, 1).contiguous()                         # [B, nH, D]
+            o = kv.native(q, k_cache, v_cache, kv.block_table, kv.context_lens, kv.block_size, self.scaling)  # [B, nH, D]
             x = x + linear(o.reshape(B, nH * D), layer.o)                     # [B, H]
             h = layer.post_norm(x, norm)
             x = x + self.moe(layer, h, linear, controller)

@@ -8,7 +8,7 @@ SIGILL on another), so the first engine on a machine pays ~1 minute once. Withou
 ``MOETAILOR_NATIVE=0``, the accessors return None and the engine keeps torch's kernels.
 
 The kernels are torch operators (``bindings.cpp``: ``torch.ops.moetailor.swiglu_experts`` and
-``torch.ops.moetailor.paged_decode_attention``) with fake implementations registered here, so
+``torch.ops.moetailor.paged_decode_attention``, ...) with fake implementations registered here, so
 ``torch.compile`` traces a step through them as opaque ops and the vLLM plugin can call them.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("experts.cpp", "attention.cpp", "norm.cpp", "bindings.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("experts.cpp", "attention.cpp", "norm.cpp", "rotary.cpp", "bindings.cpp")]
 _HEADERS = [Path(__file__).with_name("vec.h")]
 
 
@@ -91,6 +91,10 @@ def _register_fakes() -> None:
     def _(x, weight, eps):
         return torch.empty_like(x)                                          # [T, H] fp32
 
+    @torch.library.register_fake("moetailor::rotary_kv_write")
+    def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+        return q.new_empty(q.shape)                                         # [B, nH, D] fp32
+
     @torch.library.register_fake("moetailor::paged_decode_attention")
     def _(q, k_cache, v_cache, block_table, lengths, block_size, scale):
         return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])       # [B, nH, Dv] fp32
@@ -132,3 +136,11 @@ def paged_decode_attention():
     scale) -> out``, or None."""
     ops = _module()
     return None if ops is None else ops.paged_decode_attention
+
+
+def rotary_kv_write():
+    """The op ``rotary_kv_write(q [B, nH, D], k [B, nKV, D], v [B, nKV, Dv], cos [B, D], sin [B, D],
+    k_cache, v_cache (written), slot_mapping [B]) -> rotated q [B, nH, D]``: rotate_half rotary
+    embedding of q and k, equal to transformers' bit for bit, with k and v written at their slots, or None."""
+    ops = _module()
+    return None if ops is None else ops.rotary_kv_write

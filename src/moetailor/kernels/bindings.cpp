@@ -13,6 +13,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                      const at::Tensor& v_cache, const at::Tensor& block_table,
                                      const at::Tensor& lengths, int64_t block_size, double scale);
+at::Tensor rotary_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                           const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                           const at::Tensor& slot_mapping);
 
 TORCH_LIBRARY(moetailor, m) {
   m.def("swiglu_experts(Tensor x, Tensor gate_up, Tensor down, Tensor index, Tensor weight, "
@@ -21,6 +24,8 @@ TORCH_LIBRARY(moetailor, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor lengths, "
         "int block_size, float scale) -> Tensor");
+  m.def("rotary_kv_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moetailor, CPU, m) {
@@ -28,4 +33,5 @@ TORCH_LIBRARY_IMPL(moetailor, CPU, m) {
   m.impl("rows_linear", &rows_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rotary_kv_write", &rotary_kv_write);
 }
