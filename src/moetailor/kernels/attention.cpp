@@ -31,6 +31,23 @@ inline float dot(const float* a, const C* b, int64_t n) {
 }
 
 // scores[p] = dot(q, k_p) for 16 positions at once (one transpose-add for the 16 sums)
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2: two passes of 8 positions, 8 ymm accumulators each (16 v16 accumulators would not fit)
+template <typename C>
+inline v16 dot16(const float* q, const C* const* k, int64_t n) {
+  alignas(64) float out[16];
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[8];
+    for (int p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < n; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int p = 0; p < 8; ++p) acc[p] = _mm256_fmadd_ps(qv, load8(k[8 * half + p] + d), acc[p]);
+    }
+    _mm256_store_ps(out + 8 * half, sum8(acc));
+  }
+  return load16(out);
+}
+#else
 template <typename C>
 inline v16 dot16(const float* q, const C* const* k, int64_t n) {
   v16 acc[16] = {};
@@ -40,6 +57,7 @@ inline v16 dot16(const float* q, const C* const* k, int64_t n) {
   }
   return sum16(acc);
 }
+#endif
 
 }  // namespace
 

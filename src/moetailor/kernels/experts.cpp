@@ -19,10 +19,6 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include "vec.h"
 
 namespace {
@@ -54,21 +50,7 @@ inline void tile(const float* const* a, const W* w, int j0, int cols, int depth,
 // AVX2: 8-wide ymm registers through intrinsics. The 16-wide vector-extension type is not a
 // register here: GCC splits it and kept the accumulators in memory, so rows_linear ran at 3-12 GB/s
 // (a quarter to a half of torch's GEMV) on an AVX2 EPYC. Each pass holds 8 accumulators (RB rows x
-// 8 / RB columns) and sums them with one horizontal-add tree.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {   // bf16 -> fp32 is a 16-bit left shift
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// lane i = the sum of a[i]'s 8 lanes
-inline __m256 sum8(const __m256* a) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
+// 8 / RB columns) and sums them with one horizontal-add tree (vec.h: load8, sum8).
 template <int RB, typename W>
 inline void tile(const float* const* a, const W* w, int j0, int cols, int depth, float* out, int ldo) {
   constexpr int CB = 16 / RB, PB = 8 / RB;

@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 typedef float v16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) {
@@ -68,3 +72,21 @@ inline v16 exp16(v16 x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return e * scale;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8-wide ymm helpers for processors without AVX-512, where a v16 is not a register: GCC splits each
+// v16 operation and keeps arrays of them in memory, so the kernels' hot loops use these instead.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {   // bf16 -> fp32 is a 16-bit left shift
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// lane i = the sum of a[i]'s 8 lanes: one horizontal-add tree for 8 accumulators
+inline __m256 sum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
