@@ -81,3 +81,30 @@ def test_a_swapped_norm_is_the_stock_norm_outside_a_decode_step():
     assert install_native_norms(norm) == 1 and type(norm).__name__ == "NativeQwen2MoeRMSNorm"
     for x in (torch.randn(3, 64), torch.randn(3, 64).bfloat16()):
         assert torch.equal(norm(x), stock(x))
+
+
+@pytest.mark.parametrize("rows", [3, 32])
+def test_a_bf16_linear_in_a_decode_step_runs_the_native_op_and_rounds_once(rows):
+    """A bf16 checkpoint's projections in a decode step: fp32 sums of the bf16 weights rounded to bf16
+    once, as torch's bf16 GEMM computes them (in another order: equal within bf16 rounding), at any
+    row count where that GEMM has no hardware kernels; outside a step the stock layer."""
+    from moetailor.engine.native_layers import NativeLinear, bf16_gemm_is_fast, install_native_linears
+    from moetailor.models.step import Step, running
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 40).bfloat16()
+    assert install_native_linears(layer) == 1 and type(layer) is NativeLinear
+    x = torch.randn(rows, 64).bfloat16()
+    calls = []
+
+    def kernel(rows, weight):
+        calls.append((rows.dtype, weight.dtype))
+        return kernels.rows_linear()(rows, weight)
+
+    with running(Step(is_prefill=False, linear_kernel=kernel)):
+        y = layer(x)
+    native = rows <= 8 or not bf16_gemm_is_fast()
+    assert calls == ([(torch.float32, torch.bfloat16)] if native else []) and y.dtype is torch.bfloat16
+    assert y.shape == (rows, 40)
+    torch.testing.assert_close(y, (x.float() @ layer.weight.float().T + layer.bias.float()).bfloat16())
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))

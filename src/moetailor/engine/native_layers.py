@@ -7,28 +7,40 @@ module path and the lean path (``decode_forward.py``) run the same arithmetic, b
 """
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from ..models.step import current
 
 NATIVE_LINEAR_ROWS = 8   # up to this many rows a linear layer runs the native op (a decode step's GEMV); else torch's GEMM
+NATIVE_LINEAR_DTYPES = (torch.float32, torch.bfloat16)   # the weights the op reads (activations in fp32)
 # transformers' RMSNorms that compute weight * (x * rsqrt(mean(x^2) + eps)) in fp32 (not Gemma's 1 + weight)
 PLAIN_RMSNORMS = ("Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm", "OlmoeRMSNorm", "MixtralRMSNorm", "DeepseekV3RMSNorm",
                   "Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm")
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: in an engine decode step of at most ``NATIVE_LINEAR_ROWS`` fp32
-    rows, the native op, which streams the [N, H] weight once (2x faster on the reference model's
-    256-wide projections at batch 1); else torch's."""
+    """``F.linear(x, weight, bias)``: in an engine decode step of at most ``NATIVE_LINEAR_ROWS`` rows,
+    the native op, which streams the [N, H] weight once (2x faster on the reference model's 256-wide
+    projections at batch 1); else torch's. A bf16 layer takes its rows in fp32 and rounds the fp32
+    sums to bf16 once, as torch's bf16 GEMM does; where that GEMM has no hardware kernels (no
+    AVX512-BF16 or AMX: a scalar loop, ~5 GB/s) every decode step's bf16 layer runs the op, whatever its rows."""
     step = current()
     rows = x.numel() // x.shape[-1]
-    if step is None or step.linear_kernel is None or rows > NATIVE_LINEAR_ROWS or x.dtype != torch.float32:
+    if step is None or step.linear_kernel is None or x.dtype != weight.dtype or x.dtype not in NATIVE_LINEAR_DTYPES \
+            or (rows > NATIVE_LINEAR_ROWS and not (x.dtype == torch.bfloat16 and not bf16_gemm_is_fast())):
         return torch.nn.functional.linear(x, weight, bias)
-    y = step.linear_kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight)   # [rows, N]
+    y = step.linear_kernel(x.reshape(rows, x.shape[-1]).float().contiguous(), weight)   # [rows, N] fp32
     if bias is not None:
         y = y + bias
-    return y.view(*x.shape[:-1], -1)                                           # [..., N]
+    return y.to(x.dtype).view(*x.shape[:-1], -1)                                        # [..., N]
+
+
+@cache
+def bf16_gemm_is_fast() -> bool:
+    """Whether torch's bf16 GEMM has oneDNN's hardware kernels on this processor (AVX512-BF16 or AMX)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel) -> torch.Tensor:
@@ -56,13 +68,13 @@ _NORM_CLASSES: dict[type, type] = {}
 
 
 def install_native_linears(model) -> int:
-    """Swap the layout the linear op covers: a plain fp32 ``nn.Linear`` with a contiguous weight
-    whose input size is whole 16-wide vectors. Returns the number of layers swapped."""
+    """Swap the layout the linear op covers: a plain fp32 or bf16 ``nn.Linear`` with a contiguous
+    weight whose input size is whole 16-wide vectors. Returns the number of layers swapped."""
     swapped = 0
     for module in model.modules():
         if type(module) is NativeLinear:
             swapped += 1
-        elif type(module) is torch.nn.Linear and module.weight.dtype == torch.float32 and \
+        elif type(module) is torch.nn.Linear and module.weight.dtype in NATIVE_LINEAR_DTYPES and \
                 module.weight.is_contiguous() and module.in_features % 16 == 0:
             module.__class__ = NativeLinear
             swapped += 1
