@@ -134,10 +134,21 @@ def test_distillation_adds_a_served_decoder_point(tmp_path):
 
 
 def test_servable_vllm_keeps_to_plans_the_vllm_plugin_applies(tmp_path):
+    """Masked and folded plans both run in vLLM's plugin (folding through the plan's fold_stats), so both
+    are searched; every plan tune saved passes the checks the plugin runs at start. A distilled decoder
+    is engine-only: asking for one with --servable vllm is refused by name."""
     from moetailor.integrations.vllm.plan import load_checked_plan
 
     path = save("qwen3_moe", tmp_path / "model")
     tuner, result = tune(path, tmp_path / "out", max_kl=10.0, budget=0.5, servable="vllm", criteria=("reap",))
     assert result.choice.met and all(r["vllm"] for r in result.front)
-    plan = load_checked_plan(tmp_path / "out" / "plan.json", "decode", path)   # what vLLM's plugin checks
-    assert not plan.decode.is_identity
+    modes = {r["candidate"]["pool_mode"] for r in tuner.scored.values()}
+    assert modes == {"mask", "fold"}
+    plans = sorted((tmp_path / "out" / "plans").glob("*.json"))
+    assert any("-fold" in p.name for p in plans)
+    for plan_path in [tmp_path / "out" / "plan.json", *plans]:
+        plan = load_checked_plan(plan_path, "decode", path)   # what vLLM's plugin checks at start
+        assert not plan.decode.is_identity
+    with pytest.raises(ValueError, match="--distill makes a distilled decoder.*drop --distill or --servable vllm"):
+        TuneSettings(model=str(path), data="mix", out=tmp_path / "x", max_kl=1.0, budget=0.5, servable="vllm",
+                     distill_steps=2).validate()

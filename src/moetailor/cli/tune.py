@@ -43,7 +43,8 @@ def register(sub) -> None:
     search.add_argument("--no-allocation", action="store_true", help="leave per-layer sizes from sensitivity out")
     search.add_argument("--no-top-k", action="store_true", help="leave top-k reduction out")
     search.add_argument("--servable", choices=SERVABLE, default="engine",
-                        help="engine (default: every technique) or vllm (plans vLLM's plugin runs: masked pools, top-k)")
+                        help="engine (default: every technique) or vllm (plans vLLM's plugin runs: masked and folded "
+                             "pools, top-k; no distilled decoder)")
     search.add_argument("--distill", type=int, default=0, metavar="STEPS",
                         help="also distil the best plan at the target for STEPS steps (heavy; 0 = off)")
     search.add_argument("--distill-lr", type=float, default=1e-3)
@@ -96,7 +97,7 @@ def run(args) -> int:
               f"{result.plan_path}")
         print(f"serve it: moetailor serve {args.model} --decode-plan {result.plan_path}   |   vLLM: "
               + (f"additional_config={{\"moetailor_decode_plan\": \"{result.plan_path}\"}}" if c.chosen.get("vllm")
-                 else "this plan folds routes, which vLLM's plugin does not run; rerun with --servable vllm"))
+                 else "a distilled decoder, which vLLM's plugin does not serve; rerun with --servable vllm"))
         return 0
     print(f"no plan meets {floor} at {target}.")
     out = Path(args.out)

@@ -65,8 +65,10 @@ class Candidate:
         return sum(expected_distinct(m, min(k, m), batch) for m in self.sizes) / (len(self.sizes) * num_experts)
 
     def runs_on_vllm(self) -> bool:
-        """vLLM's plugin applies keep (masked) and top_k only (integrations/vllm/plan.py)."""
-        return self.pool_mode == "mask"
+        """Whether vLLM's plugin serves this plan: every routing policy a candidate makes (masked and
+        folded pools, reduced top-k; a folded plan carries its ``fold_stats``) runs there through the
+        engine's own ``route`` (integrations/vllm/routing.py, tested in test_vllm_techniques.py)."""
+        return self.pool_mode in ("mask", "fold")
 
     def to_json(self) -> dict:
         return {"criterion": self.criterion, "sizes": list(self.sizes), "pool_mode": self.pool_mode,

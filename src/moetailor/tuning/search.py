@@ -101,6 +101,9 @@ class TuneSettings:
             raise ValueError(f"unknown criterion {bad[0] if bad else ''!r}; valid: {', '.join(KNOWN)}")
         if self.servable not in SERVABLE:
             raise ValueError(f"--servable {self.servable!r}: choose from {', '.join(SERVABLE)}")
+        if self.servable == "vllm" and self.distill_steps:
+            raise ValueError("--distill makes a distilled decoder, which moetailor's engine serves and vLLM's plugin "
+                             "does not; drop --distill or --servable vllm")
         for name in ("batch", "calib_tokens", "kl_tokens", "n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -373,7 +376,7 @@ class Tuner:
         self.log(f"best criterion on the traffic: {best} (KL at {nearest}/{self.E}: "
                  + ", ".join(f"{c} {next(r['kl'] for r in by_criterion[c] if r['candidate']['sizes'][0] == nearest):.4f}"
                              for c in self.s.criteria) + ")")
-        modes = ["mask"] + (["fold"] if self.s.fold and not self.streamed and self.s.servable == "engine" else [])
+        modes = ["mask"] + (["fold"] if self.s.fold and not self.streamed else [])
         cands = [self._uniform(best, m, mode) for m in fine for mode in modes]
         self._score_all(cands, f"{best} pools")
         # stage 3: per-layer sizes from measured sensitivity, every total on the fine grid
