@@ -10,16 +10,21 @@ from vllm_helpers import SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
 
-@pytest.fixture(scope="module", params=["compiled", "eager"])
+@pytest.fixture(scope="module", params=["compiled", "eager", "compiled, moetailor experts kernel"])
 def phase_aware_vllm(request, quarter_plan):
+    """The third engine runs its MoE layers on moetailor's experts kernel (``experts.py``), which
+    skips the weight-0 routes budgets leave: outputs must not change."""
     from moetailor.integrations.vllm.launch import engine_kwargs
 
     # 32 tokens per step: prompts are split into chunks and decode tokens of early requests share
     # steps with prefill chunks of later ones (the per-token phase is what the plugin must get right)
     kwargs = engine_kwargs("reference", decode_plan=quarter_plan, kv_cache_mib=128, max_num_batched_tokens=32,
-                           max_num_seqs=8, enforce_eager=request.param == "eager")
+                           max_num_seqs=8, enforce_eager=request.param == "eager",
+                           experts_kernel="experts kernel" in request.param)
     assert kwargs["enable_prefix_caching"] is False
     with vllm_engine(**kwargs) as llm:
+        if "experts kernel" in request.param:
+            assert llm.collective_rpc("moetailor_experts_kernel_layers") == [6], "every MoE layer on moetailor's kernel"
         yield llm
 
 

@@ -37,7 +37,9 @@ from pathlib import Path
 # group (--only) -> rows it measures
 PROCESSES = {"stock": ("stock",), "budgets": ("full k", "k=4", "mixed k"), "masked-50": ("masked 50%",),
              "masked-50-eager": ("masked 50% eager",), "masked-25": ("masked 25%",), "fold-50": ("fold 50%",),
-             "skip": ("skip",), "disaggregated": ("pair",)}
+             "skip": ("skip",), "disaggregated": ("pair",),
+             "experts-kernel": ("full k, mt kernel", "k=4, mt kernel", "mixed k, mt kernel", "masked 50%, mt kernel",
+                                "masked 25%, mt kernel")}
 IDLE_S = 1.5                    # an idle vLLM worker busy-polls for 1 s after its last step
 MIXED_K = (2, 4, 6, 8)          # the mixed batch's budgets, request i gets MIXED_K[i % 4] (capped at the model's k)
 SKIP_BETA = 0.5
@@ -157,13 +159,15 @@ def print_report(report: dict, slo: float) -> None:
 
     res = report["results"]
     batches = sorted({int(b) for r in res.values() for b in r})
-    ref = "full k" if "full k" in res else None     # the stock routes, recorded through the hooks
     rows = []
     for b in batches:
         for name, r in res.items():
             x = r.get(str(b))
             if x is None:
                 continue
+            # the stock routes, recorded through the hooks, on the row's own experts kernel
+            ref = next((n for n in (("full k, mt kernel",) if name.endswith("mt kernel") else ()) + ("full k",)
+                        if n in res), None)
             stock = res.get("stock", {}).get(str(b))
             distinct = x.get("distinct")
             base = res[ref][str(b)].get("distinct") if ref and str(b) in res[ref] else None
@@ -229,7 +233,7 @@ def _distinct(llm) -> float:
 @dataclass(frozen=True)
 class Row:
     name: str
-    engine: str                          # "stock" | "plugin" | "eager" | "pair"
+    engine: str                          # "stock" | "plugin" | "eager" | "kernel" | "pair"
     plan: str | None = None              # decode plan the plugin engine switches to for this row
     budgets: tuple[int, ...] | None = None
 
@@ -244,7 +248,12 @@ def rows_of(groups: list[str], plans: dict[str, str], model_k: int) -> list[Row]
              "masked-25": [Row("masked 25%", "plugin", plans["masked-25"])],
              "fold-50": [Row("fold 50%", "plugin", plans["fold-50"])],
              "skip": [Row("skip", "plugin", plans["skip"])],
-             "disaggregated": [Row("pair", "pair")]}
+             "disaggregated": [Row("pair", "pair")],
+             # the plugin on moetailor's experts kernel (additional_config moetailor_experts_kernel)
+             "experts-kernel": [Row("full k, mt kernel", "kernel"), Row("k=4, mt kernel", "kernel", budgets=(4,)),
+                                Row("mixed k, mt kernel", "kernel", budgets=mixed),
+                                Row("masked 50%, mt kernel", "kernel", plans["masked-50"]),
+                                Row("masked 25%, mt kernel", "kernel", plans["masked-25"])]}
     return [row for group in groups for row in every[group]]
 
 
@@ -267,9 +276,10 @@ def start_engines(spec: dict, rows: list[Row]) -> dict:
     engines = {}
     # the plugin's engines first: vLLM loads plugins once per process, and the stock engine's
     # worker process is started without them (VLLM_PLUGINS="")
-    for name in ("plugin", "eager"):
+    for name in ("plugin", "eager", "kernel"):
         if name in needed:
-            kwargs = engine_kwargs(spec["model"], enforce_eager=name == "eager", **common)
+            kwargs = engine_kwargs(spec["model"], enforce_eager=name == "eager", experts_kernel=name == "kernel",
+                                   **common)
             kwargs.setdefault("additional_config", {})[RECORD_KEY] = True
             llm = LLM(**kwargs)
             engines[name] = (llm, (llm,))
@@ -305,7 +315,7 @@ def worker(spec: dict) -> dict:
     config = AutoConfig.from_pretrained(spec["model"], local_files_only=True)
     rows = rows_of(spec["groups"], spec["plans"], config.num_experts_per_tok)
     engines = start_engines(spec, rows)
-    current_plan = {"plugin": None, "eager": None}
+    current_plan = {"plugin": None, "eager": None, "kernel": None}
     rng = random.Random(0)
     results = {row.name: {} for row in rows}
     last_engine = None

@@ -16,8 +16,9 @@ from .plan import DECODE_PLAN_KEY, PLAN_KEY, load_checked_plan
 
 def engine_kwargs(model: str | Path, plan: str | Path | None = None, decode_plan: str | Path | None = None, *,
                   dtype: str = "float32", kv_cache_mib: int | None = 512, enforce_eager: bool = False,
-                  **overrides) -> dict:
-    """vLLM engine keyword arguments serving ``model`` ('reference' or a checkpoint directory)."""
+                  experts_kernel: bool = False, **overrides) -> dict:
+    """vLLM engine keyword arguments serving ``model`` ('reference' or a checkpoint directory);
+    ``experts_kernel``: MoE layers on moetailor's experts kernel (``experts.py``) instead of vLLM's."""
     if plan and decode_plan:
         raise ValueError("give --plan or --decode-plan, not both")
     path = resolve_model_path(model)
@@ -31,6 +32,9 @@ def engine_kwargs(model: str | Path, plan: str | Path | None = None, decode_plan
         kwargs["additional_config"] = {PLAN_KEY if plan else DECODE_PLAN_KEY: str(Path(given).resolve())}
         if checked.prefill != checked.decode:
             kwargs["enable_prefix_caching"] = False
+    if experts_kernel:
+        from .experts import KEY
+        kwargs["additional_config"] = {**kwargs.get("additional_config", {}), KEY: True}
     kwargs.update(overrides)
     return kwargs
 

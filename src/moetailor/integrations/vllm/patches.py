@@ -73,13 +73,20 @@ def apply_patches() -> None:
 
     WorkerBase.moetailor_route_totals = route_totals   # LLM.collective_rpc("moetailor_route_totals")
     WorkerBase.moetailor_use_plan = use_plan           # LLM.collective_rpc("moetailor_use_plan", ...)
+    WorkerBase.moetailor_experts_kernel_layers = experts_kernel_layers
     InputProcessor._validate_params = _wrap_validate_params(InputProcessor._validate_params)
+    from .experts import install_patches
+
+    install_patches()    # CPUUnquantizedExperts: moetailor's experts kernel for engines that ask
 
 
 def _wrap_load_model(load_model):
     @functools.wraps(load_model)
     def wrapped(self, *args, **kwargs):
-        result = load_model(self, *args, **kwargs)
+        from .experts import loading
+
+        with loading(self.vllm_config.additional_config):
+            result = load_model(self, *args, **kwargs)
         setup_model(self)
         return result
     return wrapped
@@ -113,6 +120,7 @@ def setup_model(runner) -> None:
                 "a moetailor plan whose decode policy differs from its prefill policy needs prefix caching off "
                 "(--no-enable-prefix-caching, or enable_prefix_caching=False): vLLM caches blocks of generated "
                 "tokens, computed under the decode policy, and would serve them to later prompts as prefill")
+    _check_experts_kernel(config.additional_config, moe_runners(model))
     tables = router_tables(plan, config.model_config.model, device=runner.device,
                            where=settings[0] if settings else "the plan")
     tokens = StepTokens(runner.max_num_tokens, tables.model_k, runner.device)
@@ -123,6 +131,19 @@ def setup_model(runner) -> None:
     runner._moetailor_tokens = tokens
     runner._moetailor_recorder = recorder
     log.info("moetailor: hooked %d MoE layers (plan: %s)", len(moe_runners(model)), settings[0] if settings else "none")
+
+
+def _check_experts_kernel(additional_config, runners) -> None:
+    """An engine that asked for moetailor's experts kernel gets it on every MoE layer, or does not start."""
+    from .experts import KEY, uses_moetailor_kernel, wanted
+
+    if not wanted(additional_config):
+        return
+    missing = [r.layer_id for r in runners if not uses_moetailor_kernel(r)]
+    if missing:
+        raise ValueError(f"additional_config {KEY}: MoE layers {missing} run a fused-MoE backend other than vLLM's CPU "
+                         "one (CPUUnquantizedExperts), which moetailor's kernel replaces; drop the key")
+    log.info("moetailor: %d MoE layers run moetailor's experts kernel", len(runners))
 
 
 def route_totals(worker, reset: bool = False) -> dict:
@@ -136,6 +157,16 @@ def route_totals(worker, reset: bool = False) -> dict:
     if reset:
         recorder.reset()
     return totals
+
+
+def experts_kernel_layers(worker) -> int:
+    """``LLM.collective_rpc("moetailor_experts_kernel_layers")``: how many MoE layers run on moetailor's
+    experts kernel (``experts.py``)."""
+    from .experts import uses_moetailor_kernel
+    from .routing import moe_runners
+
+    runner = getattr(worker, "model_runner", worker)
+    return sum(uses_moetailor_kernel(r) for r in moe_runners(runner.get_model()))
 
 
 def use_plan(worker, plan: str | None, mode: str = "decode") -> str:

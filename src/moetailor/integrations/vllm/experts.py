@@ -1,0 +1,154 @@
+"""moetailor's experts kernel in place of vLLM's CPU fused-MoE, so that budgets and pools save work.
+
+Opt in per engine: ``additional_config={"moetailor_experts_kernel": true}`` (``vllm serve
+--additional-config '{"moetailor_experts_kernel": true}'``).
+
+Why: the routing hook already sends every dropped route (past a request's ``expert_top_k``, outside
+a pool, skipped, folded away) to weight 0 on an expert the token keeps, so vLLM's kernel reads no
+expert that no kept route reads. But on a processor without AVX-512 vLLM's bf16 fused-MoE runs its
+``vec`` path, whose step time barely follows the experts a step reads (docs/vllm.md: masked 25% ~
+masked 50% ~ full k at batch 8), and it still computes every weight-0 route. moetailor's engine
+kernel (``torch.ops.moetailor.swiglu_experts``, ``kernels/experts.cpp``) reads each routed expert
+once, skips experts without a route, and here also skips every weight-0 route: a token at k=4 costs
+four expert rows, not eight.
+
+How: two methods of vLLM's ``CPUUnquantizedExperts`` (the portable, AMX and other ISA subclasses
+inherit them) are wrapped, for the layers of an engine that asked:
+
+* ``process_weights_after_loading`` keeps the checkpoint layout (w13 [E, 2I, H] = gate then up,
+  w2 [E, H, I], contiguous) instead of padding and prepacking it for vLLM's kernel;
+* ``apply`` calls ``swiglu_experts`` on those weights (hidden states in fp32, one rounding back to
+  the layer's dtype) and writes vLLM's output buffer.
+
+A layer the kernel cannot run (an activation other than SiLU, expert biases, a width that is not a
+multiple of 16, a weight dtype other than fp32/bf16, no compiler for the kernels) stops the start
+with a line naming the layer and the reason. Engines that did not ask keep vLLM's kernel.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+KEY = "moetailor_experts_kernel"          # additional_config key
+_loading: list[bool] = []                 # set while a runner that asked loads its model (one process may hold several)
+
+
+def wanted(additional_config) -> bool:
+    """Whether an engine's additional_config asks for moetailor's experts kernel."""
+    if not isinstance(additional_config, dict) or KEY not in additional_config:
+        return False
+    value = additional_config[KEY]
+    if not isinstance(value, bool):
+        raise ValueError(f"additional_config {KEY} must be true or false, got {value!r}")
+    return value
+
+
+@contextlib.contextmanager
+def loading(additional_config):
+    """Around a model runner's ``load_model``: its MoE layers take moetailor's kernel if it asked."""
+    ask = wanted(additional_config)
+    if ask:
+        _check_kernels()
+    _loading.append(ask)
+    try:
+        yield
+    finally:
+        _loading.pop()
+
+
+def _check_kernels() -> None:
+    from ...kernels import swiglu_experts
+
+    if swiglu_experts() is None:
+        raise RuntimeError(f"additional_config {KEY}: moetailor's native kernels did not build in this environment "
+                           "(they need g++ and ninja: `pip install ninja`); drop the key to use vLLM's kernel")
+
+
+def _unsupported(experts, layer) -> str | None:
+    """Why this layer cannot run on moetailor's kernel, or None."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    cfg = experts.moe_config
+    if cfg.activation != MoEActivation.SILU:
+        return f"activation {cfg.activation.value} (the kernel is SwiGLU: silu(gate) * up)"
+    if getattr(layer, "w13_bias", None) is not None or getattr(layer, "w2_bias", None) is not None:
+        return "expert biases"
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    if w13.dtype not in (torch.float32, torch.bfloat16) or w2.dtype != w13.dtype:
+        return f"expert weights in {w13.dtype} (the kernel takes float32 or bfloat16)"
+    E, two_i, hidden = w13.shape
+    if two_i % 32 or hidden % 16 or tuple(w2.shape) != (E, hidden, two_i // 2):
+        return f"expert shapes w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} (hidden and expert widths must be " \
+               "multiples of 16)"
+    return None
+
+
+def install_patches() -> None:
+    """Wrap ``CPUUnquantizedExperts`` (idempotent; a build without it has no CPU fused-MoE to replace)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return
+    if getattr(CPUUnquantizedExperts, "_moetailor_wrapped", False):
+        return
+    CPUUnquantizedExperts.process_weights_after_loading = _wrap_process(
+        CPUUnquantizedExperts.process_weights_after_loading)
+    CPUUnquantizedExperts.apply = _wrap_apply(CPUUnquantizedExperts.apply)
+    CPUUnquantizedExperts._moetailor_wrapped = True
+
+
+def _wrap_process(process):
+    @functools.wraps(process)
+    def wrapped(self, layer):
+        if not (_loading and _loading[-1]):
+            return process(self, layer)
+        why = _unsupported(self, layer)
+        if why is not None:
+            name = getattr(layer, "layer_name", type(layer).__name__)
+            raise ValueError(f"additional_config {KEY}: MoE layer {name} cannot run on moetailor's experts kernel: "
+                             f"{why}; drop the key to use vLLM's kernel")
+        from vllm.model_executor.utils import replace_parameter
+
+        replace_parameter(layer, "w13_weight", layer.w13_weight.data.contiguous())
+        replace_parameter(layer, "w2_weight", layer.w2_weight.data.contiguous())
+        self._moetailor_kernel = True
+        self._use_zentorch = False
+        self._moetailor_read = torch.zeros(1, dtype=torch.long)     # the op's distinct-expert count (unused here)
+    return wrapped
+
+
+def _wrap_apply(apply):
+    @functools.wraps(apply)
+    def wrapped(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                expert_map, *args, **kwargs):
+        if not getattr(self, "_moetailor_kernel", False):
+            return apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                         global_num_experts, expert_map, *args, **kwargs)
+        on_input = kwargs.get("apply_router_weight_on_input", args[-1] if args else False)
+        return run_experts(output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, bool(on_input))
+    return wrapped
+
+
+def run_experts(output: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map, weight_on_input: bool) -> None:
+    """output [T, H] <- sum over each token's routes of weight * expert(hidden), on moetailor's kernel.
+    A route of weight 0 (what the routing hook makes of a dropped one) is skipped: id E."""
+    if expert_map is not None:
+        raise ValueError(f"additional_config {KEY} does not support expert parallelism (an expert map); drop the key")
+    E = w13.shape[0]
+    weights = topk_weights.float()                                                    # [T, K]
+    ids = torch.where(weights != 0, topk_ids.long(), E).contiguous()                  # [T, K] dropped -> E
+    if weight_on_input:      # vLLM already scaled the hidden states (top-1 models): weight each route 1
+        weights = torch.ones_like(weights)
+    out = torch.ops.moetailor.swiglu_experts(hidden_states.float().contiguous(), w13, w2, ids,
+                                             weights.contiguous(), torch.zeros(1, dtype=torch.long), -1)
+    output.copy_(out)
+
+
+def uses_moetailor_kernel(runner) -> bool:
+    """Whether a vLLM MoE runner's experts run on moetailor's kernel."""
+    method = getattr(getattr(runner, "routed_experts", None), "quant_method", None)
+    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    return bool(getattr(experts, "_moetailor_kernel", False))
