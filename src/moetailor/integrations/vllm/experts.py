@@ -142,8 +142,10 @@ def run_experts(output: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Te
     ids = torch.where(weights != 0, topk_ids.long(), E).contiguous()                  # [T, K] dropped -> E
     if weight_on_input:      # vLLM already scaled the hidden states (top-1 models): weight each route 1
         weights = torch.ones_like(weights)
-    out = torch.ops.moetailor.swiglu_experts(hidden_states.float().contiguous(), w13, w2, ids,
-                                             weights.contiguous(), torch.zeros(1, dtype=torch.long), -1)
+    from ...kernels import swiglu_experts
+
+    out = swiglu_experts()(hidden_states.float().contiguous(), w13, w2, ids, weights.contiguous(),
+                           torch.zeros(1, dtype=torch.long), -1)
     output.copy_(out)
 
 
