@@ -99,6 +99,8 @@ CASES = {
     "--decode-model /nope": (
         lambda t, m: ["generate", "reference", "--prompt", "hi", "--decode-model", "/nope"],
         "neither a bundled model (reference, reference-qwen3) nor a local checkpoint"),
+    "--vllm-experts-kernel on the engine": (
+        lambda t, m: ["serve", "reference", "--vllm-experts-kernel"], "--vllm-experts-kernel is for --backend vllm"),
 }
 
 

@@ -71,6 +71,9 @@ def run(args) -> int:
     if args.backend == "vllm":
         from ..integrations.vllm.serve import run as run_vllm
         return run_vllm(args)
+    if args.vllm_experts_kernel:
+        raise ValueError("--vllm-experts-kernel is for --backend vllm; moetailor's engine always runs its own experts "
+                         "kernel")
 
     if args.k_schedule == "tiers":
         raise ValueError("--k-schedule tiers plans a known set of requests offline (`moetailor generate`); a server "

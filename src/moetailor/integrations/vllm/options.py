@@ -9,3 +9,6 @@ def add_backend_arguments(p) -> None:
     p.add_argument("--vllm-kv-cache-mib", type=int, default=512,
                    help="--backend vllm: KV cache size per instance (vLLM's CPU build otherwise reserves a share "
                         "of host memory); 0 = vLLM's default sizing")
+    p.add_argument("--vllm-experts-kernel", action="store_true",
+                   help="--backend vllm on CPU: MoE layers run moetailor's experts kernel instead of vLLM's fused-MoE "
+                        "(skips the routes budgets and pools drop; additional_config moetailor_experts_kernel)")
