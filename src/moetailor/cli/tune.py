@@ -92,6 +92,12 @@ def run(args) -> int:
     print_table(f"Pareto front ({result.quality} vs budget at batch {settings.batch}; {s['candidates_scored']} plans "
                 f"scored by held-out traffic KL, {evaluated}; {s['seconds']:.0f} s) -> {args.out}", cols, table)
     c = result.choice
+    if c.met and c.chosen.get("distilled"):    # a distilled decoder is a checkpoint that carries its plan
+        print(f"chosen: {c.chosen['label']} (budget {c.chosen['budget']:.3f}) meets {floor} at {target} -> "
+              f"{c.chosen['distilled']}")
+        print(f"serve it: moetailor serve {args.model} --decode-model {c.chosen['distilled']}   |   vLLM: a distilled "
+              "decoder, which vLLM's plugin does not serve; rerun with --servable vllm")
+        return 0
     if c.met:
         print(f"chosen: {c.chosen['label']} (budget {c.chosen['budget']:.3f}) meets {floor} at {target} -> "
               f"{result.plan_path}")
