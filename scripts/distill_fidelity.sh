@@ -4,6 +4,7 @@
 # served as deployed (prefill on the original, decode on the distilled checkpoint) on the same 300
 # prompts (50 per task, seed 0, greedy) as every other row. Heavy steps go under the machine-wide lock.
 #   scripts/distill_fidelity.sh MODEL [OUT] [STEPS]     (default build/distill-MODEL, 400)
+#   KEEPS="0.25" scripts/distill_fidelity.sh ...         (the pools to distil; default "0.5 0.25")
 # Paired sign tests between the rows: python scripts/paired_eval.py OUT/eval-* --against baseline
 set -euo pipefail
 M=${1:?usage: scripts/distill_fidelity.sh MODEL [OUT] [STEPS]}
@@ -16,7 +17,7 @@ mkdir -p "$OUT/plans"
 SE2=$(${PY:-.venv/bin/python} -c 'import sys; from moetailor.models.loading import read_config
 c = read_config(sys.argv[1]); print("" if getattr(c, "shared_expert_intermediate_size", 0) or getattr(c, "n_shared_experts", 0) else "--no-se2")' "$M")
 [ -f "$OUT/stats.safetensors" ] || $LOCK $MT calibrate "$M" --data tasks --tokens 50000 --out "$OUT/stats.safetensors"
-for keep in 0.5 0.25; do
+for keep in ${KEEPS:-0.5 0.25}; do
     plan="$OUT/plans/ean-$keep.json"
     [ -f "$plan" ] || $MT plan "$OUT/stats.safetensors" --criterion ean --keep $keep --model "$M" --out "$plan"
     dir="$OUT/distilled/ean-$keep-$STEPS"
