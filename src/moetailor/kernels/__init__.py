@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import warnings
 from functools import cache
 from pathlib import Path
@@ -41,7 +42,10 @@ def _module():
         return None
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())
+    # the environment too: two venvs (moetailor's and vLLM's) write different build files for the same
+    # sources, and sharing one build directory made each rebuild the other's (a build killed midway
+    # then left a lock that every engine of the other venv waited on)
+    digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode() + sys.prefix.encode())
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     name = f"moetailor_kernels_{digest.hexdigest()[:12]}"
