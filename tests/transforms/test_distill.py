@@ -254,3 +254,28 @@ def test_resume_refuses_a_planted_pickle_without_running_it(tmp_path, capsys):
     assert "not a readable distillation checkpoint (it refers to" in err and "could run code" in err
     assert len(err.strip().splitlines()) == 1
     assert not marker.exists()
+
+
+def test_train_experts_moves_only_the_pools_experts_and_exports_them(tmp_path):
+    """--train-experts: the decode pool's experts train (copies; the teacher's stay), the others get no
+    gradient and keep their weights, and the exported checkpoint computes the student."""
+    model = tiny_model("qwen3_moe", num_experts=8, top_k=2)
+    plan = uniform_plan(model, decode=LayerPolicy(keep=KEEP))
+    student = Student(model, plan, se2=False, experts=True)
+    assert student.expert_names and student.counts()["experts"] > 0
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = DistillConfig(steps=3, batch_size=2, seq_len=12, lr=1e-2, warmup=1, se2=False, experts=True)
+    data = lambda start: (tokens(2, 13, seed=start + i) for i in range(10**6))
+    train(student, data, cfg, progress=False)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()), "the teacher must not change"
+    outside = [e for e in range(8) if e not in KEEP]
+    for name in student.expert_names:
+        trained, original = student.params[name].detach(), before[name]
+        assert torch.equal(trained[outside], original[outside]), f"{name}: an expert outside the pool changed"
+        assert not torch.equal(trained[list(KEEP)], original[list(KEEP)]), f"{name}: the pool's experts did not train"
+    out = export(student, tmp_path / "d")
+    from transformers import AutoModelForCausalLM
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    x = tokens(1, 10)
+    with torch.no_grad():
+        assert (student(x, policy=None, use_cache=False).logits - loaded(input_ids=x, use_cache=False).logits).abs().max() <= 1e-5

@@ -28,8 +28,10 @@ def register(sub) -> None:
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (then cosine to 10%%)")
     p.add_argument("--checkpoint-every", type=int, default=50, help="write a resumable checkpoint every N steps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-se2", action="store_true", help="train router and norms only (required for architectures "
-                   "without a shared expert)")
+    p.add_argument("--no-se2", action="store_true", help="no SE2 residual: train router and norms only (required "
+                   "for architectures without a shared expert)")
+    p.add_argument("--train-experts", action="store_true", help="also train the decode pool's routed experts (the "
+                   "decode checkpoint gets its own copies; prefill keeps the original's)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the matmuls (faster on AMX CPUs)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run in OUT.partial")
@@ -44,7 +46,9 @@ def run(args) -> int:
     set_threads(args.threads)
     cfg = DistillConfig(steps=args.steps, alpha=args.alpha, lr=args.lr, batch_size=args.batch_size,
                         seq_len=args.seq_len, split_point=args.split_point, warmup=args.warmup,
-                        checkpoint_every=args.checkpoint_every, seed=args.seed, se2=not args.no_se2, bf16=args.bf16)
+                        checkpoint_every=args.checkpoint_every, seed=args.seed, se2=not args.no_se2,
+                        experts=args.train_experts,
+                        bf16=args.bf16)
     cfg.validate()
     command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
     from ..calibration.data import default_data_spec

@@ -20,6 +20,11 @@ distributions. Teacher and student are ONE model object (one copy of the experts
 * Architectures without a shared expert (qwen3_moe, olmoe, mixtral) have no SE1, and a stock
   checkpoint of theirs cannot hold an extra always-on MLP, so SE2 is refused there with a clear
   error; ``se2=False`` (CLI ``--no-se2``) trains router and norms only.
+* ``experts=True`` (CLI ``--train-experts``) also trains copies of the routed experts' weights, swapped
+  in like the router's. The decode checkpoint is a separate model (prefill keeps the original's
+  experts and KV), so its experts may differ; only the experts the decode pool keeps get gradients.
+  Why: a model without a shared expert has nothing else with capacity to absorb what the dropped
+  experts did (router and norms are a few thousand parameters per layer).
 
 Export merges SE1 and SE2 into one shared expert of twice the width (gate/up rows and down
 columns concatenated; config's shared width doubled): a stock checkpoint of the same architecture.
@@ -78,6 +83,8 @@ class DistillConfig:
     checkpoint_every: int = 50
     seed: int = 0
     se2: bool = True
+    experts: bool = False            # train copies of the routed experts' weights as well
+    expert_lr_scale: float = 0.1     # their learning rate = lr * this (pre-trained matrices)
     bf16: bool = False               # bf16 autocast for teacher and student matmuls (CPU: AMX)
 
     def validate(self) -> None:
@@ -149,7 +156,7 @@ class Student:
     The model's own parameters are frozen (requires_grad False) and never written to.
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, se2: bool = True):
+    def __init__(self, model: nn.Module, plan: Plan, se2: bool = True, experts: bool = False):
         plan.check_model(model)
         if plan.decode.is_identity:
             raise ValueError("the plan's decode phase runs the full router, so the student would equal the teacher; "
@@ -166,9 +173,11 @@ class Student:
         self.router_names = [f"{names[id(l.router)]}.weight" for l in self.layers]
         self.norm_names = [f"{n}.{pn}" for n, m in model.named_modules() if _is_norm(m)
                            for pn, _ in m.named_parameters(recurse=False)]
+        self.expert_names = [f"{names[id(l.experts)]}.{pn}" for l in self.layers
+                             for pn, _ in l.experts.named_parameters()] if experts else []
         own = dict(model.named_parameters())
         self.params: dict[str, nn.Parameter] = {
-            n: nn.Parameter(own[n].detach().clone()) for n in self.router_names + self.norm_names}
+            n: nn.Parameter(own[n].detach().clone()) for n in self.router_names + self.norm_names + self.expert_names}
 
         self.se2 = nn.ModuleDict()
         self._se2_on = False
@@ -208,8 +217,10 @@ class Student:
         se2 = sum(p.numel() for p in self.se2.parameters())
         router = sum(self.params[n].numel() for n in self.router_names)
         norms = sum(self.params[n].numel() for n in self.norm_names)
-        trainable = router + norms + se2
-        return {"model": model_total, "se2": se2, "router": router, "norms": norms, "trainable": trainable,
+        experts = sum(self.params[n].numel() for n in self.expert_names)
+        trainable = router + norms + se2 + experts
+        return {"model": model_total, "se2": se2, "router": router, "norms": norms, "experts": experts,
+                "trainable": trainable,
                 "trainable_share": trainable / (model_total + se2)}
 
     def teacher(self, input_ids: torch.Tensor, **kwargs):
@@ -350,6 +361,9 @@ def make_optimizer(student: Student, cfg: DistillConfig) -> torch.optim.AdamW:
               {"params": norms, "lr": cfg.lr, "weight_decay": 0.0, "name": "norms"}]
     if se2_matrices:
         groups.append({"params": se2_matrices, "lr": cfg.lr, "weight_decay": cfg.weight_decay, "name": "se2"})
+    if student.expert_names:   # no decay: the experts outside the pool get no gradient and must stay as they are
+        groups.append({"params": [student.params[n] for n in student.expert_names],
+                       "lr": cfg.lr * cfg.expert_lr_scale, "weight_decay": 0.0, "name": "experts"})
     for g in groups:
         g["base_lr"] = g["lr"]
     return torch.optim.AdamW(groups, betas=(0.9, 0.95))
@@ -374,7 +388,8 @@ def save_state(state_dir: Path, state: dict) -> None:
         torch.save(state, tmp)
 
 
-RESUME_KEYS = ("alpha", "lr", "router_lr_scale", "batch_size", "seq_len", "split_point", "kd_top", "seed", "se2")
+RESUME_KEYS = ("alpha", "lr", "router_lr_scale", "batch_size", "seq_len", "split_point", "kd_top", "seed", "se2",
+               "experts", "expert_lr_scale")
 
 
 STATE_KEYS = ("step", "config", "params", "se2", "optimizer", "split_rng", "torch_rng", "python_rng", "log",
@@ -414,7 +429,8 @@ def load_state(state_dir: Path, student: Student, opt, gen: torch.Generator, cfg
     if state["fingerprint"].get("router_hash") != model_fingerprint(student.model)["router_hash"]:
         raise ValueError(f"--resume: the checkpoint in {state_dir} was made for another model; start over with "
                          "--overwrite or pick the model it was made for")
-    changed = {k: (state["config"].get(k), getattr(cfg, k)) for k in RESUME_KEYS if state["config"].get(k) != getattr(cfg, k)}
+    saved = {**asdict(DistillConfig(steps=0)), **state["config"]}     # a key added since the run: its default
+    changed = {k: (saved[k], getattr(cfg, k)) for k in RESUME_KEYS if saved[k] != getattr(cfg, k)}
     if changed:
         raise ValueError(f"--resume: settings differ from the interrupted run ({changed}, as checkpoint -> now); "
                          "rerun with the original settings or start over with --overwrite")
@@ -600,7 +616,7 @@ def distill_checkpoint(model_name: str | Path, plan: str | Path | Plan, data: st
         shutil.rmtree(state_dir)
     model = load_model(source)
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-    student = Student(model, plan, se2=cfg.se2)
+    student = Student(model, plan, se2=cfg.se2, experts=cfg.experts)
     tokenizer = load_tokenizer(source)
     result = train(student, token_batches(tokenizer, data, cfg), cfg, state_dir=state_dir, resume=resume,
                    progress=progress)
