@@ -24,6 +24,12 @@ WRAPPED = (
      ("self", "hidden_states", "router_logits", "topk_indices_dtype", "input_ids")),
     ("vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner", "_apply_quant_method",
      ("self", "hidden_states", "router_logits", "shared_experts_input", "input_ids", "shared_experts_overlapping")),
+    # moetailor's experts kernel (experts.py)
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts", "process_weights_after_loading",
+     ("self", "layer")),
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts", "apply",
+     ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation", "global_num_experts",
+      "expert_map")),
 )
 
 
