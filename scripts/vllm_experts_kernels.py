@@ -15,6 +15,9 @@ import vllm._custom_ops  # noqa: F401  registers torch.ops._C
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from moetailor.integrations.vllm.experts import run_experts  # noqa: E402
+from moetailor.kernels import swiglu_experts  # noqa: E402
+
+assert swiglu_experts() is not None, "moetailor's native kernels did not build"
 
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
 E, H, I, K = 64, 2048, 1024, 8

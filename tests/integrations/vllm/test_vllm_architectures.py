@@ -25,8 +25,11 @@ def tiny_checkpoint(arch: str, path):
     return plan.save(path / "plan.json"), plan
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral"])
-def test_tiny_model_phase_aware_and_budget_equal_engine(arch, tmp_path):
+@pytest.mark.parametrize("arch, experts_kernel", [("qwen2_moe", False), ("qwen3_moe", False), ("olmoe", False),
+                                                  ("mixtral", False), ("olmoe", True), ("mixtral", True)])
+def test_tiny_model_phase_aware_and_budget_equal_engine(arch, experts_kernel, tmp_path):
+    """experts_kernel: the MoE layers on moetailor's experts kernel (vLLM's compiled mode traces
+    through these architectures' MoE layers, so the kernel's path must be traceable)."""
     from moetailor.engine import LLM, SamplingParams
     from moetailor.integrations.vllm.launch import engine_kwargs
 
@@ -38,8 +41,10 @@ def test_tiny_model_phase_aware_and_budget_equal_engine(arch, tmp_path):
     full = [list(o.token_ids) for o in LLM(str(tmp_path)).generate(
         PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))]
     kwargs = engine_kwargs(tmp_path, decode_plan=plan_path, kv_cache_mib=32, max_num_batched_tokens=16,
-                           max_num_seqs=4, max_model_len=128)
+                           max_num_seqs=4, max_model_len=128, experts_kernel=experts_kernel)
     with vllm_engine(**kwargs) as llm:
+        assert llm.collective_rpc("moetailor_experts_kernel_layers")[0] == (
+            len(plan.decode.layers) if experts_kernel else 0)
         from vllm import SamplingParams as VSP
 
         params = [VSP(max_tokens=16, temperature=0.0, ignore_eos=True,

@@ -133,8 +133,9 @@ def _wrap_apply(apply):
 
 def run_experts(output: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map, weight_on_input: bool) -> None:
-    """output [T, H] <- sum over each token's routes of weight * expert(hidden), on moetailor's kernel.
-    A route of weight 0 (what the routing hook makes of a dropped one) is skipped: id E."""
+    """output [T, H] <- sum over each token's routes of weight * expert(hidden), on moetailor's kernel
+    (``kernels.swiglu_experts()`` must have loaded it). A route of weight 0 (what the routing hook makes
+    of a dropped one) is skipped: id E."""
     if expert_map is not None:
         raise ValueError(f"additional_config {KEY} does not support expert parallelism (an expert map); drop the key")
     E = w13.shape[0]
@@ -142,10 +143,10 @@ def run_experts(output: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Te
     ids = torch.where(weights != 0, topk_ids.long(), E).contiguous()                  # [T, K] dropped -> E
     if weight_on_input:      # vLLM already scaled the hidden states (top-1 models): weight each route 1
         weights = torch.ones_like(weights)
-    from ...kernels import swiglu_experts
-
-    out = swiglu_experts()(hidden_states.float().contiguous(), w13, w2, ids, weights.contiguous(),
-                           torch.zeros(1, dtype=torch.long), -1)
+    # the op by name: vLLM's compiled mode traces this (the kernels' loader, which reads /proc/cpuinfo,
+    # ran at load, in ``loading``; the op has a fake implementation)
+    out = torch.ops.moetailor.swiglu_experts(hidden_states.float().contiguous(), w13, w2, ids, weights.contiguous(),
+                                             torch.zeros(1, dtype=torch.long), -1)
     output.copy_(out)
 
 
