@@ -39,7 +39,7 @@ PROCESSES = {"stock": ("stock",), "budgets": ("full k", "k=4", "mixed k"), "mask
              "masked-50-eager": ("masked 50% eager",), "masked-25": ("masked 25%",), "fold-50": ("fold 50%",),
              "skip": ("skip",), "disaggregated": ("pair",),
              "experts-kernel": ("full k, mt kernel", "k=4, mt kernel", "mixed k, mt kernel", "masked 50%, mt kernel",
-                                "masked 25%, mt kernel")}
+                                "masked 25%, mt kernel", "skip, mt kernel")}
 IDLE_S = 1.5                    # an idle vLLM worker busy-polls for 1 s after its last step
 MIXED_K = (2, 4, 6, 8)          # the mixed batch's budgets, request i gets MIXED_K[i % 4] (capped at the model's k)
 SKIP_BETA = 0.5
@@ -253,8 +253,43 @@ def rows_of(groups: list[str], plans: dict[str, str], model_k: int) -> list[Row]
              "experts-kernel": [Row("full k, mt kernel", "kernel"), Row("k=4, mt kernel", "kernel", budgets=(4,)),
                                 Row("mixed k, mt kernel", "kernel", budgets=mixed),
                                 Row("masked 50%, mt kernel", "kernel", plans["masked-50"]),
-                                Row("masked 25%, mt kernel", "kernel", plans["masked-25"])]}
+                                Row("masked 25%, mt kernel", "kernel", plans["masked-25"]),
+                                Row("skip, mt kernel", "kernel", plans["skip"])]}
     return [row for group in groups for row in every[group]]
+
+
+def _descendants() -> set[int]:
+    """Every process below this one (vLLM starts an engine core and its worker per instance)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def binding(pids: set[int]) -> list[dict]:
+    """Threads and the CPUs each may run on, per process: which cores an engine's workers were bound
+    to, for the log (instances that share or split cores time differently)."""
+    out = []
+    for pid in sorted(pids):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            cpus = {}
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                key = ",".join(map(str, sorted(os.sched_getaffinity(int(tid)))))
+                cpus[key] = cpus.get(key, 0) + 1
+        except OSError:
+            continue
+        out.append({"pid": pid, "name": name, "threads_by_cpus": cpus})
+    return out
 
 
 def start_engines(spec: dict, rows: list[Row]) -> dict:
@@ -274,6 +309,13 @@ def start_engines(spec: dict, rows: list[Row]) -> dict:
                   enable_prefix_caching=False)  # every configuration recomputes its prompts
     needed = {row.engine for row in rows}
     engines = {}
+    seen = _descendants()
+
+    def log_binding(name: str) -> None:
+        nonlocal seen
+        now = _descendants()
+        print(f"[binding] {name}: " + json.dumps(binding(now - seen)), file=sys.stderr, flush=True)
+        seen = now
     # the plugin's engines first: vLLM loads plugins once per process, and the stock engine's
     # worker process is started without them (VLLM_PLUGINS="")
     for name in ("plugin", "eager", "kernel"):
@@ -283,11 +325,15 @@ def start_engines(spec: dict, rows: list[Row]) -> dict:
             kwargs.setdefault("additional_config", {})[RECORD_KEY] = True
             llm = LLM(**kwargs)
             engines[name] = (llm, (llm,))
+            log_binding(name)
     if "pair" in needed:
         storage = tempfile.mkdtemp(prefix="moetailor-kv-", dir=spec["out"])
         pk, dk = pair_kwargs(spec["model"], spec["pruned"], storage, **common)
         dk.setdefault("additional_config", {})[RECORD_KEY] = True
-        prefill, decode = LLM(**pk), LLM(**dk)
+        prefill = LLM(**pk)
+        log_binding("pair prefill")
+        decode = LLM(**dk)
+        log_binding("pair decode")
         engines["pair"] = (decode, (prefill, decode))
         engines["pair-prefill"] = (prefill, ())
     if "stock" in needed:
@@ -301,6 +347,7 @@ def start_engines(spec: dict, rows: list[Row]) -> dict:
             else:
                 os.environ["VLLM_PLUGINS"] = before
         engines["stock"] = (llm, (llm,))
+        log_binding("stock")
     return engines
 
 
