@@ -10,7 +10,8 @@ tables calibrated once on the model); dynamic skipping (NAEE threshold); the dis
 How it is timed: one process holds every engine the rows need (stock, the plugin, the plugin eager,
 the pair's two instances), and each round times every row once, in turn, so that drift of the
 machine hits every row alike; the plugin's rows share one engine, which switches plans between
-rows (``moetailor_use_plan``). Before a row on another engine the run waits ``IDLE_S``: an idle vLLM
+rows (``moetailor_use_plan``). Every instance's worker is bound to the same CPUs
+(``same_cores_for_every_instance``). Before a row on another engine the run waits ``IDLE_S``: an idle vLLM
 worker busy-polls its queue for 1 s after its last step. The first round warms up; each row keeps
 its fastest of ``--repeats`` timed rounds. (Timing each configuration in its own process, one after
 another, gave stock and the plugin at full k, the same expert work, 0.64x-1.14x of each other.)
@@ -292,6 +293,20 @@ def binding(pids: set[int]) -> list[dict]:
     return out
 
 
+def same_cores_for_every_instance() -> str:
+    """The ``VLLM_CPU_OMP_THREADS_BIND`` every engine of the run gets: the CPUs vLLM's automatic
+    binding gives a colocated instance (all but the last, which it reserves for the scheduler
+    process), unless the caller set one. Why: the automatic binding reserves one more core for an
+    instance with a KV connector, and when the machine has no core left to reserve it reserves
+    none, so on 2 cores the pair's workers bound both cores and every other instance one
+    (read from the workers' thread affinities: 1.8-1.9x of the pair's 'speed-up' was that)."""
+    given = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if given and given != "auto":
+        return given
+    cpus = sorted(os.sched_getaffinity(0))
+    return ",".join(map(str, cpus[:-1] if len(cpus) > 1 else cpus))
+
+
 def start_engines(spec: dict, rows: list[Row]) -> dict:
     """Every engine the rows need, alive together: name -> (LLM that decodes, instances to shut down)."""
     import tempfile
@@ -309,6 +324,9 @@ def start_engines(spec: dict, rows: list[Row]) -> dict:
                   enable_prefix_caching=False)  # every configuration recomputes its prompts
     needed = {row.engine for row in rows}
     engines = {}
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = same_cores_for_every_instance()   # read by each engine process
+    print(f"[binding] every instance's worker on CPUs {os.environ['VLLM_CPU_OMP_THREADS_BIND']}", file=sys.stderr,
+          flush=True)
     seen = _descendants()
 
     def log_binding(name: str) -> None:

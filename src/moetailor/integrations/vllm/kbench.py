@@ -2,12 +2,16 @@
 vLLM's FIFO scheduler against the k-aware one (``scheduler.KAwareScheduler``), in one run.
 
 The trace: N requests submitted at once, budgets cycling through ``--budgets`` in arrival order (so
-FIFO mixes them in every step), ``--new-tokens`` each, greedy, random prompts. Per N and scheduler
-(each in its own process, one after the other, the fastest of ``--repeats`` timed runs after a
-warm-up): machine tokens/s = N * new tokens / wall seconds of the whole trace (prefill included);
-per-user decode tokens/s = (new tokens - 1) / (last token - first token) of each request, reported
-as the median and the 10th percentile (the slowest users). The SLO table gives the best machine
-tokens/s among the N whose 10th-percentile user still meets ``--slo``.
+FIFO mixes them in every step), at most ``--max-num-seqs`` running at once (a longer trace queues,
+and the order of admission is what the k-aware scheduler's tiers change), ``--new-tokens`` each, greedy, random prompts. Both engines are alive
+in one process and timed in turn, the order swapping every round (the first round warms up), so that
+drift of the machine hits both alike (timing each in its own process one after the other moved FIFO
+by 19-23% between runs). Per N and scheduler, the fastest of ``--repeats`` timed rounds: machine
+tokens/s = N * new tokens / wall seconds of the whole trace (prefill included); per-user decode
+tokens/s = (new tokens - 1) / (last token - first token) of each request, reported as the median and
+the 10th percentile (the slowest users). The SLO table gives the best machine tokens/s among the N
+whose 10th-percentile user still meets ``--slo``. ``--experts-kernel`` runs both engines on
+moetailor's experts kernel, which skips the routes a budget drops (vLLM's multiplies them at weight 0).
 """
 from __future__ import annotations
 
@@ -34,6 +38,10 @@ def register_bench(bsub, common) -> None:
     q.add_argument("--schedule", default="tiers+lanes", help="the k-aware scheduler's mode (lanes, tiers, tiers+lanes)")
     q.add_argument("--repeats", type=int, default=2)
     q.add_argument("--slo", type=float, default=10.0, help="per-user decode tokens/s the slowest 10%% must reach")
+    q.add_argument("--max-num-seqs", type=int, default=8,
+                   help="requests per step; a trace longer than this queues, and admission order (tiers) matters")
+    q.add_argument("--experts-kernel", action="store_true",
+                   help="both engines on moetailor's experts kernel (skips the routes a budget drops)")
     common(q, "build/bench/vllm-k", quick=False)
     q.set_defaults(func=run)
 
@@ -83,19 +91,18 @@ def run(args) -> int:
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [max(1, full // 4), full]
     if any(not 1 <= b <= full for b in budgets):
         raise ValueError(f"--budgets {budgets} must lie in [1, {full}] (the split routes {full} sub-experts per token)")
-    results = {}
-    for sched in SCHEDULERS:
-        cmd = [sys.executable, "-m", "moetailor.integrations.vllm.kbench", sched, str(split), args.requests,
-               ",".join(map(str, budgets)), str(args.prompt_tokens), str(args.new_tokens), args.dtype, args.schedule,
-               str(args.repeats), str(args.out)]
-        print(f"[{sched}] starting", flush=True)
-        out = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True)
-        line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-        if out.returncode != 0 or not line:
-            raise RuntimeError(f"{sched} run failed (exit {out.returncode}): {out.stderr[-2000:]}")
-        results[sched] = json.loads(line[-1][len("RESULT "):])
+    spec = {"split": str(split), "requests": args.requests, "budgets": budgets, "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens, "dtype": args.dtype, "schedule": args.schedule, "repeats": args.repeats,
+            "experts_kernel": bool(args.experts_kernel), "max_num_seqs": args.max_num_seqs}
+    cmd = [sys.executable, "-m", "moetailor.integrations.vllm.kbench", json.dumps(spec)]
+    out = subprocess.run(cmd, env=dict(os.environ), stdout=subprocess.PIPE, text=True)  # progress on stderr
+    line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    if out.returncode != 0 or not line:
+        raise RuntimeError(f"the benchmark's worker failed (exit {out.returncode}); its log is above")
+    results = json.loads(line[-1][len("RESULT "):])
     report = {"split": str(split), "budgets": budgets, "full_budget": full, "schedule": args.schedule,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "dtype": args.dtype,
+              "experts_kernel": bool(args.experts_kernel), "max_num_seqs": args.max_num_seqs,
               "results": results, "command": "moetailor " + " ".join(sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M")}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -114,7 +121,9 @@ def print_report(report: dict, slo: float) -> None:
         rows.append((n, f"{f['tok_s']:.0f}", f"{f['user_p50']:.1f}", f"{f['user_p10']:.1f}", f"{k['tok_s']:.0f}",
                      f"{k['user_p50']:.1f}", f"{k['user_p10']:.1f}", f"{k['tok_s'] / f['tok_s']:.2f}x"))
     print_table(f"vLLM, split checkpoint, budgets {report['budgets']} of {report['full_budget']} cycled, "
-                f"{report['new_tokens']} new tokens, {report['dtype']}, k-aware = {report['schedule']}",
+                f"{report['new_tokens']} new tokens, at most {report.get('max_num_seqs', 'N')} per step, {report['dtype']}, "
+                f"k-aware = {report['schedule']}"
+                + (", moetailor's experts kernel" if report.get("experts_kernel") else ""),
                 ["requests", "fifo tok/s", "user p50", "user p10", "k-aware tok/s", "user p50", "user p10",
                  "k-aware / fifo"], rows)
     at = []
@@ -124,48 +133,64 @@ def print_report(report: dict, slo: float) -> None:
     print_table(f"best machine tokens/s with the slowest 10% of users at >= {slo:g} tokens/s", ["scheduler", "tok/s"], at)
 
 
-def worker(sched, split, requests, budgets, prompt_tokens, new_tokens, dtype, schedule, repeats, out) -> dict:
-    import random
+def _trace(llm, n: int, budgets: list[int], prompts: list[list[int]], new_tokens: int) -> dict:
+    """One timed trace: n requests submitted at once, budgets cycled in arrival order."""
     import statistics
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
+    params = [SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                             extra_args={"expert_top_k": budgets[i % len(budgets)]}) for i in range(n)]
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    users = sorted((new_tokens - 1) / max(1e-9, o.metrics.last_token_ts - o.metrics.first_token_ts) for o in outs)
+    return {"wall_s": wall, "tok_s": n * new_tokens / wall, "user_p50": statistics.median(users),
+            "user_p10": users[max(0, int(0.1 * len(users)) - 1)] if len(users) >= 10 else users[0]}
+
+
+def worker(spec: dict) -> dict:
+    """Both schedulers' engines alive in this process, timed in turn, the order swapping every round."""
+    import random
+
+    from transformers import AutoConfig
+    from vllm import LLM
+
+    from .bench import IDLE_S
     from .launch import engine_kwargs
     from .scheduler import scheduler_kwargs
 
-    ns = [int(n) for n in requests.split(",")]
-    ks = [int(b) for b in budgets.split(",")]
-    extra = scheduler_kwargs(schedule) if sched == "k-aware" else {}
-    llm = LLM(**engine_kwargs(split, dtype=dtype, kv_cache_mib=1024, max_num_seqs=max(ns),
-                              max_model_len=prompt_tokens + new_tokens + 8,
-                              max_num_batched_tokens=max(2048, max(ns) * prompt_tokens), enable_prefix_caching=False,
-                              disable_log_stats=False, **extra))
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(split, local_files_only=True).vocab_size
+    ns = [int(n) for n in spec["requests"].split(",")]
+    common = dict(dtype=spec["dtype"], kv_cache_mib=1024, max_num_seqs=spec["max_num_seqs"],
+                  experts_kernel=spec["experts_kernel"],
+                  max_model_len=spec["prompt_tokens"] + spec["new_tokens"] + 8, enable_prefix_caching=False,
+                  max_num_batched_tokens=max(2048, max(ns) * spec["prompt_tokens"]), disable_log_stats=False)
+    engines = {}
+    for sched in SCHEDULERS:
+        kwargs = engine_kwargs(spec["split"], **common)
+        if sched == "k-aware":   # merged: the experts kernel's switch lives in additional_config too
+            kwargs.update(scheduler_kwargs(spec["schedule"], additional_config=kwargs.get("additional_config")))
+        engines[sched] = LLM(**kwargs)
+    vocab = AutoConfig.from_pretrained(spec["split"], local_files_only=True).vocab_size
     rng = random.Random(0)
-    results = {}
+    results: dict[str, dict] = {sched: {} for sched in SCHEDULERS}
     for n in ns:
-        best = None
-        for rep in range(repeats + 1):   # the first run warms up
-            prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_tokens)]} for _ in range(n)]
-            params = [SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
-                                     extra_args={"expert_top_k": ks[i % len(ks)]}) for i in range(n)]
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - start
-            users = sorted((new_tokens - 1) / max(1e-9, o.metrics.last_token_ts - o.metrics.first_token_ts)
-                           for o in outs)
-            row = {"wall_s": wall, "tok_s": n * new_tokens / wall, "user_p50": statistics.median(users),
-                   "user_p10": users[max(0, int(0.1 * len(users)) - 1)] if len(users) >= 10 else users[0]}
-            if rep and (best is None or row["wall_s"] < best["wall_s"]):
-                best = row
-        results[str(n)] = best
-    llm.llm_engine.engine_core.shutdown()
+        for rnd in range(spec["repeats"] + 1):   # round 0 warms up
+            prompts = [[rng.randrange(3, vocab) for _ in range(spec["prompt_tokens"])] for _ in range(n)]
+            order = SCHEDULERS if rnd % 2 == 0 else SCHEDULERS[::-1]
+            for sched in order:
+                time.sleep(IDLE_S)   # the other engine's worker busy-polls for 1 s after its last step
+                row = _trace(engines[sched], n, spec["budgets"], prompts, spec["new_tokens"])
+                best = results[sched].get(str(n))
+                if rnd and (best is None or row["wall_s"] < best["wall_s"]):
+                    results[sched][str(n)] = row
+            print(f"[N={n}] round {rnd}: " + ", ".join(f"{s} {results[s][str(n)]['tok_s']:.0f} tok/s"
+                                                    for s in SCHEDULERS if str(n) in results[s]),
+                  file=sys.stderr, flush=True)
+    for llm in engines.values():
+        llm.llm_engine.engine_core.shutdown()
     return results
 
 
 if __name__ == "__main__":
-    a = sys.argv[1:]
-    res = worker(a[0], a[1], a[2], a[3], int(a[4]), int(a[5]), a[6], a[7], int(a[8]), a[9])
-    print("RESULT " + json.dumps(res), flush=True)
+    print("RESULT " + json.dumps(worker(json.loads(sys.argv[1]))), flush=True)
