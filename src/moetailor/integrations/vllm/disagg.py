@@ -37,6 +37,25 @@ def check_pair(model: str | Path, decode_model: str | Path) -> None:
                          f"{side['source_model'].get('router_hash')} vs {full['router_hash']}); prune this model")
 
 
+def pair_core_binding(cpus: list[int] | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """Environment for the prefill and the decode instance of a served pair: their workers on
+    disjoint halves of this process's CPUs (``VLLM_CPU_OMP_THREADS_BIND``), or nothing where the
+    caller set a binding. Why: vLLM's automatic binding picks the same cores for every instance it
+    starts (one NUMA node's cores, less the ones it reserves; with a KV connector on a small machine
+    it reserves none and binds them all), so the two instances' OpenMP threads would spin on the
+    same cores whenever both are busy."""
+    import os
+
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return {}, {}
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return {}, {}
+    half = len(cpus) // 2
+    return ({"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus[:half]))},
+            {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus[half:]))})
+
+
 # The decode instance runs eager by default. On vLLM 0.32's CPU backend in its traced mode
 # (DYNAMO_TRACE_ONCE), a decode instance with the plugin loaded, serving requests whose prompt KV
 # the connector loaded, died on 5 of 9 starts (scripts/vllm_pair_crash.py, 2026-12-02): a segfault

@@ -105,13 +105,14 @@ def run(args) -> int:
 
 
 def run_pair(args, name: str) -> int:
-    from .disagg import pair_kwargs
+    from .disagg import pair_core_binding, pair_kwargs
 
     storage = tempfile.mkdtemp(prefix="moetailor-kv-")
     prefill, decode = pair_kwargs(args.model, args.decode_model, storage, **common_kwargs(args))
     ports = (args.port + 1, args.port + 2)
-    procs = [subprocess.Popen(vllm_command(kw, "127.0.0.1", p, name), start_new_session=True)
-             for kw, p in zip((prefill, decode), ports)]
+    procs = [subprocess.Popen(vllm_command(kw, "127.0.0.1", p, name), env={**os.environ, **binding},
+                              start_new_session=True)
+             for kw, p, binding in zip((prefill, decode), ports, pair_core_binding())]
     try:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         wait_healthy(urls, procs, timeout=900)

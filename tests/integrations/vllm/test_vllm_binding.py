@@ -1,5 +1,6 @@
-"""`bench vllm`'s core binding: every instance's worker gets the same CPUs (vLLM's automatic binding
-gives an instance with a KV connector more cores than a colocated one on a small machine)."""
+"""Core binding of vLLM instances: in `bench vllm` every instance's worker gets the same CPUs (vLLM's
+automatic binding gives an instance with a KV connector more cores than a colocated one on a small
+machine), and a served pair's two instances get disjoint ones."""
 from __future__ import annotations
 
 import os
@@ -22,3 +23,15 @@ def test_binding_reads_each_threads_cpus():
     mine = binding({os.getpid()})
     assert len(mine) == 1 and mine[0]["pid"] == os.getpid()
     assert sum(mine[0]["threads_by_cpus"].values()) == len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+def test_a_served_pair_gets_disjoint_cores_unless_the_caller_bound_them(monkeypatch):
+    from moetailor.integrations.vllm.disagg import pair_core_binding
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert pair_core_binding([0, 1]) == ({"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    prefill, decode = pair_core_binding([3, 0, 2, 1, 5])
+    assert prefill["VLLM_CPU_OMP_THREADS_BIND"] == "0,1" and decode["VLLM_CPU_OMP_THREADS_BIND"] == "2,3,5"
+    assert pair_core_binding([0]) == ({}, {})
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")
+    assert pair_core_binding([0, 1, 2, 3]) == ({}, {})
