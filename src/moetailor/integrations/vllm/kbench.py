@@ -3,8 +3,8 @@ vLLM's FIFO scheduler against the k-aware one (``scheduler.KAwareScheduler``), i
 
 The trace: N requests submitted at once, budgets cycling through ``--budgets`` in arrival order (so
 FIFO mixes them in every step), at most ``--max-num-seqs`` running at once (a longer trace queues,
-and the order of admission is what the k-aware scheduler's tiers change), ``--new-tokens`` each, greedy, random prompts. Both engines are alive
-in one process and timed in turn, the order swapping every round (the first round warms up), so that
+and the order of admission is what the k-aware scheduler's tiers change), ``--new-tokens`` each,
+greedy, random prompts. Both engines are alive in one process and timed in turn, the order swapping every round (the first round warms up), so that
 drift of the machine hits both alike (timing each in its own process one after the other moved FIFO
 by 19-23% between runs). Per N and scheduler, the fastest of ``--repeats`` timed rounds: machine
 tokens/s = N * new tokens / wall seconds of the whole trace (prefill included); per-user decode
@@ -121,8 +121,8 @@ def print_report(report: dict, slo: float) -> None:
         rows.append((n, f"{f['tok_s']:.0f}", f"{f['user_p50']:.1f}", f"{f['user_p10']:.1f}", f"{k['tok_s']:.0f}",
                      f"{k['user_p50']:.1f}", f"{k['user_p10']:.1f}", f"{k['tok_s'] / f['tok_s']:.2f}x"))
     print_table(f"vLLM, split checkpoint, budgets {report['budgets']} of {report['full_budget']} cycled, "
-                f"{report['new_tokens']} new tokens, at most {report.get('max_num_seqs', 'N')} per step, {report['dtype']}, "
-                f"k-aware = {report['schedule']}"
+                f"{report['new_tokens']} new tokens, at most {report.get('max_num_seqs', 'N')} per step, "
+                f"{report['dtype']}, k-aware = {report['schedule']}"
                 + (", moetailor's experts kernel" if report.get("experts_kernel") else ""),
                 ["requests", "fifo tok/s", "user p50", "user p10", "k-aware tok/s", "user p50", "user p10",
                  "k-aware / fifo"], rows)
