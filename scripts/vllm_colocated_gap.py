@@ -50,7 +50,8 @@ def main() -> None:
                   max_model_len=48 + args.new_tokens + 8, max_num_batched_tokens=max(2048, 48 * max(args.batch)),
                   disable_log_stats=True, enable_prefix_caching=False)
     engines, pids = {}, {}
-    for name, kwargs in (("masked 50%", engine_kwargs(args.out / "synthetic", decode_plan=args.out / "plan.json", **common)),
+    masked = engine_kwargs(args.out / "synthetic", decode_plan=args.out / "plan.json", **common)
+    for name, kwargs in (("masked 50%", masked),
                          ("pruned", engine_kwargs(args.out / "pruned", **common))):
         before = _descendants()
         engines[name] = LLM(**kwargs)

@@ -4,8 +4,8 @@ vLLM's FIFO scheduler against the k-aware one (``scheduler.KAwareScheduler``), i
 The trace: N requests submitted at once, budgets cycling through ``--budgets`` in arrival order (so
 FIFO mixes them in every step), at most ``--max-num-seqs`` running at once (a longer trace queues,
 and the order of admission is what the k-aware scheduler's tiers change), ``--new-tokens`` each,
-greedy, random prompts. Both engines are alive in one process and timed in turn, the order swapping every round (the first round warms up), so that
-drift of the machine hits both alike (timing each in its own process one after the other moved FIFO
+greedy, random prompts. Both engines are alive in one process and timed in turn, the order swapping
+every round (the first round warms up), so that drift of the machine hits both alike (timing each in its own process one after the other moved FIFO
 by 19-23% between runs). Per N and scheduler, the fastest of ``--repeats`` timed rounds: machine
 tokens/s = N * new tokens / wall seconds of the whole trace (prefill included); per-user decode
 tokens/s = (new tokens - 1) / (last token - first token) of each request, reported as the median and
