@@ -97,9 +97,9 @@ def test_a_bf16_linear_in_a_decode_step_runs_the_native_op_and_rounds_once(rows)
     x = torch.randn(rows, 64).bfloat16()
     calls = []
 
-    def kernel(rows, weight):
+    def kernel(rows, weight, bias=None):
         calls.append((rows.dtype, weight.dtype))
-        return kernels.rows_linear()(rows, weight)
+        return kernels.rows_linear()(rows, weight, bias)
 
     with running(Step(is_prefill=False, linear_kernel=kernel)):
         y = layer(x)

@@ -83,7 +83,9 @@ def test_kernels_are_torch_ops_with_fake_implementations():
     opcheck(torch.ops.moetailor.paged_decode_attention.default,
             (torch.randn(2, 4, 16), k_cache, v_cache, torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 8]), 4, 0.25))
     opcheck(torch.ops.moetailor.rows_linear.default, (torch.randn(3, 32), torch.randn(40, 32)))
+    opcheck(torch.ops.moetailor.rows_linear.default, (torch.randn(3, 32), torch.randn(40, 32), torch.randn(40)))
     opcheck(torch.ops.moetailor.rms_norm.default, (torch.randn(3, 40), torch.randn(40), 1e-6))
+    opcheck(torch.ops.moetailor.add_rms_norm.default, (torch.randn(3, 40), torch.randn(3, 40), torch.randn(40), 1e-6))
     cos, sin = torch.randn(2, 16), torch.randn(2, 16)
     opcheck(torch.ops.moetailor.rotary_kv_write.default, (torch.randn(2, 4, 16), torch.randn(2, 2, 16),
             torch.randn(2, 2, 16), cos, sin, k_cache, v_cache, torch.tensor([3, 9])))
@@ -97,6 +99,29 @@ def test_rows_linear_equals_torch(rows, cols, dtype):
     torch.manual_seed(rows)
     x, w = torch.randn(rows, 64), torch.randn(cols, 64).to(dtype)
     torch.testing.assert_close(kernels.rows_linear()(x, w), x @ w.float().T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 8192), (3, 50)])
+def test_rows_linear_adds_the_bias_as_torch_does(rows, cols):
+    """The bias is added to the finished sum, one rounding each: the same bits as the op, then an add."""
+    torch.manual_seed(rows)
+    x, w, b = torch.randn(rows, 64), torch.randn(cols, 64), torch.randn(cols)
+    op = kernels.rows_linear()
+    assert torch.equal(op(x, w, b), op(x, w) + b)
+    with pytest.raises(RuntimeError, match="bias: contiguous fp32"):
+        op(x, w, torch.randn(cols + 1))
+
+
+@pytest.mark.parametrize("rows,width", [(1, 256), (3, 40)])
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(rows, width):
+    """The lean decode forward fuses each residual add with the next norm; the module path adds, then
+    norms: the two must agree to the bit."""
+    torch.manual_seed(rows)
+    x, r, w = torch.randn(rows, width), torch.randn(rows, width), torch.randn(width)
+    total, normed = kernels.add_rms_norm()(x, r, w, 1e-6)
+    assert torch.equal(total, r + x) and torch.equal(normed, kernels.rms_norm()(r + x, w, 1e-6))
+    with pytest.raises(RuntimeError, match="residual: contiguous fp32"):
+        kernels.add_rms_norm()(x, r[:, :-1], w, 1e-6)
 
 
 @pytest.mark.parametrize("rows,width", [(1, 256), (12, 64), (3, 40)])

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from ..models.step import Step
+from ..routing.experts import native_experts_forward
 from .native_layers import NATIVE_LINEAR_ROWS, rms_norm
 
 FAMILIES = ("qwen2_moe", "qwen3_moe")
@@ -42,6 +43,14 @@ class Norm:
     def __call__(self, x: torch.Tensor, kernel) -> torch.Tensor:
         """The RMSNorm the module path runs (``native_layers``): the step's native op, else torch's ops."""
         return rms_norm(x, self.weight, self.eps, kernel)
+
+    def after_add(self, x: torch.Tensor, residual: torch.Tensor, kernel, add_kernel) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, its norm): the module path's residual add and next norm, in one native call
+        where the step has the norm op (the same bits: ``add_rms_norm``)."""
+        if kernel is not None and add_kernel is not None:
+            return add_kernel(x, residual, self.weight, self.eps)
+        x = x + residual
+        return x, rms_norm(x, self.weight, self.eps, kernel)
 
 
 @dataclass(frozen=True)
@@ -72,11 +81,12 @@ class LeanDecoder:
     kv_heads: int
     head_dim: int
     scaling: float
-    modules: tuple[torch.nn.Module, ...]   # every module of the model, for ``hooked``
+    hooks: tuple[dict, ...]                # every module's forward (pre-)hook dicts, for ``hooked``
     rotary_kv: object = None               # the native rotary + k/v write op, else the model's rotary and two copies
+    add_norm: object = None                # the native residual add + RMSNorm op, else an add and the norm
 
     @classmethod
-    def build(cls, model, controller, attention_kernel, rotary_kernel=None) -> "LeanDecoder | None":
+    def build(cls, model, controller, attention_kernel, rotary_kernel=None, add_norm_kernel=None) -> "LeanDecoder | None":
         """The lean decoder of ``model``, or None where it does not apply (see the module doc)."""
         cfg = model.config
         if cfg.model_type not in FAMILIES or attention_kernel is None:
@@ -113,8 +123,9 @@ class LeanDecoder:
         attn = decoder_layers(model)[0].self_attn
         return cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), head.weight, inner.rotary_emb,
                    sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
-                   cfg.num_key_value_heads, attn.head_dim, float(attn.scaling), tuple(model.modules()),
-                   rotary_kernel)
+                   cfg.num_key_value_heads, attn.head_dim, float(attn.scaling),
+                   tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)),
+                   rotary_kernel, add_norm_kernel)
 
     def hooked(self) -> bool:
         """Whether a forward (pre-)hook is registered on the model or globally: the step then runs
@@ -123,23 +134,23 @@ class LeanDecoder:
 
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return True
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+        return any(self.hooks)   # registering a hook adds to these dicts in place: one C-level pass a step
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, step: Step, controller) -> torch.Tensor:
         """One decode step: ids [B], positions [B] -> logits [B, V]. Runs inside ``running(step)``
         (the router and experts read it); writes each layer's new k/v at ``step.kv.slot_mapping``.
         Up to ``NATIVE_LINEAR_ROWS`` rows the projections run the native op, above it torch's GEMM,
-        as the module path's linear layers do (stacking rows of a weight changes no column of either)."""
+        as the module path's linear layers do (stacking rows of a weight changes no column of either).
+        Each residual add is fused with the norm after it (the next layer's, or the final one)."""
         kernel, norm, kv = step.linear_kernel, step.norm_kernel, step.kv
         linear = kernel if kernel is not None and ids.shape[0] <= NATIVE_LINEAR_ROWS else F.linear
         B, nH, nKV, D = ids.shape[0], self.heads, self.kv_heads, self.head_dim
-        x = F.embedding(ids, self.embed)                                      # [B, H]
+        x = F.embedding(ids, self.embed)                                      # [B, H] the residual stream
         cos, sin = self.rotary(x, positions[None])                            # [1, B, D] each
-        for layer in self.layers:
-            h = layer.input_norm(x, norm)                                         # [B, H]
-            qkv = linear(h, layer.qkv)                                        # [B, (nH + 2 nKV) D]
-            if layer.qkv_bias is not None:
-                qkv = qkv + layer.qkv_bias
+        h = self.layers[0].input_norm(x, norm)                                # [B, H]
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        for layer, next_norm in zip(self.layers, next_norms):
+            qkv = linear(h, layer.qkv, layer.qkv_bias)                        # [B, (nH + 2 nKV) D]
             q, k, v = qkv.split((nH * D, nKV * D, nKV * D), dim=-1)
             q, k, v = q.view(B, nH, D), k.view(B, nKV, D), v.view(B, nKV, D)
             if layer.q_norm is not None:
@@ -153,16 +164,16 @@ class LeanDecoder:
                 v_cache.index_copy_(0, kv.slot_mapping, v.to(v_cache.dtype))
                 q = q[0].transpose(0, 1).contiguous()                         # [B, nH, D]
             o = kv.native(q, k_cache, v_cache, kv.block_table, kv.context_lens, kv.block_size, self.scaling)  # [B, nH, D]
-            x = x + linear(o.reshape(B, nH * D), layer.o)                     # [B, H]
-            h = layer.post_norm(x, norm)
-            x = x + self.moe(layer, h, linear, controller)
-        return linear(self.final_norm(x, norm), self.lm_head)                       # [B, V]
+            x, h = layer.post_norm.after_add(x, linear(o.reshape(B, nH * D), layer.o), norm, self.add_norm)  # [B, H] each
+            x, h = next_norm.after_add(x, self.moe(layer, h, linear, controller, step), norm, self.add_norm)
+        return linear(h, self.lm_head)                                        # [B, V]
 
     @staticmethod
-    def moe(layer: LeanLayer, h: torch.Tensor, linear, controller) -> torch.Tensor:
-        """The sparse MoE block: routed experts (+ the sigmoid-gated shared expert)."""
+    def moe(layer: LeanLayer, h: torch.Tensor, linear, controller, step: Step) -> torch.Tensor:
+        """The sparse MoE block: routed experts (+ the sigmoid-gated shared expert). The experts run
+        the module path's native call directly (not through the module and transformers' dispatch)."""
         _, weights, index = controller._route(layer.moe, h)                   # [B, K] each
-        out = layer.moe.experts(h, index, weights)                            # [B, H]
+        out = native_experts_forward(layer.moe.experts, h, index, weights, step)   # [B, H]
         if layer.shared is None:
             return out
         gate, up = linear(h, layer.shared).chunk(2, dim=-1)                   # [B, I] each

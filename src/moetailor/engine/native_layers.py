@@ -31,8 +31,10 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if step is None or step.linear_kernel is None or x.dtype != weight.dtype or x.dtype not in NATIVE_LINEAR_DTYPES \
             or (rows > NATIVE_LINEAR_ROWS and not (x.dtype == torch.bfloat16 and not bf16_gemm_is_fast())):
         return torch.nn.functional.linear(x, weight, bias)
-    y = step.linear_kernel(x.reshape(rows, x.shape[-1]).float().contiguous(), weight)   # [rows, N] fp32
-    if bias is not None:
+    fused = bias is not None and bias.dtype == torch.float32                           # the op adds an fp32 bias
+    y = step.linear_kernel(x.reshape(rows, x.shape[-1]).float().contiguous(), weight,  # [rows, N] fp32
+                           bias if fused else None)
+    if bias is not None and not fused:
         y = y + bias
     return y.to(x.dtype).view(*x.shape[:-1], -1)                                        # [..., N]
 

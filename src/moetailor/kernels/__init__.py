@@ -88,12 +88,16 @@ def _register_fakes() -> None:
         return torch.empty_like(x)                                          # [T, H] fp32
 
     @torch.library.register_fake("moetailor::rows_linear")
-    def _(x, weight):
+    def _(x, weight, bias=None):
         return x.new_empty(x.shape[0], weight.shape[0])                     # [T, N] fp32
 
     @torch.library.register_fake("moetailor::rms_norm")
     def _(x, weight, eps):
         return torch.empty_like(x)                                          # [T, H] fp32
+
+    @torch.library.register_fake("moetailor::add_rms_norm")
+    def _(x, residual, weight, eps):
+        return torch.empty_like(x), torch.empty_like(x)                     # [T, H] fp32 each
 
     @torch.library.register_fake("moetailor::rotary_kv_write")
     def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
@@ -113,8 +117,8 @@ def swiglu_experts():
 
 
 def rows_linear():
-    """The op ``rows_linear(x [T, H] fp32, weight [N, H] fp32 or bf16) -> x @ weight.T [T, N]`` for
-    a few rows (a decode step's linear layers and LM head), or None."""
+    """The op ``rows_linear(x [T, H] fp32, weight [N, H] fp32 or bf16, bias [N] fp32 = None) ->
+    x @ weight.T + bias [T, N]`` for a few rows (a decode step's linear layers and LM head), or None."""
     ops = _module()
     return None if ops is None else ops.rows_linear
 
@@ -124,6 +128,14 @@ def rms_norm():
     in one call (a decode step's norms), or None."""
     ops = _module()
     return None if ops is None else ops.rms_norm
+
+
+def add_rms_norm():
+    """The op ``add_rms_norm(x [T, H] fp32, residual [T, H] fp32, weight [H], eps) -> (x + residual,
+    rms_norm(x + residual))``: a pre-norm layer's residual add and next norm in one call, equal to
+    the add followed by ``rms_norm`` bit for bit, or None."""
+    ops = _module()
+    return None if ops is None else ops.add_rms_norm
 
 
 def rows_linear_pays() -> bool:

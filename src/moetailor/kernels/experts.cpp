@@ -60,6 +60,8 @@ inline void tile(const float* const* a, const W* w, int j0, int cols, int depth,
     __m256 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
     for (int d = 0; d < depth; d += 8) {
+      if ((d & 15) == 0)   // the next pass's rows (contiguous after these): a prefetch never faults
+        for (int j = 0; j < PB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + PB * depth + d), _MM_HINT_T0);
       __m256 av[RB];
       for (int r = 0; r < RB; ++r) av[r] = _mm256_loadu_ps(a[r] + d);
       for (int j = 0; j < PB; ++j) {
@@ -210,16 +212,23 @@ torch::Tensor swiglu_experts(const torch::Tensor& x, const torch::Tensor& gate_u
   return out;
 }
 
-// x [T, H] fp32 (T small: a decode step's rows), weight [N, H] fp32 or bf16 -> x @ weight^T [T, N] fp32.
+// x [T, H] fp32 (T small: a decode step's rows), weight [N, H] fp32 or bf16, bias [N] fp32 or none
+// -> x @ weight^T + bias [T, N] fp32.
 // Why: at batch 1 the LM head ([1, H] x [H, V]) is the largest single read of a decode step, and the
 // library GEMM pays for packing at one row; here threads take column ranges and stream each weight
 // row once through the same register-blocked dot products the experts use.
-torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 [T, H]");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
               "weight: contiguous [N, H] with x's H");
   const int64_t rows = x.size(0), depth = x.size(1), cols = weight.size(0);
   TORCH_CHECK(depth % 16 == 0, "the hidden size must be a multiple of 16");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == cols && bias->scalar_type() == torch::kFloat32 &&
+                    bias->is_contiguous(), "bias: contiguous fp32 [N]");
+    b = bias->data_ptr<float>();
+  }
   auto out = torch::empty({rows, cols}, x.options());
   std::vector<const float*> a(rows);
   for (int64_t r = 0; r < rows; ++r) a[r] = x.data_ptr<float>() + r * depth;
@@ -232,6 +241,9 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& weight) {
     else
       rows_times_weight(a.data(), (int)rows, weight.data_ptr<at::BFloat16>() + (int64_t)j0 * depth, j1 - j0,
                         (int)depth, o + j0, (int)cols);
+    if (b != nullptr)   // the bias after the sum, as torch's linear adds it: one rounding each
+      for (int64_t r = 0; r < rows; ++r)
+        for (int j = j0; j < j1; ++j) o[r * cols + j] += b[j];
   });
   return out;
 }
