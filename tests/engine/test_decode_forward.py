@@ -41,6 +41,32 @@ def test_lean_decode_equals_the_module_path(one_thread, arch):
     assert full[0] != lean[0]          # the plan changes outputs, so the equality above can fail
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral"])
+def test_full_routing_runs_the_native_router_with_the_stock_routes(one_thread, arch):
+    """Decode steps without a plan or budgets route through the native ``router_topk`` op: the lean
+    forward still equals the module path bit for bit (both call it), and the outputs equal the stock
+    router's (torch's softmax and top-k) up to float rounding."""
+    model = tiny_model(arch, seed=5)
+    prompts = random_prompts([5, 17, 9, 3, 12], seed=5)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
+    native = LLM(model)
+    calls = []
+    op = native.runner.native_router
+    native.runner.native_router = lambda *args: calls.append(args[0].shape[0]) or op(*args)
+    got = [(o.token_ids, o.logprobs) for o in native.generate(prompts, params)]
+    assert len(calls) == 9 * len(model.model.layers)          # every decode step's every layer; no prefill
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        assert run(model, None, False, prompts, params)[0] == got
+    stock = LLM(model)
+    stock.runner.native_router = None
+    want = [(o.token_ids, o.logprobs) for o in stock.generate(prompts, params)]
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        for x, y in zip(a, b):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
 def test_the_bundled_model_decodes_through_the_lean_forward():
     llm = LLM("reference")
     assert llm.runner.lean is not None and len(llm.runner.lean.layers) == 6

@@ -15,7 +15,7 @@ from . import attention
 from ..models.step import PagedKV, Routing, Step, experts_read_buffer, read_experts, running
 from .. import kernels
 from ..routing import experts
-from ..routing.controller import RoutingController
+from ..routing.controller import RoutingController, native_router
 from .config import EngineConfig
 from .decode_forward import LeanDecoder
 from .native_layers import install_native_linears, install_native_norms
@@ -55,8 +55,10 @@ class ModelRunner:
         native = config.native_kernels and self.device.type == "cpu"
         self.native_experts = kernels.swiglu_experts() if native else None
         self.native_attention = kernels.paged_decode_attention() if native else None
-        for layer in self.controller.layers:           # which experts the native kernel runs (layout, once)
+        for layer in self.controller.layers:           # which experts and routers the native ops run (layout, once)
             layer.experts._moetailor_native = experts.native_layout(layer.experts)
+            layer.router._moetailor_native = native_router(layer)
+        self.native_router = kernels.router_topk() if native else None
         self.native_linear = kernels.rows_linear() if native and kernels.rows_linear_pays() \
             and install_native_linears(model) else None
         self.native_norm = kernels.rms_norm() if native and install_native_norms(model) else None
@@ -210,6 +212,7 @@ class ModelRunner:
                     expert_weights=None if is_prefill else self.decode_expert_weights,
                     linear_kernel=None if is_prefill else self.native_linear,
                     norm_kernel=None if is_prefill else self.native_norm,
+                    router_kernel=None if is_prefill else self.native_router,
                     experts_read=experts_read_buffer(self.num_layers, self.device))
 
     def _tensor(self, values: list) -> torch.Tensor:

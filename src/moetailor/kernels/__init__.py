@@ -91,6 +91,11 @@ def _register_fakes() -> None:
     def _(x, weight, bias=None):
         return x.new_empty(x.shape[0], weight.shape[0])                     # [T, N] fp32
 
+    @torch.library.register_fake("moetailor::router_topk")
+    def _(x, weight, k, normalise):
+        rows = x.shape[0]                                                   # logits [T, E], weights / index [T, k]
+        return x.new_empty(rows, weight.shape[0]), x.new_empty(rows, k), x.new_empty(rows, k, dtype=torch.long)
+
     @torch.library.register_fake("moetailor::rms_norm")
     def _(x, weight, eps):
         return torch.empty_like(x)                                          # [T, H] fp32
@@ -121,6 +126,14 @@ def rows_linear():
     x @ weight.T + bias [T, N]`` for a few rows (a decode step's linear layers and LM head), or None."""
     ops = _module()
     return None if ops is None else ops.rows_linear
+
+
+def router_topk():
+    """The op ``router_topk(x [T, H] fp32, weight [E, H] fp32, k, normalise) -> (logits [T, E],
+    weights [T, k], index [T, k])``: a softmax router's linear, softmax, top-k and optional
+    renormalisation in one call (a decode step's routing), or None."""
+    ops = _module()
+    return None if ops is None else ops.router_topk
 
 
 def rms_norm():

@@ -36,6 +36,16 @@ def _controlled(cls: type) -> type:
     return _SUBCLASSES[cls]
 
 
+def native_router(layer: MoeLayer) -> bool:
+    """Whether the native ``router_topk`` op computes this layer's stock routes: softmax scoring (then
+    top-k, renormalised or not) over a plain fp32 [E, H] weight with no bias, H in 16-wide vectors.
+    DeepSeek's grouped sigmoid routing keeps torch's ops."""
+    w = getattr(layer.router, "weight", None)
+    return (layer.semantics.scoring == "softmax" and layer.router_bias is None
+            and getattr(layer.router, "bias", None) is None and isinstance(w, torch.Tensor) and w.dim() == 2
+            and w.dtype == torch.float32 and w.is_contiguous() and w.shape[1] % 16 == 0)
+
+
 class RoutingController:
     """One per model. ``use(policy)`` sets the phase policy; ``observe`` adds observers."""
 
@@ -128,7 +138,12 @@ class RoutingController:
         cp = routing.policy.get(layer.index) if routing is not None else None
         token_k, k_max = (routing.token_top_k, routing.k_max) if routing is not None else (None, None)
         if cp is None and token_k is None:
-            logits, weights, index = router._moetailor_base.forward(router, hidden_states)
+            kernel = step.router_kernel if step is not None else None
+            if kernel is not None and hidden_states.dtype == torch.float32 and getattr(router, "_moetailor_native", False):
+                hidden = hidden_states.reshape(-1, hidden_states.shape[-1]).contiguous()  # [T, H]
+                logits, weights, index = kernel(hidden, router.weight, layer.top_k, layer.semantics.normalise)
+            else:
+                logits, weights, index = router._moetailor_base.forward(router, hidden_states)
         else:
             hidden = hidden_states.reshape(-1, hidden_states.shape[-1])       # [T, H]
             logits = layer.router_logits(hidden)                              # [T, E]
@@ -151,8 +166,8 @@ class RoutingController:
         """Restore the stock routers and experts implementation."""
         for layer in self.layers:
             layer.router.__class__ = layer.router._moetailor_base
-            for attr in ("_moetailor_controller", "_moetailor_layer"):
-                delattr(layer.router, attr)
+            for attr in ("_moetailor_controller", "_moetailor_layer", "_moetailor_native"):
+                layer.router.__dict__.pop(attr, None)
         if self._previous_impl is not None:
             self.model.set_experts_implementation(self._previous_impl)
         self.model._moetailor_controller = None
