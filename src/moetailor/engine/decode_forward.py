@@ -25,10 +25,25 @@ import torch.nn.functional as F
 
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from ..models.step import Step
-from ..routing.experts import native_experts_forward
+from ..routing.experts import step_weights
 from .native_layers import NATIVE_LINEAR_ROWS, rms_norm
 
 FAMILIES = ("qwen2_moe", "qwen3_moe")
+
+
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # rope types whose cos/sin depend on the position only
+
+
+def rotary_table(rotary: torch.nn.Module, like: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos, sin [positions, D] from the model's own rotary module, computed once for every position
+    (the same elementwise arithmetic as per step), or None for a rope that depends on the sequence
+    (dynamic, longrope: transformers recomputes its frequencies as the sequence grows)."""
+    kind = (getattr(rotary, "rope_type", None) or "default")
+    if positions <= 0 or kind not in STATIC_ROPE:
+        return None
+    with torch.inference_mode():
+        cos, sin = rotary(like[:1], torch.arange(positions, device=like.device)[None])   # [1, P, D] each
+    return cos[0], sin[0]
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,7 @@ class LeanDecoder:
     final_norm: Norm
     lm_head: torch.Tensor             # [V, H]
     rotary: torch.nn.Module           # the model's rotary embedding (cos, sin for positions)
+    rotary_table: tuple[torch.Tensor, torch.Tensor] | None   # its cos, sin [max_model_len, D] worked out once (static rope)
     apply_rotary: object              # the model's apply_rotary_pos_emb
     heads: int
     kv_heads: int
@@ -86,7 +102,8 @@ class LeanDecoder:
     add_norm: object = None                # the native residual add + RMSNorm op, else an add and the norm
 
     @classmethod
-    def build(cls, model, controller, attention_kernel, rotary_kernel=None, add_norm_kernel=None) -> "LeanDecoder | None":
+    def build(cls, model, controller, attention_kernel, rotary_kernel=None, add_norm_kernel=None,
+              max_model_len: int = 0) -> "LeanDecoder | None":
         """The lean decoder of ``model``, or None where it does not apply (see the module doc)."""
         cfg = model.config
         if cfg.model_type not in FAMILIES or attention_kernel is None:
@@ -122,6 +139,7 @@ class LeanDecoder:
             return None
         attn = decoder_layers(model)[0].self_attn
         return cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), head.weight, inner.rotary_emb,
+                   rotary_table(inner.rotary_emb, inner.embed_tokens.weight, max_model_len),
                    sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
                    cfg.num_key_value_heads, attn.head_dim, float(attn.scaling),
                    tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)),
@@ -146,13 +164,15 @@ class LeanDecoder:
         linear = kernel if kernel is not None and ids.shape[0] <= NATIVE_LINEAR_ROWS else F.linear
         B, nH, nKV, D = ids.shape[0], self.heads, self.kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)                                      # [B, H] the residual stream
-        cos, sin = self.rotary(x, positions[None])                            # [1, B, D] each
+        if self.rotary_table is not None:
+            cos, sin = (t[positions][None] for t in self.rotary_table)        # [1, B, D] each
+        else:
+            cos, sin = self.rotary(x, positions[None])                        # [1, B, D] each
         h = self.layers[0].input_norm(x, norm)                                # [B, H]
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         for layer, next_norm in zip(self.layers, next_norms):
-            qkv = linear(h, layer.qkv, layer.qkv_bias)                        # [B, (nH + 2 nKV) D]
-            q, k, v = qkv.split((nH * D, nKV * D, nKV * D), dim=-1)
-            q, k, v = q.view(B, nH, D), k.view(B, nKV, D), v.view(B, nKV, D)
+            qkv = linear(h, layer.qkv, layer.qkv_bias).view(B, nH + 2 * nKV, D)  # [B, nH + 2 nKV, D]
+            q, k, v = torch.split_with_sizes(qkv, (nH, nKV, nKV), dim=1)      # [B, nH | nKV | nKV, D] views
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q, norm), layer.k_norm(k, norm)
             k_cache, v_cache = kv.cache[layer.index]                          # [slots, nKV, D]
@@ -173,7 +193,9 @@ class LeanDecoder:
         """The sparse MoE block: routed experts (+ the sigmoid-gated shared expert). The experts run
         the module path's native call directly (not through the module and transformers' dispatch)."""
         _, weights, index = controller._route(layer.moe, h)                   # [B, K] each
-        out = native_experts_forward(layer.moe.experts, h, index, weights, step)   # [B, H]
+        gate_up, down = step_weights(layer.moe.experts, step)                 # [E, 2I, H], [E, H, I]
+        out = step.experts_kernel(h, gate_up, down, index.contiguous(), weights.float().contiguous(),  # [B, H]
+                                  step.experts_read, layer.index)
         if layer.shared is None:
             return out
         gate, up = linear(h, layer.shared).chunk(2, dim=-1)                   # [B, I] each

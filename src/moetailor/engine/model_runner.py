@@ -89,7 +89,8 @@ class ModelRunner:
         self._compiled = torch.compile(model, dynamic=True) if config.compile_decode else None   # decode steps
         self.lean = LeanDecoder.build(model, self.controller, self.native_attention,
                                       kernels.rotary_kv_write() if self.native_attention is not None else None,
-                                      kernels.add_rms_norm() if self.native_attention is not None else None) \
+                                      kernels.add_rms_norm() if self.native_attention is not None else None,
+                                      config.max_model_len) \
             if config.lean_decode and self._compiled is None else None
 
     def _expert_copies(self, dtype: torch.dtype | None) -> dict | None:
