@@ -83,6 +83,7 @@ class MoetailorConnector(KVConnectorBase_V1):
         # scheduler side
         self._to_load: dict[str, Request] = {}
         self._to_store: dict[str, tuple[str, list[int], int]] = {}  # req_id -> (key, block ids so far, prompt len)
+        self._loads: dict[str, int] = {}  # req_id -> times its prompt KV was loaded (more than 1: reloaded on resume)
         # worker side
         self._stored: list[str] = []
 
@@ -114,6 +115,7 @@ class MoetailorConnector(KVConnectorBase_V1):
                 request = self._to_load.pop(req.req_id)
                 n = self._loadable(request)
                 meta.transfers.append(Transfer(prompt_key(prompt[:-1]), blocks[:_blocks_for(n, self.block_size)], False))
+                self._loads[req.req_id] = self._loads.get(req.req_id, 0) + 1
             elif self.producer and prompt:
                 self._to_store[req.req_id] = (prompt_key(prompt), blocks, len(prompt))
                 done = req.num_computed_tokens + scheduler_output.num_scheduled_tokens[req.req_id]
@@ -126,6 +128,7 @@ class MoetailorConnector(KVConnectorBase_V1):
                 blocks = list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] else []
                 meta.transfers.append(Transfer(prompt_key(list(request.prompt_token_ids)[:-1]),
                                                blocks[:_blocks_for(n, self.block_size)], False))
+                self._loads[req_id] = self._loads.get(req_id, 0) + 1
             if req_id in self._to_store:
                 key, blocks, n = self._to_store[req_id]
                 if cached.new_block_ids[i]:
@@ -145,13 +148,17 @@ class MoetailorConnector(KVConnectorBase_V1):
             meta.transfers.append(Transfer(key, blocks[:_blocks_for(n, self.block_size)], True))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Frees the prompt's files on the decode instance. The request's output carries, as
+        ``kv_transfer_params={"moetailor_kv_loads": n}``, how many times its prompt KV was loaded:
+        1, plus 1 per resumption after a preemption (what lets a caller see the reload happen)."""
         self._to_store.pop(request.request_id, None)
         self._to_load.pop(request.request_id, None)
+        loads = self._loads.pop(request.request_id, 0)
         if self.consumer and not self.producer:  # the decode instance consumed the prompt's KV: free the files
             prompt = list(request.prompt_token_ids or [])
             if len(prompt) >= 2:
                 shutil.rmtree(self._folder(prompt_key(prompt[:-1])), ignore_errors=True)
-        return False, None
+        return False, ({"moetailor_kv_loads": loads} if loads else None)
 
     # ---- worker side ----------------------------------------------------------------------------
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:

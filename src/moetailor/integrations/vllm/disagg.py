@@ -81,6 +81,13 @@ def pair_kwargs(model: str | Path, decode_model: str | Path, storage: str | Path
 def generate_pair(prefill_llm, decode_llm, prompt_ids: list[list[int]], sampling) -> list[list[int]]:
     """Token ids each prompt generates: the first from the prefill instance, the rest from the decode
     instance, which receives the prompt's KV through the connector."""
+    return run_pair(prefill_llm, decode_llm, prompt_ids, sampling)[0]
+
+
+def run_pair(prefill_llm, decode_llm, prompt_ids: list[list[int]], sampling) -> tuple[list[list[int]], list]:
+    """``generate_pair``'s token ids, and each prompt's decode-instance ``RequestOutput`` (None where
+    the first token ended it): its ``kv_transfer_params`` say how often the connector loaded the
+    prompt's KV (``{"moetailor_kv_loads": n}``, more than 1 after a preemption)."""
     from vllm import SamplingParams
 
     first_params = sampling.clone()
@@ -92,10 +99,12 @@ def generate_pair(prefill_llm, decode_llm, prompt_ids: list[list[int]], sampling
         out.append([token])
         if sampling.max_tokens > 1 and first.outputs[0].finish_reason != "stop":
             pending.append((len(out) - 1, ids + [token]))
+    decoded: list = [None] * len(out)
     if pending:
         rest_params: SamplingParams = sampling.clone()
         rest_params.max_tokens = sampling.max_tokens - 1
         rest = decode_llm.generate([{"prompt_token_ids": ids} for _, ids in pending], rest_params, use_tqdm=False)
         for (i, _), r in zip(pending, rest):
             out[i] += list(r.outputs[0].token_ids)
-    return out
+            decoded[i] = r
+    return out, decoded
