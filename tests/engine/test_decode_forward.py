@@ -41,23 +41,25 @@ def test_lean_decode_equals_the_module_path(one_thread, arch):
     assert full[0] != lean[0]          # the plan changes outputs, so the equality above can fail
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral"])
-def test_full_routing_runs_the_native_router_with_the_stock_routes(one_thread, arch):
-    """Decode steps without a plan or budgets route through the native ``router_topk`` op: the lean
-    forward still equals the module path bit for bit (both call it), and the outputs equal the stock
-    router's (torch's softmax and top-k) up to float rounding."""
+@pytest.mark.parametrize("arch,masked", [("qwen2_moe", False), ("qwen3_moe", False), ("olmoe", False),
+                                         ("mixtral", False), ("qwen2_moe", True)])
+def test_decode_steps_run_the_native_router_with_the_stock_routes(one_thread, arch, masked):
+    """Decode steps route through the native ``softmax_topk`` op (logits through the step's linear
+    op): the lean forward still equals the module path bit for bit (both call it), and the outputs
+    equal the stock router's (torch's linear, softmax and top-k) up to float rounding."""
     model = tiny_model(arch, seed=5)
+    plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 2, 3, 5), pool_mode="mask")) if masked else None
     prompts = random_prompts([5, 17, 9, 3, 12], seed=5)
     params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
-    native = LLM(model)
+    native = LLM(model, plan)
     calls = []
     op = native.runner.native_router
     native.runner.native_router = lambda *args: calls.append(args[0].shape[0]) or op(*args)
     got = [(o.token_ids, o.logprobs) for o in native.generate(prompts, params)]
     assert len(calls) == 9 * len(model.model.layers)          # every decode step's every layer; no prefill
     if arch in ("qwen2_moe", "qwen3_moe"):
-        assert run(model, None, False, prompts, params)[0] == got
-    stock = LLM(model)
+        assert run(model, plan, False, prompts, params)[0] == got
+    stock = LLM(model, plan)
     stock.runner.native_router = None
     want = [(o.token_ids, o.logprobs) for o in stock.generate(prompts, params)]
     assert [t for t, _ in got] == [t for t, _ in want]

@@ -85,7 +85,8 @@ def test_kernels_are_torch_ops_with_fake_implementations():
     opcheck(torch.ops.moetailor.rows_linear.default, (torch.randn(3, 32), torch.randn(40, 32)))
     opcheck(torch.ops.moetailor.rows_linear.default, (torch.randn(3, 32), torch.randn(40, 32), torch.randn(40)))
     opcheck(torch.ops.moetailor.rms_norm.default, (torch.randn(3, 40), torch.randn(40), 1e-6))
-    opcheck(torch.ops.moetailor.router_topk.default, (torch.randn(3, 32), torch.randn(16, 32), 4, True))
+    opcheck(torch.ops.moetailor.softmax_topk.default, (torch.randn(3, 16), 4, True))
+    opcheck(torch.ops.moetailor.softmax_topk.default, (torch.randn(3, 16), 4, False, torch.rand(16) < 0.7))
     opcheck(torch.ops.moetailor.add_rms_norm.default, (torch.randn(3, 40), torch.randn(3, 40), torch.randn(40), 1e-6))
     cos, sin = torch.randn(2, 16), torch.randn(2, 16)
     opcheck(torch.ops.moetailor.rotary_kv_write.default, (torch.randn(2, 4, 16), torch.randn(2, 2, 16),
@@ -188,25 +189,29 @@ def test_rotary_kv_write_equals_transformers_bit_for_bit(batch, heads, kv_heads,
         kernels.rotary_kv_write()(q, k, v, cos, sin, k_cache, v_cache, slots + 64)
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("normalise", [True, False])
 @pytest.mark.parametrize("rows,experts,k", [(1, 64, 8), (5, 60, 4), (3, 8, 8)])
-def test_router_topk_equals_the_stock_softmax_router(rows, experts, k, normalise):
-    """A decode step's routing in one op: the same experts, sorted, and weights within float rounding
-    of torch's linear -> softmax -> topk (-> renormalise); the logits are rows_linear's bit for bit."""
+def test_softmax_topk_equals_the_stock_softmax_router(rows, experts, k, normalise, masked):
+    """A decode step's selection in one op: the same experts, sorted, and weights within float
+    rounding of torch's (masked_fill ->) softmax -> topk (-> renormalise), as ``routing.select``."""
     torch.manual_seed(rows + experts)
-    x, w = torch.randn(rows, 64), torch.randn(experts, 64) / 8
-    logits, weights, index = kernels.router_topk()(x, w, k, normalise)
-    probs = torch.softmax(x @ w.T, dim=-1)
-    want_w, want_i = probs.topk(k, dim=-1)
+    logits = torch.randn(rows, experts)
+    allowed = None
+    if masked:
+        allowed = torch.zeros(experts, dtype=torch.bool)
+        allowed[torch.randperm(experts)[:max(k, experts // 2)]] = True
+    weights, index = kernels.softmax_topk()(logits, k, normalise, allowed)
+    z = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+    want_w, want_i = torch.softmax(z, dim=-1).topk(k, dim=-1)
     if normalise:
         want_w = want_w / want_w.sum(-1, keepdim=True)
-    assert torch.equal(logits, kernels.rows_linear()(x, w)) and torch.equal(index, want_i)
+    assert torch.equal(index, want_i)
     torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
     with pytest.raises(RuntimeError, match="k must be in"):
-        kernels.router_topk()(x, w, experts + 1, normalise)
+        kernels.softmax_topk()(logits, experts + 1, normalise)
 
 
-def test_router_topk_breaks_ties_toward_the_lower_expert():
-    x, w = torch.ones(1, 16), torch.zeros(4, 16)                             # every expert scores the same
-    _, weights, index = kernels.router_topk()(x, w, 2, False)
-    assert index.tolist() == [[0, 1]] and torch.allclose(weights, torch.full((1, 2), 0.25))
+def test_softmax_topk_breaks_ties_toward_the_lower_expert():
+    _, index = kernels.softmax_topk()(torch.zeros(1, 4), 2, False)        # every expert scores the same
+    assert index.tolist() == [[0, 1]]

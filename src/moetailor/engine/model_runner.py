@@ -58,7 +58,7 @@ class ModelRunner:
         for layer in self.controller.layers:           # which experts and routers the native ops run (layout, once)
             layer.experts._moetailor_native = experts.native_layout(layer.experts)
             layer.router._moetailor_native = native_router(layer)
-        self.native_router = kernels.router_topk() if native else None
+        self.native_router = kernels.softmax_topk() if native else None
         self.native_linear = kernels.rows_linear() if native and kernels.rows_linear_pays() \
             and install_native_linears(model) else None
         self.native_norm = kernels.rms_norm() if native and install_native_norms(model) else None

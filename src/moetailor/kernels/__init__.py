@@ -91,10 +91,10 @@ def _register_fakes() -> None:
     def _(x, weight, bias=None):
         return x.new_empty(x.shape[0], weight.shape[0])                     # [T, N] fp32
 
-    @torch.library.register_fake("moetailor::router_topk")
-    def _(x, weight, k, normalise):
-        rows = x.shape[0]                                                   # logits [T, E], weights / index [T, k]
-        return x.new_empty(rows, weight.shape[0]), x.new_empty(rows, k), x.new_empty(rows, k, dtype=torch.long)
+    @torch.library.register_fake("moetailor::softmax_topk")
+    def _(logits, k, normalise, allowed=None):
+        rows = logits.shape[0]                                              # weights / index [T, k]
+        return logits.new_empty(rows, k), logits.new_empty(rows, k, dtype=torch.long)
 
     @torch.library.register_fake("moetailor::rms_norm")
     def _(x, weight, eps):
@@ -128,12 +128,12 @@ def rows_linear():
     return None if ops is None else ops.rows_linear
 
 
-def router_topk():
-    """The op ``router_topk(x [T, H] fp32, weight [E, H] fp32, k, normalise) -> (logits [T, E],
-    weights [T, k], index [T, k])``: a softmax router's linear, softmax, top-k and optional
-    renormalisation in one call (a decode step's routing), or None."""
+def softmax_topk():
+    """The op ``softmax_topk(logits [T, E] fp32, k, normalise, allowed [E] bool = None) -> (weights
+    [T, k], index [T, k])``: softmax (over the allowed experts), top-k and optional renormalisation
+    in one call (a decode step's routing under a plan or budgets), or None."""
     ops = _module()
-    return None if ops is None else ops.router_topk
+    return None if ops is None else ops.softmax_topk
 
 
 def rms_norm():

@@ -11,8 +11,8 @@ at::Tensor swiglu_experts(const at::Tensor& x, const at::Tensor& gate_up, const 
                              const at::Tensor& index, const at::Tensor& weight, at::Tensor& experts_read,
                              int64_t layer);
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> router_topk(const at::Tensor& x, const at::Tensor& weight, int64_t k,
-                                                           bool normalise);
+std::tuple<at::Tensor, at::Tensor> softmax_topk(const at::Tensor& logits, int64_t k, bool normalise,
+                                                const c10::optional<at::Tensor>& allowed);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                               const at::Tensor& weight, double eps);
@@ -27,7 +27,7 @@ TORCH_LIBRARY(moetailor, m) {
   m.def("swiglu_experts(Tensor x, Tensor gate_up, Tensor down, Tensor index, Tensor weight, "
         "Tensor(a!) experts_read, int layer) -> Tensor");
   m.def("rows_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
-  m.def("router_topk(Tensor x, Tensor weight, int k, bool normalise) -> (Tensor, Tensor, Tensor)");
+  m.def("softmax_topk(Tensor logits, int k, bool normalise, Tensor? allowed=None) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor lengths, "
@@ -39,7 +39,7 @@ TORCH_LIBRARY(moetailor, m) {
 TORCH_LIBRARY_IMPL(moetailor, CPU, m) {
   m.impl("swiglu_experts", &swiglu_experts);
   m.impl("rows_linear", &rows_linear);
-  m.impl("router_topk", &router_topk);
+  m.impl("softmax_topk", &softmax_topk);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("paged_decode_attention", &paged_decode_attention);

@@ -249,44 +249,57 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& weight, c
   return out;
 }
 
-// A softmax router's decode step in one call: logits = x @ weight^T (the same dot products as
-// rows_linear), probabilities = softmax(logits), the k largest (sorted, the lower expert first on a
-// tie), optionally renormalised to sum to 1. Why: through torch that is six ops per layer (linear,
-// softmax, topk, sum, div, cast), each costing more than its arithmetic at batch 1.
-// x [T, H] fp32, weight [E, H] fp32 -> (logits [T, E], weights [T, k] fp32, index [T, k] int64).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> router_topk(const torch::Tensor& x, const torch::Tensor& weight,
-                                                                    int64_t k, bool normalise) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 [T, H]");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() &&
-                  weight.size(1) == x.size(1), "weight: contiguous fp32 [E, H] with x's H");
-  const int64_t rows = x.size(0), depth = x.size(1), experts = weight.size(0);
-  TORCH_CHECK(depth % 16 == 0, "the hidden size must be a multiple of 16");
-  TORCH_CHECK(k >= 1 && k <= experts, "k must be in [1, number of experts]");
-  auto logits = torch::empty({rows, experts}, x.options());
-  auto weights = torch::empty({rows, k}, x.options());
-  auto index = torch::empty({rows, k}, x.options().dtype(torch::kInt64));
-  std::vector<const float*> a(rows);
-  for (int64_t r = 0; r < rows; ++r) a[r] = x.data_ptr<float>() + r * depth;
-  rows_times_weight(a.data(), (int)rows, weight.data_ptr<float>(), (int)experts, (int)depth, logits.data_ptr<float>(),
-                    (int)experts);
+namespace {
+
+// softmax -> top-k (sorted, the lower expert first on a tie) -> optional renormalisation, per row of
+// logits [rows, E]; experts outside `allowed` (a [E] bool mask, or none) get probability 0, as
+// torch's masked_fill(-inf) then softmax gives them.
+void softmax_topk_rows(const float* logits, int64_t rows, int64_t experts, int64_t k, bool normalise,
+                       const bool* allowed, float* weights, int64_t* index) {
   std::vector<float> probs(experts);
   std::vector<int64_t> order(experts);
   for (int64_t r = 0; r < rows; ++r) {
-    const float* l = logits.data_ptr<float>() + r * experts;
-    float top = l[0], total = 0.f;
-    for (int64_t e = 1; e < experts; ++e) top = std::max(top, l[e]);
-    for (int64_t e = 0; e < experts; ++e) total += (probs[e] = std::exp(l[e] - top));
+    const float* l = logits + r * experts;
+    float top = -INFINITY, total = 0.f;
+    for (int64_t e = 0; e < experts; ++e)
+      if (allowed == nullptr || allowed[e]) top = std::max(top, l[e]);
+    for (int64_t e = 0; e < experts; ++e)
+      total += (probs[e] = allowed == nullptr || allowed[e] ? std::exp(l[e] - top) : 0.f);
     for (int64_t e = 0; e < experts; ++e) probs[e] /= total;
     for (int64_t e = 0; e < experts; ++e) order[e] = e;
     std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t i, int64_t j) {
       return probs[i] > probs[j] || (probs[i] == probs[j] && i < j);
     });
-    float* w = weights.data_ptr<float>() + r * k;
-    int64_t* ix = index.data_ptr<int64_t>() + r * k;
+    float* w = weights + r * k;
+    int64_t* ix = index + r * k;
     float kept = 0.f;
     for (int64_t j = 0; j < k; ++j) kept += (w[j] = probs[ix[j] = order[j]]);
     if (normalise)
       for (int64_t j = 0; j < k; ++j) w[j] /= kept;
   }
-  return {logits, weights, index};
+}
+
+}  // namespace
+
+// A softmax router's routes from its logits [T, E] fp32 in one call, optionally over the `allowed`
+// experts [E] bool only (a masked pool) -> (weights [T, k] fp32, index [T, k] int64). Why: through
+// torch that is four to six ops per layer (mask, softmax, topk, sum, div), each costing more than
+// its arithmetic in a decode step.
+std::tuple<torch::Tensor, torch::Tensor> softmax_topk(const torch::Tensor& logits, int64_t k, bool normalise,
+                                                      const c10::optional<torch::Tensor>& allowed) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
+              "logits: contiguous fp32 [T, E]");
+  const int64_t rows = logits.size(0), experts = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= experts, "k must be in [1, number of experts]");
+  const bool* mask = nullptr;
+  if (allowed.has_value()) {
+    TORCH_CHECK(allowed->dim() == 1 && allowed->size(0) == experts && allowed->scalar_type() == torch::kBool &&
+                    allowed->is_contiguous(), "allowed: contiguous bool [E]");
+    mask = allowed->data_ptr<bool>();
+  }
+  auto weights = torch::empty({rows, k}, logits.options());
+  auto index = torch::empty({rows, k}, logits.options().dtype(torch::kInt64));
+  softmax_topk_rows(logits.data_ptr<float>(), rows, experts, k, normalise, mask, weights.data_ptr<float>(),
+                    index.data_ptr<int64_t>());
+  return {weights, index};
 }

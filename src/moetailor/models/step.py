@@ -64,7 +64,7 @@ class Step:
     expert_weights: Mapping[int, tuple] | None = None  # MoE layer -> (gate_up, down) instead of the model's
     linear_kernel: Callable | None = None     # a native op for linear layers of a few rows (engine decode steps)
     norm_kernel: Callable | None = None       # a native op for RMSNorm (engine decode steps)
-    router_kernel: Callable | None = None     # a native op for a softmax router's full routes (engine decode steps)
+    router_kernel: Callable | None = None     # a native op for a softmax router's top-k selection (engine decode steps)
     # outputs, written in place by the forward
     experts_read: torch.Tensor | None = None  # [num layers] int64: distinct experts read (-1 = not a MoE layer)
     probe: dict | None = None                 # shape probe: attention layer -> (k shape, v shape, dtype)

@@ -37,9 +37,10 @@ def _controlled(cls: type) -> type:
 
 
 def native_router(layer: MoeLayer) -> bool:
-    """Whether the native ``router_topk`` op computes this layer's stock routes: softmax scoring (then
-    top-k, renormalised or not) over a plain fp32 [E, H] weight with no bias, H in 16-wide vectors.
-    DeepSeek's grouped sigmoid routing keeps torch's ops."""
+    """Whether engine decode steps route this layer natively (logits through the step's linear op,
+    selection through ``softmax_topk``): softmax scoring (then top-k, renormalised or not) over a
+    plain fp32 [E, H] weight with no bias, H in 16-wide vectors. DeepSeek's grouped sigmoid routing
+    keeps torch's ops."""
     w = getattr(layer.router, "weight", None)
     return (layer.semantics.scoring == "softmax" and layer.router_bias is None
             and getattr(layer.router, "bias", None) is None and isinstance(w, torch.Tensor) and w.dim() == 2
@@ -137,23 +138,24 @@ class RoutingController:
         routing = step.routing if step is not None else None
         cp = routing.policy.get(layer.index) if routing is not None else None
         token_k, k_max = (routing.token_top_k, routing.k_max) if routing is not None else (None, None)
-        if cp is None and token_k is None:
-            kernel = step.router_kernel if step is not None else None
-            if kernel is not None and hidden_states.dtype == torch.float32 and getattr(router, "_moetailor_native", False):
-                hidden = hidden_states.reshape(-1, hidden_states.shape[-1]).contiguous()  # [T, H]
-                logits, weights, index = kernel(hidden, router.weight, layer.top_k, layer.semantics.normalise)
-            else:
-                logits, weights, index = router._moetailor_base.forward(router, hidden_states)
+        native = step is not None and step.router_kernel is not None and hidden_states.dtype == torch.float32 \
+            and getattr(router, "_moetailor_native", False)                  # an engine decode step: native routing
+        if cp is None and token_k is None and not native:
+            logits, weights, index = router._moetailor_base.forward(router, hidden_states)
         else:
             hidden = hidden_states.reshape(-1, hidden_states.shape[-1])       # [T, H]
-            logits = layer.router_logits(hidden)                              # [T, E]
+            if native and step.linear_kernel is not None:                     # the step's linear op (any rows: E is small)
+                logits = step.linear_kernel(hidden.contiguous(), router.weight)  # [T, E]
+            else:
+                logits = layer.router_logits(hidden)                          # [T, E]
             if cp is None:
                 cp = self._full.get(layer.index)
                 if cp is None:
                     cp = self._full[layer.index] = CompiledPolicy.build(FULL, layer.semantics, logits.device)
             if token_k is not None and token_k.numel() != logits.shape[0]:
                 raise RuntimeError(f"token_top_k has {token_k.numel()} entries for {logits.shape[0]} tokens")
-            weights, index = route(logits, layer.semantics, cp, layer.router_bias, token_k, k_max)
+            weights, index = route(logits, layer.semantics, cp, layer.router_bias, token_k, k_max,
+                                   select_kernel=step.router_kernel if native else None)
             if self.spec.cast_weights_to_logits_dtype:
                 weights = weights.to(logits.dtype)
         if self.observers:

@@ -59,8 +59,12 @@ class CompiledPolicy:
 
 
 def select(logits: torch.Tensor, sem: RouterSemantics, k: int, allowed: torch.Tensor | None,
-           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stock top-k routing restricted to ``allowed`` experts. Returns float weights, index [T, k]."""
+           bias: torch.Tensor | None = None, kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock top-k routing restricted to ``allowed`` experts. Returns float weights, index [T, k].
+    ``kernel``: the native ``softmax_topk`` op, which does a softmax router's selection in one call
+    (engine decode steps; equal to the torch ops below up to float rounding)."""
+    if sem.scoring == "softmax" and kernel is not None and logits.dtype == torch.float32:
+        return kernel(logits.contiguous(), k, sem.normalise, allowed)
     if sem.scoring == "softmax":
         z = logits.float()                                                  # [T, E]
         if allowed is not None:
@@ -90,20 +94,21 @@ def select(logits: torch.Tensor, sem: RouterSemantics, k: int, allowed: torch.Te
 
 def route(logits: torch.Tensor, sem: RouterSemantics, cp: CompiledPolicy, bias: torch.Tensor | None = None,
           token_top_k: torch.Tensor | None = None, k_max: int | None = None, *, graph_safe: bool = False,
-          counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          counted: torch.Tensor | None = None, select_kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply a compiled layer policy to router logits [T, E] -> (weights [T, K], index [T, K]).
     ``k_max`` is ``token_top_k.max()`` when the caller knows it (an engine step: one value per step).
 
     ``graph_safe`` (serving engines that trace or capture the step, e.g. vLLM): no host read of a
     per-step value, so one traced graph serves every step; budgets then trim from the policy's k
     (same routes). ``counted`` [T] bool: the tokens a batch-level pool ranks experts over (a step
-    that mixes phases applies each phase's pool to its own tokens); None = all."""
+    that mixes phases applies each phase's pool to its own tokens); None = all. ``select_kernel``:
+    the native selection op for ``select`` (engine decode steps)."""
     p, E = cp.policy, sem.num_experts
     k = p.top_k or sem.top_k
     if token_top_k is not None and (k_max is not None or not graph_safe):  # budgets: route at the batch's largest k,
         k = min(k, k_max if k_max is not None else int(token_top_k.max()))  # then trim each row
     allowed = cp.keep_mask if p.pool_mode == "mask" else None
-    weights, index = select(logits, sem, k, allowed, bias)                 # [T, k]
+    weights, index = select(logits, sem, k, allowed, bias, select_kernel)  # [T, k]
     sentinel = torch.full_like(index, E)
 
     if token_top_k is not None:
