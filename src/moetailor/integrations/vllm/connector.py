@@ -9,12 +9,23 @@ The protocol (the proxy in ``disagg.py`` drives it):
   1. the producer serves the prompt P with max_tokens=1: it computes P's KV on the full model and
      samples the first token t1 from the full model's logits; when P's last chunk has run, the
      connector writes every block that holds P (whole blocks, the partial last one included) to
-     DIR/<hash of P>/<layer>.safetensors, then a ``ready`` marker;
-  2. the consumer serves P + [t1]: the connector reports len(P) tokens as already computed (vLLM's
-     scheduler then computes only t1's position) and copies the stored blocks into the request's
-     first blocks before the forward; t1's KV and every later token run on the pruned model.
+     its own copy DIR/<hash of P>/<uuid>/<layer>.safetensors, then a ``ready`` marker;
+  2. the consumer serves P + [t1]: the request claims one ready copy of P (renames it to
+     ``claimed-<uuid>``), the connector reports len(P) tokens as already computed (vLLM's scheduler
+     then computes only t1's position) and copies the stored blocks into the request's first blocks
+     before the forward; t1's KV and every later token run on the pruned model. The request keeps
+     its copy through preemptions (it loads it again on resumption) and deletes it when it ends.
 That is moetailor's phase-aware schedule: prompt and first token on the full pool, decode on the
 pruned one.
+
+Why one copy per request rather than one folder per prompt: identical prompts can be in flight
+together (benchmarks, retries, fan-out), and a shared folder deleted by the first request to end
+leaves a later one, still waiting or preempted, with nothing to load: vLLM then silently computes
+its prompt on the pruned model. A reference count in a shared folder would fix that but leaves a
+window between "no reference left" and the delete in which a producer can add one. Here no folder is
+ever shared: the producer owns a copy until its ``ready`` marker, a rename (atomic; two requests
+never get the same copy) hands it to exactly one decode request, and only that request deletes it.
+The cost is one copy per in-flight request, what distinct prompts take anyway.
 
 Whole blocks are copied with ``kv_cache[block_ids]``: vLLM (0.32) gives connectors per-layer KV
 views with blocks at dim 0 on every backend, so the same code serves the CPU layout (a block is
@@ -25,9 +36,11 @@ whole blocks and indexes tokens with a GPU layout, so on CPU it moves nothing fo
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +63,7 @@ if TYPE_CHECKING:
 
 log = init_logger("moetailor.vllm.connector")
 READY = "ready"
+CLAIMED = "claimed-"  # prefix of a copy a decode request owns
 
 
 def prompt_key(token_ids) -> str:
@@ -58,7 +72,7 @@ def prompt_key(token_ids) -> str:
 
 @dataclass
 class Transfer:
-    key: str
+    folder: str            # the request's own copy: DIR/<prompt key>/<uuid or claimed-uuid>
     block_ids: list[int]   # the request's blocks holding the transferred tokens, in order
     store: bool            # True: producer writes them; False: consumer reads them
 
@@ -82,7 +96,8 @@ class MoetailorConnector(KVConnectorBase_V1):
         self.consumer = cfg.kv_role in ("kv_consumer", "kv_both")
         # scheduler side
         self._to_load: dict[str, Request] = {}
-        self._to_store: dict[str, tuple[str, list[int], int]] = {}  # req_id -> (key, block ids so far, prompt len)
+        self._to_store: dict[str, tuple[str, list[int], int]] = {}  # req_id -> (folder, block ids so far, prompt len)
+        self._claims: dict[str, str] = {}  # req_id -> the stored copy this decode request owns until it ends
         self._loads: dict[str, int] = {}  # req_id -> times its prompt KV was loaded (more than 1: reloaded on resume)
         # worker side
         self._stored: list[str] = []
@@ -91,13 +106,34 @@ class MoetailorConnector(KVConnectorBase_V1):
     def _folder(self, key: str) -> str:
         return os.path.join(self.storage, key)
 
-    def _loadable(self, request: "Request") -> int:
-        """Tokens the producer holds for this request: its prompt minus the last token (t1)."""
+    def _claim(self, request: "Request") -> str | None:
+        """The stored copy of this request's prompt (P = its prompt minus t1) that it owns: on the
+        first call it takes one ready copy by renaming it, so no other request can read or delete it."""
+        if request.request_id in self._claims:
+            return self._claims[request.request_id]
         prompt = list(request.prompt_token_ids or [])
         if not self.consumer or len(prompt) < 2:
-            return 0
-        ready = os.path.exists(os.path.join(self._folder(prompt_key(prompt[:-1])), READY))
-        return len(prompt) - 1 if ready else 0
+            return None
+        parent = self._folder(prompt_key(prompt[:-1]))
+        try:
+            names = sorted(os.listdir(parent))
+        except FileNotFoundError:
+            return None
+        for name in names:
+            if name.startswith(CLAIMED) or not os.path.exists(os.path.join(parent, name, READY)):
+                continue
+            mine = os.path.join(parent, CLAIMED + uuid.uuid4().hex)
+            try:
+                os.rename(os.path.join(parent, name), mine)
+            except OSError:
+                continue  # another decode request (maybe on another instance) claimed it first
+            self._claims[request.request_id] = mine
+            return mine
+        return None
+
+    def _loadable(self, request: "Request") -> int:
+        """Tokens the producer holds for this request: its prompt minus the last token (t1)."""
+        return len(request.prompt_token_ids) - 1 if self._claim(request) else 0
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return max(0, self._loadable(request) - num_computed_tokens), False
@@ -114,10 +150,11 @@ class MoetailorConnector(KVConnectorBase_V1):
             if req.req_id in self._to_load:
                 request = self._to_load.pop(req.req_id)
                 n = self._loadable(request)
-                meta.transfers.append(Transfer(prompt_key(prompt[:-1]), blocks[:_blocks_for(n, self.block_size)], False))
+                meta.transfers.append(Transfer(self._claims[req.req_id], blocks[:_blocks_for(n, self.block_size)], False))
                 self._loads[req.req_id] = self._loads.get(req.req_id, 0) + 1
             elif self.producer and prompt:
-                self._to_store[req.req_id] = (prompt_key(prompt), blocks, len(prompt))
+                folder = os.path.join(self._folder(prompt_key(prompt)), uuid.uuid4().hex)
+                self._to_store[req.req_id] = (folder, blocks, len(prompt))
                 done = req.num_computed_tokens + scheduler_output.num_scheduled_tokens[req.req_id]
                 self._maybe_store(req.req_id, done, meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -126,38 +163,39 @@ class MoetailorConnector(KVConnectorBase_V1):
                 request = self._to_load.pop(req_id)
                 n = self._loadable(request)
                 blocks = list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] else []
-                meta.transfers.append(Transfer(prompt_key(list(request.prompt_token_ids)[:-1]),
-                                               blocks[:_blocks_for(n, self.block_size)], False))
+                meta.transfers.append(Transfer(self._claims[req_id], blocks[:_blocks_for(n, self.block_size)], False))
                 self._loads[req_id] = self._loads.get(req_id, 0) + 1
             if req_id in self._to_store:
-                key, blocks, n = self._to_store[req_id]
+                folder, blocks, n = self._to_store[req_id]
                 if cached.new_block_ids[i]:
                     if req_id in cached.resumed_req_ids:
                         blocks = []
                     blocks = blocks + list(cached.new_block_ids[i][0])
-                    self._to_store[req_id] = (key, blocks, n)
+                    self._to_store[req_id] = (folder, blocks, n)
                 done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
                 self._maybe_store(req_id, done, meta)
         return meta
 
     def _maybe_store(self, req_id: str, computed_after_step: int, meta: MoetailorConnectorMetadata) -> None:
         """Store once the step that computes the prompt's last token runs (chunked prefill safe)."""
-        key, blocks, n = self._to_store[req_id]
+        folder, blocks, n = self._to_store[req_id]
         if computed_after_step >= n:
             del self._to_store[req_id]
-            meta.transfers.append(Transfer(key, blocks[:_blocks_for(n, self.block_size)], True))
+            meta.transfers.append(Transfer(folder, blocks[:_blocks_for(n, self.block_size)], True))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Frees the prompt's files on the decode instance. The request's output carries, as
+        """Deletes the request's own copy of its prompt's KV (other requests with the same prompt
+        hold their own copies). The request's output carries, as
         ``kv_transfer_params={"moetailor_kv_loads": n}``, how many times its prompt KV was loaded:
         1, plus 1 per resumption after a preemption (what lets a caller see the reload happen)."""
         self._to_store.pop(request.request_id, None)
         self._to_load.pop(request.request_id, None)
         loads = self._loads.pop(request.request_id, 0)
-        if self.consumer and not self.producer:  # the decode instance consumed the prompt's KV: free the files
-            prompt = list(request.prompt_token_ids or [])
-            if len(prompt) >= 2:
-                shutil.rmtree(self._folder(prompt_key(prompt[:-1])), ignore_errors=True)
+        folder = self._claims.pop(request.request_id, None)
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+            with contextlib.suppress(OSError):  # not empty: other copies of the prompt are still stored
+                os.rmdir(os.path.dirname(folder))
         return False, ({"moetailor_kv_loads": loads} if loads else None)
 
     # ---- worker side ----------------------------------------------------------------------------
@@ -171,7 +209,7 @@ class MoetailorConnector(KVConnectorBase_V1):
             if not isinstance(kv, torch.Tensor):
                 continue
             for t in loads:
-                blocks = load_file(os.path.join(self._folder(t.key), f"{name}.safetensors"))["kv"]  # [n, ...]
+                blocks = load_file(os.path.join(t.folder, f"{name}.safetensors"))["kv"]  # [n, ...]
                 ids = torch.tensor(t.block_ids, dtype=torch.long, device=kv.device)
                 if blocks.shape[1:] != kv.shape[1:] or blocks.dtype != kv.dtype or len(ids) != blocks.shape[0]:
                     raise ValueError(f"stored KV blocks {tuple(blocks.shape)} {blocks.dtype} do not fit this instance's "
@@ -187,18 +225,30 @@ class MoetailorConnector(KVConnectorBase_V1):
         for t in meta.transfers:
             if t.store:
                 ids = torch.tensor(t.block_ids, dtype=torch.long, device=kv_layer.device)
-                os.makedirs(self._folder(t.key), exist_ok=True)
-                path = os.path.join(self._folder(t.key), f"{layer_name}.safetensors")
+                _makedirs(t.folder)
+                path = os.path.join(t.folder, f"{layer_name}.safetensors")
                 save_file({"kv": kv_layer[ids].detach().cpu().contiguous()}, path + ".tmp")
                 os.replace(path + ".tmp", path)
-                if t.key not in self._stored:
-                    self._stored.append(t.key)
+                if t.folder not in self._stored:
+                    self._stored.append(t.folder)
 
     def wait_for_save(self):
-        for key in self._stored:  # every layer of this step is written: the prompt's KV is complete
-            open(os.path.join(self._folder(key), READY), "w").close()
+        for folder in self._stored:  # every layer of this step is written: the prompt's KV is complete
+            open(os.path.join(folder, READY), "w").close()
         self._stored = []
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def _makedirs(path: str, tries: int = 3) -> None:
+    """``os.makedirs`` that survives a consumer removing the prompt's folder (then empty) between the
+    creation of the parent and of the copy: it creates both again."""
+    for _ in range(tries - 1):
+        try:
+            os.makedirs(path, exist_ok=True)
+            return
+        except FileNotFoundError:
+            continue
+    os.makedirs(path, exist_ok=True)
