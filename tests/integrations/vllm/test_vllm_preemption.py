@@ -4,19 +4,21 @@ full-model KV files until the request ends and loads them again into the resumed
 blocks, so only the generated tokens are recomputed, on the pruned model, as in moetailor's
 phase-aware engine. Without that reload vLLM would recompute the prompt on the pruned model
 (NixlConnector's behaviour once its one pull is done) and the resumed request's output changes:
-the second test shows it with a connector that skips the reload."""
+the second test shows it with a connector that skips the reload. The third sends one prompt several
+times: each decode request loads its own stored copy, however late it runs."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
 
-from vllm_helpers import MAX_TOKENS, SKIP_REASON, engine_token_ids, vllm_engine
+from vllm_helpers import MAX_TOKENS, SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
 BLOCK_SIZE = 32
 DECODE_BLOCKS = 5       # 160 tokens of decode cache for 12 requests of up to ~93 tokens: vLLM must preempt
+COPIES = 3              # identical prompts in flight together
 KV_BYTES = 64 << 20     # the CPU backend's cache allocation; num_gpu_blocks_override caps the blocks used
 
 
@@ -78,3 +80,30 @@ def test_without_the_reload_a_preempted_request_changes_its_output(case):
     print(f"no reload: {preempted} preemptions, {differ} of {len(got)} outputs differ from the engine")
     assert preempted > 0
     assert got != case.expected
+
+
+def test_identical_prompts_in_flight_each_load_the_prompt_kv(case):
+    """One prompt sent COPIES times, the decode instance running one request at a time
+    (max_num_seqs=1): a later copy is scheduled only after an earlier one ended, and must still load
+    the prompt's full-model KV. With one folder per prompt, the first copy to end deleted it and vLLM
+    silently computed the later copies' prompt on the pruned model."""
+    from vllm import SamplingParams
+
+    from moetailor.integrations.vllm.disagg import run_pair
+
+    assert not any(case.storage.iterdir())
+    with vllm_engine(**{**case.decode_kw, "max_num_seqs": 1}) as decode_llm:
+        # a prompt whose recompute on the pruned model changes its output (nothing stored: the
+        # decode instance computes P + [t1] itself), so a copy that loads nothing shows
+        i = next((i for i, (ids, want) in enumerate(zip(case.ids, case.expected)) if len(want) > 1 and
+                  vllm_token_ids(decode_llm, [{"prompt_token_ids": ids + want[:1]}], max_tokens=MAX_TOKENS - 1)[0]
+                  != want[1:]), None)
+        assert i is not None, "no prompt changes when recomputed on the pruned model: the test could not fail"
+        got, decoded = run_pair(case.prefill, decode_llm, [case.ids[i]] * COPIES,
+                                SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    loads = [(o.kv_transfer_params or {}).get("moetailor_kv_loads", 0) if o else 0 for o in decoded]
+    print(f"prompt {i} x {COPIES}: prompt-KV loads per decode request {loads}; "
+          f"{sum(g != case.expected[i] for g in got)} of {COPIES} outputs differ from the engine")
+    assert got == [case.expected[i]] * COPIES
+    assert min(loads) >= 1, "every copy loads its prompt's KV"
+    assert not any(case.storage.iterdir()), "the last copy to end leaves no stored KV behind"
