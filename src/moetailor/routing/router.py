@@ -109,11 +109,10 @@ def route(logits: torch.Tensor, sem: RouterSemantics, cp: CompiledPolicy, bias: 
         k = min(k, k_max if k_max is not None else int(token_top_k.max()))  # then trim each row
     allowed = cp.keep_mask if p.pool_mode == "mask" else None
     weights, index = select(logits, sem, k, allowed, bias, select_kernel)  # [T, k]
-    sentinel = torch.full_like(index, E)
 
     if token_top_k is not None:
         beyond = torch.arange(k, device=index.device)[None, :] >= token_top_k[:, None]  # [T, k]
-        weights, index = _drop(weights, index, beyond, sentinel, renormalise=sem.normalise)
+        weights, index = _drop(weights, index, beyond, E, renormalise=sem.normalise)
     if p.keep is not None and p.pool_mode != "mask":
         safe = index.clamp_max(E - 1)                                       # sentinels stay sentinels
         outside = (index < E) & ~cp.keep_mask[safe]                         # [T, k]
@@ -122,12 +121,12 @@ def route(logits: torch.Tensor, sem: RouterSemantics, cp: CompiledPolicy, bias: 
             weights = torch.where(outside, folded_w, weights)
             index = torch.where(outside, cp.pool_target[safe], index)
             outside = outside & (folded_w == 0)                             # unobserved pairs are dropped
-        weights, index = _drop(weights, index, outside, sentinel, renormalise=False)
+        weights, index = _drop(weights, index, outside, E, renormalise=False)
         if p.pool_mode == "fold":
             weights, index = _merge_duplicates(weights, index, E)
     if p.skip_beta is not None:
         ratio = weights / weights[:, :1].clamp_min(1e-20)
-        weights, index = _drop(weights, index, ratio < p.skip_beta, sentinel, renormalise=True)
+        weights, index = _drop(weights, index, ratio < p.skip_beta, E, renormalise=True)
     if p.token_keep is not None and p.token_keep < k:
         weights, index = _token_fold(weights, index, p.token_keep, cp.fold if p.fold else None, E)
     if p.batch_pool is not None:
@@ -135,12 +134,13 @@ def route(logits: torch.Tensor, sem: RouterSemantics, cp: CompiledPolicy, bias: 
     return weights, index
 
 
-def _drop(weights, index, drop, sentinel, renormalise: bool):
-    """Turn the routes in ``drop`` into sentinels; optionally rescale the rest to the old total."""
+def _drop(weights, index, drop, sentinel: int, renormalise: bool):
+    """Turn the routes in ``drop`` into sentinels (expert index E); optionally rescale the rest to
+    the old total."""
     kept = weights.masked_fill(drop, 0.0)
     if renormalise:
         kept = kept * (weights.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp_min(1e-20))
-    return kept, torch.where(drop, sentinel, index)
+    return kept, index.masked_fill(drop, sentinel)
 
 
 def _token_fold(weights, index, keep: int, fold: FoldTables | None, E: int):
@@ -189,16 +189,15 @@ def _pool_routes(weights, index, importance, pool_size: int, fold: FoldTables | 
     in_pool = torch.zeros(E + 1, dtype=torch.bool, device=weights.device)
     in_pool[pool] = True
     outside = valid & ~in_pool[index]
-    sentinel = torch.full_like(index, E)
     if not (do_fold and fold is not None):
-        return _drop(weights, index, outside, sentinel, renormalise=False)
+        return _drop(weights, index, outside, E, renormalise=False)
     loss = fold.loss[:, pool]                                               # [E, D]
     target = pool[loss.argmin(dim=1)]                                       # [E]
     scale = torch.where(torch.isinf(loss.min(dim=1).values), 0.0, fold.scale.gather(1, target[:, None])[:, 0])
     src = index.clamp_max(E - 1)
     new_w = torch.where(outside, weights * scale[src], weights)
     new_i = torch.where(outside, target[src], index)
-    return _merge_duplicates(*_drop(new_w, new_i, outside & (new_w == 0), sentinel, renormalise=False), E)
+    return _merge_duplicates(*_drop(new_w, new_i, outside & (new_w == 0), E, renormalise=False), E)
 
 
 def _merge_duplicates(weights, index, E: int):
