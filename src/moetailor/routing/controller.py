@@ -148,21 +148,27 @@ class RoutingController:
                 logits = step.linear_kernel(hidden.contiguous(), router.weight)  # [T, E]
             else:
                 logits = layer.router_logits(hidden)                          # [T, E]
-            if cp is None:
-                cp = self._full.get(layer.index)
-                if cp is None:
-                    cp = self._full[layer.index] = CompiledPolicy.build(FULL, layer.semantics, logits.device)
-            if token_k is not None and token_k.numel() != logits.shape[0]:
-                raise RuntimeError(f"token_top_k has {token_k.numel()} entries for {logits.shape[0]} tokens")
-            weights, index = route(logits, layer.semantics, cp, layer.router_bias, token_k, k_max,
-                                   select_kernel=step.router_kernel if native else None)
-            if self.spec.cast_weights_to_logits_dtype:
-                weights = weights.to(logits.dtype)
+            if native and cp is None and token_k is None:                     # full routing: the selection is all
+                weights, index = step.router_kernel(logits, layer.top_k, layer.semantics.normalise, None)
+            else:
+                weights, index = self._apply(layer, logits, cp, token_k, k_max, step.router_kernel if native else None)
         if self.observers:
             hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
             for observer in self.observers:
                 observer(layer, hidden, logits, weights, index)
         return logits, weights, index
+
+    def _apply(self, layer: MoeLayer, logits: torch.Tensor, cp: CompiledPolicy | None, token_k: torch.Tensor | None,
+               k_max: int | None, select_kernel) -> tuple[torch.Tensor, torch.Tensor]:
+        """``route`` under the layer's compiled policy (the full router's, compiled once, for budgets alone)."""
+        if cp is None:
+            cp = self._full.get(layer.index)
+            if cp is None:
+                cp = self._full[layer.index] = CompiledPolicy.build(FULL, layer.semantics, logits.device)
+        if token_k is not None and token_k.numel() != logits.shape[0]:
+            raise RuntimeError(f"token_top_k has {token_k.numel()} entries for {logits.shape[0]} tokens")
+        weights, index = route(logits, layer.semantics, cp, layer.router_bias, token_k, k_max, select_kernel=select_kernel)
+        return (weights.to(logits.dtype) if self.spec.cast_weights_to_logits_dtype else weights), index
 
     def remove(self) -> None:
         """Restore the stock routers and experts implementation."""
