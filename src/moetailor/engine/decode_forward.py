@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from ..models.step import Step
-from ..routing.experts import step_weights
+from ..routing.experts import native_experts_forward
 from .native_layers import NATIVE_LINEAR_ROWS, rms_norm
 
 FAMILIES = ("qwen2_moe", "qwen3_moe")
@@ -38,7 +38,7 @@ def rotary_table(rotary: torch.nn.Module, like: torch.Tensor, positions: int) ->
     """cos, sin [positions, D] from the model's own rotary module, computed once for every position
     (the same elementwise arithmetic as per step), or None for a rope that depends on the sequence
     (dynamic, longrope: transformers recomputes its frequencies as the sequence grows)."""
-    kind = (getattr(rotary, "rope_type", None) or "default")
+    kind = getattr(rotary, "rope_type", None) or "default"
     if positions <= 0 or kind not in STATIC_ROPE:
         return None
     with torch.inference_mode():
@@ -193,9 +193,7 @@ class LeanDecoder:
         """The sparse MoE block: routed experts (+ the sigmoid-gated shared expert). The experts run
         the module path's native call directly (not through the module and transformers' dispatch)."""
         _, weights, index = controller._route(layer.moe, h)                   # [B, K] each
-        gate_up, down = step_weights(layer.moe.experts, step)                 # [E, 2I, H], [E, H, I]
-        out = step.experts_kernel(h, gate_up, down, index.contiguous(), weights.float().contiguous(),  # [B, H]
-                                  step.experts_read, layer.index)
+        out = native_experts_forward(layer.moe.experts, h, index, weights, step)   # [B, H]
         if layer.shared is None:
             return out
         gate, up = linear(h, layer.shared).chunk(2, dim=-1)                   # [B, I] each
