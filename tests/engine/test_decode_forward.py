@@ -3,6 +3,8 @@ same greedy tokens and logprobs bit for bit and the same experts read, under a d
 and mixed per-request budgets; hooks and uncovered architectures keep the module path."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -41,24 +43,54 @@ def test_lean_decode_equals_the_module_path(one_thread, arch):
     assert full[0] != lean[0]          # the plan changes outputs, so the equality above can fail
 
 
+class CountingOps:
+    """The decode-layer ops, counting the calls of each."""
+    def __init__(self, ops):
+        self.ops, self.calls = ops, {}
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return getattr(self.ops, name)(*args)
+        return call
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_decode_layers_run_in_one_native_call_under_the_full_router(one_thread, arch):
+    """Steps of at most 8 rows: one ``decode_layer`` call a layer under the full router, and
+    ``attention_block`` + the controller + ``moe_block`` under a plan; both equal the module path."""
+    model = tiny_model(arch, seed=4)
+    prompts = random_prompts([5, 17, 9, 3], seed=4)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
+    for plan, fused in ((None, "decode_layer"), (uniform_plan(model, decode=LayerPolicy(keep=(0, 2, 5))), "moe_block")):
+        llm = LLM(model, plan)
+        counting = CountingOps(llm.runner.lean.layer_ops)
+        llm.runner.lean = dataclasses.replace(llm.runner.lean, layer_ops=counting)
+        got = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+        assert counting.calls == {fused: 5 * len(model.model.layers)} if fused == "decode_layer" else \
+            counting.calls == {"attention_block": 5 * len(model.model.layers), "moe_block": 5 * len(model.model.layers)}
+        assert got == run(model, plan, False, prompts, params)[0]
+
+
 @pytest.mark.parametrize("arch,masked", [("qwen2_moe", False), ("qwen3_moe", False), ("olmoe", False),
                                          ("mixtral", False), ("qwen2_moe", True)])
 def test_decode_steps_run_the_native_router_with_the_stock_routes(one_thread, arch, masked):
     """Decode steps route through the native ``softmax_topk`` op (logits through the step's linear
-    op): the lean forward still equals the module path bit for bit (both call it), and the outputs
-    equal the stock router's (torch's linear, softmax and top-k) up to float rounding."""
+    op): the lean forward (its ``decode_layer`` op selects inside) still equals the module path bit
+    for bit, and the outputs equal the stock router's (torch's linear, softmax and top-k) up to float
+    rounding."""
     model = tiny_model(arch, seed=5)
     plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 2, 3, 5), pool_mode="mask")) if masked else None
     prompts = random_prompts([5, 17, 9, 3, 12], seed=5)
     params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
-    native = LLM(model, plan)
+    native = LLM(model, plan, lean_decode=False)
     calls = []
     op = native.runner.native_router
     native.runner.native_router = lambda *args: calls.append(args[0].shape[0]) or op(*args)
     got = [(o.token_ids, o.logprobs) for o in native.generate(prompts, params)]
     assert len(calls) == 9 * len(model.model.layers)          # every decode step's every layer; no prefill
     if arch in ("qwen2_moe", "qwen3_moe"):
-        assert run(model, plan, False, prompts, params)[0] == got
+        assert run(model, plan, True, prompts, params)[0] == got
     stock = LLM(model, plan)
     stock.runner.native_router = None
     want = [(o.token_ids, o.logprobs) for o in stock.generate(prompts, params)]

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from ..models.step import Step
-from ..routing.experts import native_experts_forward
+from ..routing.experts import native_experts_forward, step_weights
 from .native_layers import NATIVE_LINEAR_ROWS, rms_norm
 
 FAMILIES = ("qwen2_moe", "qwen3_moe")
@@ -79,8 +79,9 @@ class LeanLayer:
     k_norm: Norm | None
     o: torch.Tensor                   # [H, nH D]
     moe: MoeLayer
-    shared: torch.Tensor | None       # [2 I, H]: shared expert gate and up projections stacked
-    shared_gate: torch.Tensor | None  # [1, H]: the shared expert's sigmoid gate
+    moe_in: torch.Tensor              # [E (+ 2 I + 1), H]: router | shared expert gate, up | its sigmoid gate, stacked
+    shared: torch.Tensor | None       # [2 I, H]: shared expert gate and up projections (a view of moe_in)
+    shared_gate: torch.Tensor | None  # [1, H]: the shared expert's sigmoid gate (a view of moe_in)
     shared_down: torch.Tensor | None  # [H, I]
 
 
@@ -100,10 +101,11 @@ class LeanDecoder:
     hooks: tuple[dict, ...]                # every module's forward (pre-)hook dicts, for ``hooked``
     rotary_kv: object = None               # the native rotary + k/v write op, else the model's rotary and two copies
     add_norm: object = None                # the native residual add + RMSNorm op, else an add and the norm
+    layer_ops: object = None               # the native decode-layer ops (kernels/decode_layer.cpp), or None
 
     @classmethod
     def build(cls, model, controller, attention_kernel, rotary_kernel=None, add_norm_kernel=None,
-              max_model_len: int = 0) -> "LeanDecoder | None":
+              max_model_len: int = 0, layer_ops=None) -> "LeanDecoder | None":
         """The lean decoder of ``model``, or None where it does not apply (see the module doc)."""
         cfg = model.config
         if cfg.model_type not in FAMILIES or attention_kernel is None:
@@ -125,25 +127,31 @@ class LeanDecoder:
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             layer = moe[index]
             shared = shared_gate = shared_down = None
+            moe_in = layer.router.weight.detach()
             if layer.shared_expert is not None:
                 mlp = layer.shared_expert
-                shared = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
-                shared_gate, shared_down = layer.shared_gate.weight.detach(), mlp.down_proj.weight.detach()
+                E, I = moe_in.shape[0], mlp.gate_proj.weight.shape[0]
+                moe_in = torch.cat([moe_in, mlp.gate_proj.weight, mlp.up_proj.weight, layer.shared_gate.weight]).detach()
+                shared, shared_gate = moe_in[E:E + 2 * I], moe_in[E + 2 * I:]   # row ranges: contiguous views
+                shared_down = mlp.down_proj.weight.detach()
             layers.append(LeanLayer(
                 index, Norm.of(block.input_layernorm), Norm.of(block.post_attention_layernorm),
                 torch.cat([p.weight for p in projections]).detach().contiguous(),
                 torch.cat(biases).detach() if all(b is not None for b in biases) else None,
                 Norm.of(q_norm) if q_norm is not None else None, Norm.of(k_norm) if k_norm is not None else None,
-                attn.o_proj.weight.detach(), layer, shared, shared_gate, shared_down))
-        if any(t.dtype != torch.float32 for l in layers for t in (l.qkv, l.o)):
+                attn.o_proj.weight.detach(), layer, moe_in, shared, shared_gate, shared_down))
+        if any(t.dtype != torch.float32 for l in layers for t in (l.qkv, l.o, l.moe_in)):
             return None
+        fusable = all(l.qkv.is_contiguous() and l.o.is_contiguous() and (l.q_norm is None or l.q_norm.eps == l.k_norm.eps)
+                      and (l.shared_down is None or l.shared_down.is_contiguous()) for l in layers)
         attn = decoder_layers(model)[0].self_attn
         return cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), head.weight, inner.rotary_emb,
                    rotary_table(inner.rotary_emb, inner.embed_tokens.weight, max_model_len),
                    sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
                    cfg.num_key_value_heads, attn.head_dim, float(attn.scaling),
                    tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)),
-                   rotary_kernel, add_norm_kernel)
+                   rotary_kernel, add_norm_kernel,
+                   layer_ops if fusable and rotary_kernel is not None and add_norm_kernel is not None else None)
 
     def hooked(self) -> bool:
         """Whether a forward (pre-)hook is registered on the model or globally: the step then runs
@@ -170,6 +178,10 @@ class LeanDecoder:
             cos, sin = self.rotary(x, positions[None])                        # [1, B, D] each
         h = self.layers[0].input_norm(x, norm)                                # [B, H]
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        if self.layer_ops is not None and linear is kernel and norm is not None:   # a native call or three a layer
+            for layer, next_norm in zip(self.layers, next_norms):
+                x, h = self.native_layer(layer, next_norm, x, h, cos[0], sin[0], step, controller)  # [B, H] each
+            return linear(h, self.lm_head)                                    # [B, V]
         for layer, next_norm in zip(self.layers, next_norms):
             qkv = linear(h, layer.qkv, layer.qkv_bias).view(B, nH + 2 * nKV, D)  # [B, nH + 2 nKV, D]
             q, k, v = torch.split_with_sizes(qkv, (nH, nKV, nKV), dim=1)      # [B, nH | nKV | nKV, D] views
@@ -187,6 +199,30 @@ class LeanDecoder:
             x, h = layer.post_norm.after_add(x, linear(o.reshape(B, nH * D), layer.o), norm, self.add_norm)  # [B, H] each
             x, h = next_norm.after_add(x, self.moe(layer, h, linear, controller, step), norm, self.add_norm)
         return linear(h, self.lm_head)                                        # [B, V]
+
+    def native_layer(self, layer: LeanLayer, next_norm: Norm, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, step: Step, controller) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer through the native layer ops, the same arithmetic as the loop below op for op:
+        one ``decode_layer`` call under the full router, else ``attention_block``, the controller's
+        routing of the layer's logits (plans, budgets, observers), then ``moe_block``."""
+        kv, moe, ops = step.kv, layer.moe, self.layer_ops
+        k_cache, v_cache = kv.cache[layer.index]                              # [slots, nKV, D] each
+        gate_up, down = step_weights(moe.experts, step)                       # [E, 2I, H], [E, H, I]
+        qk_norms = (None, None, 0.0) if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight,
+                                                                    layer.q_norm.eps)
+        attention = (layer.qkv, layer.qkv_bias, *qk_norms, cos, sin, k_cache, v_cache, kv.slot_mapping, kv.block_table,
+                     kv.context_lens, kv.block_size, self.scaling, layer.o, layer.post_norm.weight,
+                     layer.post_norm.eps, layer.moe_in, self.heads, self.kv_heads)
+        E, experts_layer = moe.num_experts, getattr(moe.experts, "_moetailor_layer", -1)
+        if controller.selects_natively(moe, step) and not controller.observers:
+            return ops.decode_layer(x, h, *attention, moe.top_k, moe.semantics.normalise, gate_up, down,
+                                    step.experts_read, experts_layer, E, layer.shared_down, next_norm.weight,
+                                    next_norm.eps)
+        x, h, moe_in_out = ops.attention_block(x, h, *attention)             # [B, H] x2, [B, E (+ 2I + 1)]
+        _, weights, index = controller._route(moe, h, logits=moe_in_out[:, :E])   # [B, K] each
+        return ops.moe_block(x, h, index.long().contiguous(), weights.float().contiguous(), gate_up, down,
+                             step.experts_read, experts_layer, moe_in_out, E, layer.shared_down, next_norm.weight,
+                             next_norm.eps)
 
     @staticmethod
     def moe(layer: LeanLayer, h: torch.Tensor, linear, controller, step: Step) -> torch.Tensor:

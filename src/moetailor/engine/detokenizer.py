@@ -1,4 +1,7 @@
-"""Incremental detokenization and stop strings: each step decodes only a short window of tokens.
+"""Incremental detokenization and stop strings: each update decodes only a short window of tokens.
+
+A sequence's text is brought up to date when it is read (``Sequence.text``: a stream reads it each
+step) or, for a request with stop strings, after every step (the stop must end it at once).
 
 A sequence's ``text`` grows by the text of its newest tokens, decoded together with the token
 before them (a tokenizer may render a token differently at the start of a string); a window that
@@ -23,17 +26,18 @@ class Detokenizer:
         decoded once; the next ``update`` starts after them."""
         seq.text = self._decode(seq.completion_token_ids)
         seq.detok_prefix = seq.detok_read = seq.num_completion_tokens
+        seq.detokenizer = self
 
     def update(self, seq: Sequence) -> bool:
         """Extend ``seq.text`` by its new tokens; True when a stop string has appeared."""
         ids, start = seq.token_ids, seq.num_prompt_tokens
         prefix = self._decode(ids[start + seq.detok_prefix:start + seq.detok_read])
         window = self._decode(ids[start + seq.detok_prefix:])
-        before, new = len(seq.text), window[len(prefix):]
+        before, new = len(seq._text), window[len(prefix):]
         if new.endswith("\ufffd"):   # an incomplete UTF-8 sequence: keep the window open for the next token
-            text = seq.text + new.rstrip("\ufffd")
+            text = seq._text + new.rstrip("\ufffd")
         else:
-            text = seq.text = seq.text + new
+            text = seq._text = seq._text + new
             seq.detok_prefix, seq.detok_read = seq.detok_read, len(ids) - start
         stops = seq.sampling.stop
         if not stops:
@@ -43,7 +47,7 @@ class Detokenizer:
 
     def finalize(self, seq: Sequence) -> None:
         """The exact text of the completion, cut at the first stop string."""
-        seq.text = self._decode(seq.completion_token_ids)
-        cut = min((i for i in (seq.text.find(s) for s in seq.sampling.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            seq.text = seq.text[:cut]
+        text = self._decode(seq.completion_token_ids)
+        cut = min((i for i in (text.find(s) for s in seq.sampling.stop) if i >= 0), default=-1)
+        seq.text = text[:cut] if cut >= 0 else text
+        seq.detok_prefix = seq.detok_read = seq.num_completion_tokens

@@ -90,7 +90,8 @@ class ModelRunner:
         self.lean = LeanDecoder.build(model, self.controller, self.native_attention,
                                       kernels.rotary_kv_write() if self.native_attention is not None else None,
                                       kernels.add_rms_norm() if self.native_attention is not None else None,
-                                      config.max_model_len) \
+                                      config.max_model_len,
+                                      kernels.decode_layer_ops() if self.native_attention is not None else None) \
             if config.lean_decode and self._compiled is None else None
 
     def _expert_copies(self, dtype: torch.dtype | None) -> dict | None:

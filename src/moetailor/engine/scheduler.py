@@ -37,6 +37,7 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def add(self, seq: Sequence) -> None:
+        seq.detokenizer = self.detokenizer
         self.waiting.append(seq)
 
     def add_prefilled(self, seq: Sequence) -> bool:
@@ -108,7 +109,7 @@ class Scheduler:
             seq.append_token(token)
             p = seq.sampling
             reason = None
-            if self.detokenizer is not None and self.detokenizer.update(seq):
+            if p.stop and self.detokenizer is not None and self.detokenizer.update(seq):
                 reason = "stop"
             elif not p.ignore_eos and token in self.eos_token_ids:
                 reason, seq.ended_on_eos = "stop", True

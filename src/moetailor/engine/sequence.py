@@ -39,7 +39,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.ended_on_eos = False           # finished on an EOS token: its length is the model's choice
         self.error: str | None = None
-        self.text = ""                      # completion text (stop strings already cut)
+        self._text = ""                     # completion text (stop strings already cut): read it as ``text``
+        self.detokenizer = None             # the scheduler's: ``text`` is decoded when read (each step with stop strings)
         self.detok_prefix = 0               # incremental detokenization window: completion tokens
         self.detok_read = 0                 # [prefix, read) are context, [read, ...) not yet in text
         self.logprobs: list | None = [] if sampling.logprobs is not None else None   # TokenLogprob per completion token
@@ -59,6 +60,18 @@ class Sequence:
     def step_group(self) -> tuple:
         """Sequences share a step only within one group: same expert plan, same offline k tier."""
         return self.plan_key, self.tier
+
+    @property
+    def text(self) -> str:
+        """The completion's text so far. Decoded when read (a stream, a finished request), not at every
+        step: a request without stop strings that nobody streams is decoded once, when it finishes."""
+        if self.detokenizer is not None and self.detok_read < self.num_completion_tokens and not self.is_finished:
+            self.detokenizer.update(self)
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text = value
 
     @property
     def completion_token_ids(self) -> list[int]:
@@ -83,6 +96,8 @@ class Sequence:
         self.token_ids.append(int(token_id))
 
     def finish(self, reason: str, error: str | None = None) -> None:
+        if self.detokenizer is not None and self.detok_read < self.num_completion_tokens:
+            self.detokenizer.update(self)   # the text of every token so far: a finished text is never decoded again
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.error = error

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("experts.cpp", "attention.cpp", "norm.cpp", "rotary.cpp", "bindings.cpp")]
-_HEADERS = [Path(__file__).with_name("vec.h")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("experts.cpp", "attention.cpp", "norm.cpp", "rotary.cpp",
+                                                    "decode_layer.cpp", "bindings.cpp")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("vec.h", "ops.h")]
 
 
 def _cpu_flags() -> str:
@@ -112,6 +113,20 @@ def _register_fakes() -> None:
     def _(q, k_cache, v_cache, block_table, lengths, block_size, scale):
         return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])       # [B, nH, Dv] fp32
 
+    @torch.library.register_fake("moetailor::attention_block")
+    def _(x, h, qkv, qkv_bias, q_norm, k_norm, qk_eps, cos, sin, k_cache, v_cache, slot_mapping, block_table,
+          context_lens, block_size, scaling, o, post_norm, post_eps, moe_in, heads, kv_heads):
+        return torch.empty_like(x), torch.empty_like(x), x.new_empty(x.shape[0], moe_in.shape[0])  # [B, H] x2, [B, N]
+
+    @torch.library.register_fake("moetailor::moe_block")
+    def _(x, h, index, weight, gate_up, down, experts_read, layer, moe_in_out, num_experts, shared_down,
+          next_norm, next_eps):
+        return torch.empty_like(x), torch.empty_like(x)                     # [B, H] each
+
+    @torch.library.register_fake("moetailor::decode_layer")
+    def _(x, *args):
+        return torch.empty_like(x), torch.empty_like(x)                     # [B, H] each
+
 
 def swiglu_experts():
     """The op ``swiglu_experts(x [T, H] fp32, gate_up [E, 2I, H], down [E, H, I], index [T, K] int64,
@@ -149,6 +164,13 @@ def add_rms_norm():
     the add followed by ``rms_norm`` bit for bit, or None."""
     ops = _module()
     return None if ops is None else ops.add_rms_norm
+
+
+def decode_layer_ops():
+    """The ops that run one decode layer in one to three calls (``decode_layer.cpp``:
+    ``attention_block``, ``moe_block`` and both with the selection between them, ``decode_layer``),
+    as the ``torch.ops.moetailor`` namespace, or None."""
+    return _module()
 
 
 def rows_linear_pays() -> bool:

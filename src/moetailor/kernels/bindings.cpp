@@ -2,26 +2,9 @@
 // csrc/cpu/torch_bindings.cpp registers its CPU kernels: a schema per op (mutated arguments marked
 // ``(a!)``) and a CPU implementation. Their fake (meta) implementations are in kernels/__init__.py,
 // so torch.compile and graph capture see one opaque op per call, and the vLLM plugin can call them.
-#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <tuple>
-
-at::Tensor swiglu_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
-                             const at::Tensor& index, const at::Tensor& weight, at::Tensor& experts_read,
-                             int64_t layer);
-at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
-std::tuple<at::Tensor, at::Tensor> softmax_topk(const at::Tensor& logits, int64_t k, bool normalise,
-                                                const c10::optional<at::Tensor>& allowed);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                              const at::Tensor& weight, double eps);
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                     const at::Tensor& v_cache, const at::Tensor& block_table,
-                                     const at::Tensor& lengths, int64_t block_size, double scale);
-at::Tensor rotary_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                           const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                           const at::Tensor& slot_mapping);
+#include "ops.h"
 
 TORCH_LIBRARY(moetailor, m) {
   m.def("swiglu_experts(Tensor x, Tensor gate_up, Tensor down, Tensor index, Tensor weight, "
@@ -34,6 +17,19 @@ TORCH_LIBRARY(moetailor, m) {
         "int block_size, float scale) -> Tensor");
   m.def("rotary_kv_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
+  m.def("attention_block(Tensor x, Tensor h, Tensor qkv, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
+        "float qk_eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor block_table, Tensor context_lens, int block_size, float scaling, Tensor o, Tensor post_norm, "
+        "float post_eps, Tensor moe_in, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("moe_block(Tensor x, Tensor h, Tensor index, Tensor weight, Tensor gate_up, Tensor down, "
+        "Tensor(a!) experts_read, int layer, Tensor moe_in_out, int num_experts, Tensor? shared_down, "
+        "Tensor next_norm, float next_eps) -> (Tensor, Tensor)");
+  m.def("decode_layer(Tensor x, Tensor h, Tensor qkv, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
+        "float qk_eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor block_table, Tensor context_lens, int block_size, float scaling, Tensor o, Tensor post_norm, "
+        "float post_eps, Tensor moe_in, int heads, int kv_heads, int top_k, bool normalise, Tensor gate_up, "
+        "Tensor down, Tensor(c!) experts_read, int layer, int num_experts, Tensor? shared_down, Tensor next_norm, "
+        "float next_eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(moetailor, CPU, m) {
@@ -44,4 +40,7 @@ TORCH_LIBRARY_IMPL(moetailor, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("rotary_kv_write", &rotary_kv_write);
+  m.impl("attention_block", &attention_block);
+  m.impl("moe_block", &moe_block);
+  m.impl("decode_layer", &decode_layer);
 }

@@ -131,8 +131,17 @@ class RoutingController:
         finally:
             self.observers.remove(observer)
 
-    def _route(self, layer: MoeLayer, hidden_states: torch.Tensor):
-        """The layer's routes under the routing of the step being run (the stock router without one)."""
+    @staticmethod
+    def selects_natively(layer: MoeLayer, step: Step | None) -> bool:
+        """Whether ``step`` routes ``layer`` with the full router through the native selection op alone
+        (an engine decode step, no plan for the layer, no per-token budgets)."""
+        return (step is not None and step.router_kernel is not None and getattr(layer.router, "_moetailor_native", False)
+                and step.routing.token_top_k is None and layer.index not in step.routing.policy)
+
+    def _route(self, layer: MoeLayer, hidden_states: torch.Tensor, logits: torch.Tensor | None = None):
+        """The layer's routes under the routing of the step being run (the stock router without one).
+        ``logits`` [T, E]: the router's output where the caller computed it with the step's linear
+        op (the lean decoder's stacked projection); only read in an engine decode step."""
         router = layer.router
         step = current()
         routing = step.routing if step is not None else None
@@ -144,7 +153,9 @@ class RoutingController:
             logits, weights, index = router._moetailor_base.forward(router, hidden_states)
         else:
             hidden = hidden_states.reshape(-1, hidden_states.shape[-1])       # [T, H]
-            if native and step.linear_kernel is not None:                     # the step's linear op (any rows: E is small)
+            if native and logits is not None:
+                logits = logits.contiguous()                                  # [T, E]
+            elif native and step.linear_kernel is not None:                   # the step's linear op (any rows: E is small)
                 logits = step.linear_kernel(hidden.contiguous(), router.weight)  # [T, E]
             else:
                 logits = layer.router_logits(hidden)                          # [T, E]

@@ -1,0 +1,79 @@
+// One decoder layer of a decode step (Qwen-MoE shape) in one to three calls instead of ~25.
+// Why: at batch 1 a step is ~150 torch ops from Python, each costing a few microseconds of dispatch
+// and interpreter time beside kernels that read a few hundred kilobytes; llama.cpp runs its whole
+// graph without returning to a host language. These compose the existing ops (ops.h) in the order
+// engine/decode_forward.py calls them one by one, and the elementwise steps of the shared expert
+// through ATen's own kernels (at::silu, at::sigmoid), so the result is the same, bit for bit.
+//
+//   attention_block: (x, h) -> q|k|v, rotary + k/v write, paged attention, o, residual add + norm -> (x, h),
+//                    and h through `moe_in` [E + 2I + 1, H] (router | shared gate, up | shared gate logit).
+//   moe_block:       routed experts + sigmoid-gated shared expert, residual add + next norm -> (x, h).
+//   decode_layer:    both, with the full softmax router's selection between them (no plan, no budgets).
+#include <torch/extension.h>
+
+#include "ops.h"
+
+namespace {
+
+at::Tensor head_norm(const at::Tensor& t, const at::Tensor& weight, double eps) {
+  // decode_forward's Norm on [B, heads, D]: rows of D through rms_norm, back to the view's shape
+  return rms_norm(t.reshape({-1, t.size(-1)}).contiguous(), weight, eps).view(t.sizes());
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_block(
+    const at::Tensor& x, const at::Tensor& h, const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double qk_eps,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& context_lens,
+    int64_t block_size, double scaling, const at::Tensor& o, const at::Tensor& post_norm, double post_eps,
+    const at::Tensor& moe_in, int64_t heads, int64_t kv_heads) {
+  const int64_t B = h.size(0);
+  TORCH_CHECK(qkv.size(0) % (heads + 2 * kv_heads) == 0, "qkv rows must be (heads + 2 kv_heads) x head size");
+  const int64_t D = qkv.size(0) / (heads + 2 * kv_heads);
+  auto all = rows_linear(h, qkv, qkv_bias).view({B, heads + 2 * kv_heads, D});   // [B, nH + 2 nKV, D]
+  auto q = all.narrow(1, 0, heads), k = all.narrow(1, heads, kv_heads), v = all.narrow(1, heads + kv_heads, kv_heads);
+  if (q_norm.has_value()) {
+    q = head_norm(q, *q_norm, qk_eps);
+    k = head_norm(k, *k_norm, qk_eps);
+  }
+  q = rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);                 // [B, nH, D]
+  auto attn = paged_decode_attention(q, k_cache, v_cache, block_table, context_lens, block_size, scaling);
+  auto [x2, h2] = add_rms_norm(x, rows_linear(attn.reshape({B, heads * D}), o, c10::nullopt), post_norm, post_eps);
+  return {x2, h2, rows_linear(h2, moe_in, c10::nullopt)};                                  // [B, H] x2, [B, N]
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_block(
+    const at::Tensor& x, const at::Tensor& h, const at::Tensor& index, const at::Tensor& weight,
+    const at::Tensor& gate_up, const at::Tensor& down, at::Tensor& experts_read, int64_t layer,
+    const at::Tensor& moe_in_out, int64_t num_experts, const c10::optional<at::Tensor>& shared_down,
+    const at::Tensor& next_norm, double next_eps) {
+  auto out = swiglu_experts(h, gate_up, down, index, weight, experts_read, layer);         // [B, H]
+  if (shared_down.has_value()) {
+    const int64_t I = shared_down->size(1);
+    TORCH_CHECK(moe_in_out.size(1) == num_experts + 2 * I + 1, "moe_in_out: [B, E + 2I + 1]");
+    auto gate = moe_in_out.narrow(1, num_experts, I), up = moe_in_out.narrow(1, num_experts + I, I);
+    auto shared = rows_linear((at::silu(gate) * up).contiguous(), *shared_down, c10::nullopt);   // [B, H]
+    out = out + at::sigmoid(moe_in_out.narrow(1, num_experts + 2 * I, 1)) * shared;
+  }
+  auto [x2, h2] = add_rms_norm(x, out, next_norm, next_eps);
+  return {x2, h2};
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& x, const at::Tensor& h, const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double qk_eps,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& context_lens,
+    int64_t block_size, double scaling, const at::Tensor& o, const at::Tensor& post_norm, double post_eps,
+    const at::Tensor& moe_in, int64_t heads, int64_t kv_heads, int64_t top_k, bool normalise,
+    const at::Tensor& gate_up, const at::Tensor& down, at::Tensor& experts_read, int64_t layer,
+    int64_t num_experts, const c10::optional<at::Tensor>& shared_down, const at::Tensor& next_norm, double next_eps) {
+  auto [x2, h2, proj] = attention_block(x, h, qkv, qkv_bias, q_norm, k_norm, qk_eps, cos, sin, k_cache, v_cache,
+                                        slot_mapping, block_table, context_lens, block_size, scaling, o, post_norm,
+                                        post_eps, moe_in, heads, kv_heads);
+  auto [weights, index] = softmax_topk(proj.narrow(1, 0, num_experts).contiguous(), top_k, normalise, c10::nullopt);
+  return moe_block(x2, h2, index, weights, gate_up, down, experts_read, layer, proj, num_experts, shared_down,
+                   next_norm, next_eps);
+}

@@ -1,0 +1,45 @@
+// The native ops' C++ entry points (one declaration each): bindings.cpp registers them as torch
+// operators, decode_layer.cpp composes them into a decode layer.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+at::Tensor swiglu_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                          const at::Tensor& index, const at::Tensor& weight, at::Tensor& experts_read, int64_t layer);
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+std::tuple<at::Tensor, at::Tensor> softmax_topk(const at::Tensor& logits, int64_t k, bool normalise,
+                                                const c10::optional<at::Tensor>& allowed);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, const at::Tensor& lengths, int64_t block_size,
+                                  double scale);
+at::Tensor rotary_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                           const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                           const at::Tensor& slot_mapping);
+
+// decode_layer.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_block(
+    const at::Tensor& x, const at::Tensor& h, const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double qk_eps,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& context_lens,
+    int64_t block_size, double scaling, const at::Tensor& o, const at::Tensor& post_norm, double post_eps,
+    const at::Tensor& moe_in, int64_t heads, int64_t kv_heads);
+std::tuple<at::Tensor, at::Tensor> moe_block(
+    const at::Tensor& x, const at::Tensor& h, const at::Tensor& index, const at::Tensor& weight,
+    const at::Tensor& gate_up, const at::Tensor& down, at::Tensor& experts_read, int64_t layer,
+    const at::Tensor& moe_in_out, int64_t num_experts, const c10::optional<at::Tensor>& shared_down,
+    const at::Tensor& next_norm, double next_eps);
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& x, const at::Tensor& h, const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double qk_eps,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& context_lens,
+    int64_t block_size, double scaling, const at::Tensor& o, const at::Tensor& post_norm, double post_eps,
+    const at::Tensor& moe_in, int64_t heads, int64_t kv_heads, int64_t top_k, bool normalise,
+    const at::Tensor& gate_up, const at::Tensor& down, at::Tensor& experts_read, int64_t layer,
+    int64_t num_experts, const c10::optional<at::Tensor>& shared_down, const at::Tensor& next_norm, double next_eps);
