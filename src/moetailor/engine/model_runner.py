@@ -188,14 +188,16 @@ class ModelRunner:
         """Inputs [3, B] (ids, positions, slots) and the step: each sequence's block table [B, nb] and
         cached length [B], which attention reads the cache through (in place with the native kernel;
         else through the gather slots worked out here, once per step)."""
-        bs = self.config.block_size
+        bs, B = self.config.block_size, len(seqs)
         lens = [len(seq) for seq in seqs]
         tables = [seq.block_table for seq in seqs]
         positions = [n - 1 for n in lens]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
         width = max(map(len, tables))
-        packed = self._tensor([[seq.token_ids[-1] for seq in seqs], positions, slots, lens])   # [4, B]
-        table = self._tensor([t + [0] * (width - len(t)) for t in tables])                # [B, nb]
+        flat = self._tensor([seq.token_ids[-1] for seq in seqs] + positions + slots + lens   # one host copy a step
+                            + [b for t in tables for b in t + [0] * (width - len(t))])
+        packed = flat[:4 * B].view(4, B)                                                   # [4, B]
+        table = flat[4 * B:].view(B, width)                                                # [B, nb]
         gather = {}
         if self.native_attention is None:
             kv_slots, kv_mask = attention.gather_slots(table, lens, bs)

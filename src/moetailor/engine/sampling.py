@@ -72,7 +72,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """One token per row of logits [B, V]. Greedy rows take the argmax (ties: lowest id, like
     transformers); others: temperature, top-k, top-p, then a draw from the row's generator."""
     logits = logits.float()
-    tokens = logits.argmax(dim=-1).tolist()                                # [B]
+    # numpy's argmax on CPU: the same first-maximum rule (NaN counts as the maximum in both), ~4x
+    # faster than torch's on a vocabulary row (a batch-1 step's 12 us)
+    tokens = (logits.numpy().argmax(-1) if logits.device.type == "cpu" and not logits.requires_grad
+              else logits.argmax(dim=-1)).tolist()                         # [B]
     for i, p in enumerate(params):
         if p.temperature == 0.0:
             continue
