@@ -57,18 +57,23 @@ class CountingOps:
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
 def test_decode_layers_run_in_one_native_call_under_the_full_router(one_thread, arch):
-    """Steps of at most 8 rows: one ``decode_layer`` call a layer under the full router, and
-    ``attention_block`` + the controller + ``moe_block`` under a plan; both equal the module path."""
+    """Steps of at most 8 rows: the whole step in one native call (the bound ``DecodeGraph``) under
+    the full router, else one ``decode_layer`` call a layer, and ``attention_block`` + the controller
+    + ``moe_block`` under a plan; each equals the module path."""
     model = tiny_model(arch, seed=4)
     prompts = random_prompts([5, 17, 9, 3], seed=4)
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
-    for plan, fused in ((None, "decode_layer"), (uniform_plan(model, decode=LayerPolicy(keep=(0, 2, 5))), "moe_block")):
+    layers, steps = len(model.model.layers), 5
+    plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 2, 5)))
+    for plan, graph, calls in ((None, True, {}), (None, False, {"decode_layer": steps * layers}),
+                               (plan, True, {"attention_block": steps * layers, "moe_block": steps * layers})):
         llm = LLM(model, plan)
+        assert llm.runner.lean.graph is not None
         counting = CountingOps(llm.runner.lean.layer_ops)
-        llm.runner.lean = dataclasses.replace(llm.runner.lean, layer_ops=counting)
+        llm.runner.lean = dataclasses.replace(llm.runner.lean, layer_ops=counting,
+                                              graph=llm.runner.lean.graph if graph else None)
         got = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
-        assert counting.calls == {fused: 5 * len(model.model.layers)} if fused == "decode_layer" else \
-            counting.calls == {"attention_block": 5 * len(model.model.layers), "moe_block": 5 * len(model.model.layers)}
+        assert counting.calls == calls
         assert got == run(model, plan, False, prompts, params)[0]
 
 

@@ -18,7 +18,7 @@ hooks on any module (``hooked``) runs the module path, so the hooks see every st
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +86,41 @@ class LeanLayer:
 
 
 @dataclass(frozen=True)
+class BoundGraph:
+    """The native ``DecodeGraph`` of a lean decoder: its weights, the runner's KV cache and decode
+    expert copies bound once, so a step under the full router passes only its own inputs."""
+    op: object                        # torch.classes.moetailor.DecodeGraph
+    kv_cache: list                    # what it was bound to: a step that brings others runs the loop
+    block_size: int
+    expert_weights: dict | None
+
+    @classmethod
+    def build(cls, lean: "LeanDecoder", kv_cache: list, block_size: int, expert_weights: dict | None) -> "BoundGraph":
+        cos, sin = lean.rotary_table
+        final = lean.final_norm
+        op = torch.classes.moetailor.DecodeGraph(lean.embed, lean.layers[0].input_norm.weight,
+                                                 lean.layers[0].input_norm.eps, lean.lm_head, cos, sin, lean.heads,
+                                                 lean.kv_heads, block_size, lean.scaling)
+        norms = [layer.input_norm for layer in lean.layers[1:]] + [final]
+        for layer, next_norm in zip(lean.layers, norms):
+            moe = layer.moe
+            gate_up, down = (expert_weights or {}).get(moe.index) or (moe.experts.gate_up_proj, moe.experts.down_proj)
+            qk = (None, None, 0.0) if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps)
+            op.add_layer(layer.qkv, layer.qkv_bias, *qk, *kv_cache[layer.index], layer.o, layer.post_norm.weight,
+                         layer.post_norm.eps, layer.moe_in, moe.top_k, moe.semantics.normalise, gate_up, down,
+                         getattr(moe.experts, "_moetailor_layer", -1), moe.num_experts, layer.shared_down,
+                         next_norm.weight, next_norm.eps)
+        return cls(op, kv_cache, block_size, expert_weights)
+
+    def runs(self, step: Step, controller) -> bool:
+        """Whether ``step`` can run as the bound graph: every layer under the full router (no plan, no
+        budgets, no observers) on the cache and expert weights it was bound to."""
+        return (controller.routes_every_layer_in_full(step) and not controller.observers
+                and step.kv.cache is self.kv_cache and step.kv.block_size == self.block_size
+                and step.expert_weights is self.expert_weights)
+
+
+@dataclass(frozen=True)
 class LeanDecoder:
     layers: tuple[LeanLayer, ...]
     embed: torch.Tensor               # [V, H]
@@ -102,10 +137,12 @@ class LeanDecoder:
     rotary_kv: object = None               # the native rotary + k/v write op, else the model's rotary and two copies
     add_norm: object = None                # the native residual add + RMSNorm op, else an add and the norm
     layer_ops: object = None               # the native decode-layer ops (kernels/decode_layer.cpp), or None
+    graph: "BoundGraph | None" = None      # the whole step under the full router in one native call, or None
 
     @classmethod
     def build(cls, model, controller, attention_kernel, rotary_kernel=None, add_norm_kernel=None,
-              max_model_len: int = 0, layer_ops=None) -> "LeanDecoder | None":
+              max_model_len: int = 0, layer_ops=None, kv_cache: list | None = None, block_size: int = 0,
+              expert_weights: dict | None = None) -> "LeanDecoder | None":
         """The lean decoder of ``model``, or None where it does not apply (see the module doc)."""
         cfg = model.config
         if cfg.model_type not in FAMILIES or attention_kernel is None:
@@ -145,13 +182,17 @@ class LeanDecoder:
         fusable = all(l.qkv.is_contiguous() and l.o.is_contiguous() and (l.q_norm is None or l.q_norm.eps == l.k_norm.eps)
                       and (l.shared_down is None or l.shared_down.is_contiguous()) for l in layers)
         attn = decoder_layers(model)[0].self_attn
-        return cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), head.weight, inner.rotary_emb,
-                   rotary_table(inner.rotary_emb, inner.embed_tokens.weight, max_model_len),
-                   sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
-                   cfg.num_key_value_heads, attn.head_dim, float(attn.scaling),
-                   tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)),
-                   rotary_kernel, add_norm_kernel,
-                   layer_ops if fusable and rotary_kernel is not None and add_norm_kernel is not None else None)
+        decoder = cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), head.weight, inner.rotary_emb,
+                      rotary_table(inner.rotary_emb, inner.embed_tokens.weight, max_model_len),
+                      sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
+                      cfg.num_key_value_heads, attn.head_dim, float(attn.scaling),
+                      tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)),
+                      rotary_kernel, add_norm_kernel,
+                      layer_ops if fusable and rotary_kernel is not None and add_norm_kernel is not None else None)
+        if decoder.layer_ops is None or decoder.rotary_table is None or kv_cache is None or \
+                not all(getattr(l.moe.router, "_moetailor_native", False) for l in layers):
+            return decoder
+        return replace(decoder, graph=BoundGraph.build(decoder, kv_cache, block_size, expert_weights))
 
     def hooked(self) -> bool:
         """Whether a forward (pre-)hook is registered on the model or globally: the step then runs
@@ -178,6 +219,9 @@ class LeanDecoder:
             cos, sin = self.rotary(x, positions[None])                        # [1, B, D] each
         h = self.layers[0].input_norm(x, norm)                                # [B, H]
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        if self.graph is not None and linear is kernel and norm is not None and self.graph.runs(step, controller):
+            return self.graph.op.forward(ids, positions, kv.slot_mapping, kv.block_table, kv.context_lens,
+                                         step.experts_read)                  # [B, V]: the loop below, in one call
         if self.layer_ops is not None and linear is kernel and norm is not None:   # a native call or three a layer
             for layer, next_norm in zip(self.layers, next_norms):
                 x, h = self.native_layer(layer, next_norm, x, h, cos[0], sin[0], step, controller)  # [B, H] each

@@ -91,7 +91,8 @@ class ModelRunner:
                                       kernels.rotary_kv_write() if self.native_attention is not None else None,
                                       kernels.add_rms_norm() if self.native_attention is not None else None,
                                       config.max_model_len,
-                                      kernels.decode_layer_ops() if self.native_attention is not None else None) \
+                                      kernels.decode_layer_ops() if self.native_attention is not None else None,
+                                      self.kv_cache, config.block_size, self.decode_expert_weights) \
             if config.lean_decode and self._compiled is None else None
 
     def _expert_copies(self, dtype: torch.dtype | None) -> dict | None:

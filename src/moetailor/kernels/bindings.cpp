@@ -30,6 +30,11 @@ TORCH_LIBRARY(moetailor, m) {
         "float post_eps, Tensor moe_in, int heads, int kv_heads, int top_k, bool normalise, Tensor gate_up, "
         "Tensor down, Tensor(c!) experts_read, int layer, int num_experts, Tensor? shared_down, Tensor next_norm, "
         "float next_eps) -> (Tensor, Tensor)");
+  m.class_<DecodeGraph>("DecodeGraph")
+      .def(torch::init<at::Tensor, at::Tensor, double, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t,
+                       double>())
+      .def("add_layer", &DecodeGraph::add_layer)
+      .def("forward", &DecodeGraph::forward);
 }
 
 TORCH_LIBRARY_IMPL(moetailor, CPU, m) {

@@ -77,3 +77,37 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   return moe_block(x2, h2, index, weights, gate_up, down, experts_read, layer, proj, num_experts, shared_down,
                    next_norm, next_eps);
 }
+
+DecodeGraph::DecodeGraph(at::Tensor embed, at::Tensor first_norm, double first_eps, at::Tensor lm_head,
+                         at::Tensor cos_table, at::Tensor sin_table, int64_t heads, int64_t kv_heads,
+                         int64_t block_size, double scaling)
+    : embed(std::move(embed)), first_norm(std::move(first_norm)), lm_head(std::move(lm_head)),
+      cos_table(std::move(cos_table)), sin_table(std::move(sin_table)), first_eps(first_eps), scaling(scaling),
+      heads(heads), kv_heads(kv_heads), block_size(block_size) {}
+
+void DecodeGraph::add_layer(at::Tensor qkv, c10::optional<at::Tensor> qkv_bias, c10::optional<at::Tensor> q_norm,
+                            c10::optional<at::Tensor> k_norm, double qk_eps, at::Tensor k_cache, at::Tensor v_cache,
+                            at::Tensor o, at::Tensor post_norm, double post_eps, at::Tensor moe_in, int64_t top_k,
+                            bool normalise, at::Tensor gate_up, at::Tensor down, int64_t experts_layer,
+                            int64_t num_experts, c10::optional<at::Tensor> shared_down, at::Tensor next_norm,
+                            double next_eps) {
+  layers.push_back({qkv, qkv_bias, q_norm, k_norm, qk_eps, k_cache, v_cache, o, post_norm, post_eps, moe_in, top_k,
+                    normalise, gate_up, down, experts_layer, num_experts, shared_down, next_norm, next_eps});
+}
+
+// decode_forward.py's loop, in the same order: embedding, cos/sin rows of the table, the first norm,
+// each layer's decode_layer, the LM head.
+at::Tensor DecodeGraph::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                                const at::Tensor& block_table, const at::Tensor& context_lens,
+                                at::Tensor experts_read) {
+  auto x = at::embedding(embed, ids);                                                      // [B, H]
+  auto cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);  // [B, D]
+  auto h = rms_norm(x, first_norm, first_eps);
+  for (auto& l : layers)
+    std::tie(x, h) = decode_layer(x, h, l.qkv, l.qkv_bias, l.q_norm, l.k_norm, l.qk_eps, cos, sin, l.k_cache,
+                                  l.v_cache, slot_mapping, block_table, context_lens, block_size, scaling, l.o,
+                                  l.post_norm, l.post_eps, l.moe_in, heads, kv_heads, l.top_k, l.normalise, l.gate_up,
+                                  l.down, experts_read, l.experts_layer, l.num_experts, l.shared_down, l.next_norm,
+                                  l.next_eps);
+  return rows_linear(h, lm_head, c10::nullopt);                                           // [B, V]
+}

@@ -3,8 +3,10 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/custom_class.h>
 
 #include <tuple>
+#include <vector>
 
 at::Tensor swiglu_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                           const at::Tensor& index, const at::Tensor& weight, at::Tensor& experts_read, int64_t layer);
@@ -43,3 +45,39 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& moe_in, int64_t heads, int64_t kv_heads, int64_t top_k, bool normalise,
     const at::Tensor& gate_up, const at::Tensor& down, at::Tensor& experts_read, int64_t layer,
     int64_t num_experts, const c10::optional<at::Tensor>& shared_down, const at::Tensor& next_norm, double next_eps);
+
+// A model's decode step under the full router, built once: the weights, norms, rotary table and KV
+// cache bound at construction (add_layer per decoder layer), so a step passes only its own inputs and
+// runs embedding, every decode_layer and the LM head without returning to Python.
+struct DecodeGraph : torch::CustomClassHolder {
+  struct Layer {
+    at::Tensor qkv;
+    c10::optional<at::Tensor> qkv_bias, q_norm, k_norm;
+    double qk_eps;
+    at::Tensor k_cache, v_cache, o, post_norm;
+    double post_eps;
+    at::Tensor moe_in;
+    int64_t top_k;
+    bool normalise;
+    at::Tensor gate_up, down;
+    int64_t experts_layer, num_experts;
+    c10::optional<at::Tensor> shared_down;
+    at::Tensor next_norm;
+    double next_eps;
+  };
+  at::Tensor embed, first_norm, lm_head, cos_table, sin_table;
+  double first_eps, scaling;
+  int64_t heads, kv_heads, block_size;
+  std::vector<Layer> layers;
+
+  DecodeGraph(at::Tensor embed, at::Tensor first_norm, double first_eps, at::Tensor lm_head, at::Tensor cos_table,
+              at::Tensor sin_table, int64_t heads, int64_t kv_heads, int64_t block_size, double scaling);
+  void add_layer(at::Tensor qkv, c10::optional<at::Tensor> qkv_bias, c10::optional<at::Tensor> q_norm,
+                 c10::optional<at::Tensor> k_norm, double qk_eps, at::Tensor k_cache, at::Tensor v_cache, at::Tensor o,
+                 at::Tensor post_norm, double post_eps, at::Tensor moe_in, int64_t top_k, bool normalise,
+                 at::Tensor gate_up, at::Tensor down, int64_t experts_layer, int64_t num_experts,
+                 c10::optional<at::Tensor> shared_down, at::Tensor next_norm, double next_eps);
+  // ids, positions, slot_mapping, context_lens [B], block_table [B, nb] int64; experts_read [L] (written)
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_table, const at::Tensor& context_lens, at::Tensor experts_read);
+};

@@ -138,6 +138,13 @@ class RoutingController:
         return (step is not None and step.router_kernel is not None and getattr(layer.router, "_moetailor_native", False)
                 and step.routing.token_top_k is None and layer.index not in step.routing.policy)
 
+    @staticmethod
+    def routes_every_layer_in_full(step: Step | None) -> bool:
+        """Whether ``step`` is an engine decode step with native selection and neither a plan nor
+        per-token budgets: every natively routed layer then selects as ``selects_natively`` says."""
+        return (step is not None and step.router_kernel is not None and step.routing.token_top_k is None
+                and not step.routing.policy)
+
     def _route(self, layer: MoeLayer, hidden_states: torch.Tensor, logits: torch.Tensor | None = None):
         """The layer's routes under the routing of the step being run (the stock router without one).
         ``logits`` [T, E]: the router's output where the caller computed it with the step's linear
