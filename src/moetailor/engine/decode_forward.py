@@ -211,6 +211,9 @@ class LeanDecoder:
         Each residual add is fused with the norm after it (the next layer's, or the final one)."""
         kernel, norm, kv = step.linear_kernel, step.norm_kernel, step.kv
         linear = kernel if kernel is not None and ids.shape[0] <= NATIVE_LINEAR_ROWS else F.linear
+        if self.graph is not None and linear is kernel and norm is not None and self.graph.runs(step, controller):
+            return self.graph.op.forward(ids, positions, kv.slot_mapping, kv.block_table, kv.context_lens,
+                                         step.experts_read)                  # [B, V]: what follows, in one call
         B, nH, nKV, D = ids.shape[0], self.heads, self.kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)                                      # [B, H] the residual stream
         if self.rotary_table is not None:
@@ -219,9 +222,6 @@ class LeanDecoder:
             cos, sin = self.rotary(x, positions[None])                        # [1, B, D] each
         h = self.layers[0].input_norm(x, norm)                                # [B, H]
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-        if self.graph is not None and linear is kernel and norm is not None and self.graph.runs(step, controller):
-            return self.graph.op.forward(ids, positions, kv.slot_mapping, kv.block_table, kv.context_lens,
-                                         step.experts_read)                  # [B, V]: the loop below, in one call
         if self.layer_ops is not None and linear is kernel and norm is not None:   # a native call or three a layer
             for layer, next_norm in zip(self.layers, next_norms):
                 x, h = self.native_layer(layer, next_norm, x, h, cos[0], sin[0], step, controller)  # [B, H] each
