@@ -8,6 +8,11 @@ implementation every other path uses (so plans, budgets, observers and the exper
 are unchanged), and one stacked gate|up projection for the shared expert. Prefill steps keep
 transformers' modules (they are compute-bound, and calibration and evaluation read them).
 
+With the native ops and at most ``NATIVE_LINEAR_ROWS`` rows the loop runs in C++ (the same ops in
+the same order, ``kernels/decode_layer.cpp``): a whole full-router step is one call of the
+``DecodeGraph`` bound at start-up (``BoundGraph``), a layer one ``decode_layer`` call, or under a plan,
+budgets or observers ``attention_block`` + the controller's routing + ``moe_block``.
+
 Covered (``LeanDecoder.build`` returns None otherwise, and the engine keeps the module path):
 ``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 with the native experts and attention kernels (projections through `rows_linear`
 where `kernels.rows_linear_pays()`, else torch's GEMV), every layer a
@@ -246,7 +251,7 @@ class LeanDecoder:
 
     def native_layer(self, layer: LeanLayer, next_norm: Norm, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, step: Step, controller) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer through the native layer ops, the same arithmetic as the loop below op for op:
+        """One layer through the native layer ops, the same arithmetic as ``forward``'s Python loop op for op:
         one ``decode_layer`` call under the full router, else ``attention_block``, the controller's
         routing of the layer's logits (plans, budgets, observers), then ``moe_block``."""
         kv, moe, ops = step.kv, layer.moe, self.layer_ops
