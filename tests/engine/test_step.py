@@ -75,6 +75,25 @@ def test_incremental_text_equals_a_full_decode_with_multibyte_text():
     assert "\ufffd" not in "".join(pieces)
 
 
+def test_text_is_decoded_when_read_not_at_every_step(tokenizer):
+    """A request without stop strings is decoded once, at its end; a stream reads its text each step
+    and gets the same text; an aborted request's text covers every token it got."""
+    llm = LLM(tiny_model("qwen2_moe", vocab=128), tokenizer=tokenizer)
+    calls = []
+    decode = llm.scheduler.detokenizer._decode
+    llm.scheduler.detokenizer._decode = lambda ids: calls.append(len(ids)) or decode(ids)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    out = llm.generate(["abc def"], params)[0]
+    assert calls == [12] and out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    streamed = "".join(d.text for d in llm.stream("abc def", params))
+    assert streamed == out.text and len(calls) > 12                # a stream decodes a window each step
+    seq = llm.add_request("abc def", params)
+    for _ in range(5):
+        llm.step()
+    llm.abort(seq.request_id)
+    assert seq.text == tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True) and seq.text
+
+
 def test_stop_string_spanning_tokens_cuts_the_text(tokenizer):
     llm = LLM(tiny_model("qwen2_moe", vocab=128), tokenizer=tokenizer)
     greedy = llm.generate(["abc def"], SamplingParams(max_tokens=12, ignore_eos=True))[0]
