@@ -1,11 +1,15 @@
 """Decode throughput: llama.cpp beside moetailor's engine on the same weights, one run (.venv-llamacpp).
 
     flock /tmp/moetailor-heavy.lock .venv-llamacpp/bin/python scripts/llamacpp_vs_engine.py --batch 1 8 32
+    ... --model build/olmoe4 --dtype bf16 --prompt-len 32 --new-tokens 16   # a real-size bf16 checkpoint
 
 Both sides run the same function: the bundled model's weights with norm_topk_prob=false (llama.cpp's
 qwen2moe graph never renormalises the top-k weights, so the engine loads a copy of the checkpoint whose
 config says so), f32 on both sides, the GGUF written by `moetailor export gguf`. With ``--plan`` the
 same again for the checkpoint pruned to the plan's decode experts (`moetailor prune`, then exported).
+With ``--model`` another checkpoint (e.g. `moetailor synth olmoe-1b-7b --layers 4`), and with ``--dtype bf16``
+both sides read bf16 weights: the engine loads them as stored (bf16 activations, fp32 sums), llama.cpp a bf16
+GGUF (fp32 activations): the functions differ in rounding only, so greedy outputs may part after a few tokens.
 Decode throughput is measured as scripts/engine_vs_hf.py does: B * (N - 1) / (t(N) - t(1)), the time of
 an N-token greedy generation minus a 1-token one (prefill only), best of ``--repeats`` rounds, EOS ignored;
 the rounds alternate engine and llama.cpp (this machine's speed drifts by 2x within minutes), and the
@@ -62,6 +66,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--plan", default=None, help="also compare the checkpoint pruned to this plan's decode experts")
+    ap.add_argument("--model", default="reference", help="checkpoint (default: the bundled model)")
+    ap.add_argument("--dtype", choices=("f32", "bf16"), default="f32", help="weights on both sides")
     ap.add_argument("--out", default="build/llamacpp_vs_engine")
     args = ap.parse_args()
 
@@ -74,20 +80,23 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    models = {"full": unnormalised_copy(resolve_model_path("reference"), out / "reference-unnormalised")}
+    name = Path(args.model).name
+    models = {"full": unnormalised_copy(resolve_model_path(args.model), out / f"{name}-unnormalised")}
     if args.plan:
-        pruned = out / "reference-pruned"
-        assert cli(["prune", "reference", args.plan, "--out", str(pruned), "--overwrite"]) == 0
-        models["pruned"] = unnormalised_copy(pruned, out / "reference-pruned-unnormalised")
+        pruned = out / f"{name}-pruned"
+        assert cli(["prune", args.model, args.plan, "--out", str(pruned), "--overwrite"]) == 0
+        models["pruned"] = unnormalised_copy(pruned, out / f"{name}-pruned-unnormalised")
     n = max(args.batch)
-    tokenizer = load_tokenizer("reference")
+    tokenizer = load_tokenizer(str(models["full"]))
     prompts_all = heldout_prompts(tokenizer, n, args.prompt_len)
     n_ctx = n * (args.prompt_len + args.new_tokens) + 16
     rows = []
     for name, path in models.items():
-        gguf = out / f"{name}.gguf"
-        assert cli(["export", "gguf", str(path), "--out", str(gguf), "--overwrite"]) == 0
-        engine = LLM(str(path), max_num_seqs=n)
+        gguf = out / f"{path.name}-{args.dtype}.gguf"
+        if not gguf.exists() or gguf.stat().st_mtime < max(f.stat().st_mtime for f in path.iterdir()):
+            assert cli(["export", "gguf", str(path), "--out", str(gguf), "--outtype", args.dtype, "--overwrite"]) == 0
+        engine = LLM(str(path), max_num_seqs=n, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
+                     max_model_len=args.prompt_len + args.new_tokens + 8)
         llm = load(gguf, n_threads=args.threads)
         with BatchedDecoder(llm, max_seqs=n, n_ctx=n_ctx, n_threads=args.threads) as decoder:
             engine_decode(engine, prompts_all[:2], 4, 1)                    # warm-up
@@ -108,7 +117,7 @@ def main() -> None:
                 print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
                 rows.append(row)
         del llm, engine
-    print_table(f"decode tok/s, bundled model (norm_topk_prob=false), f32, {args.prompt_len}-token prompts, "
+    print_table(f"decode tok/s, {args.model} (norm_topk_prob=false), {args.dtype}, {args.prompt_len}-token prompts, "
                 f"{args.new_tokens} new tokens, {args.threads} threads",
                 ["model", "batch", "engine tok/s", "llama.cpp tok/s", "llama.cpp / engine", "median round ratio",
                  "identical greedy", "load"],

@@ -148,10 +148,40 @@ def test_a_swapped_norm_is_the_stock_norm_outside_a_decode_step():
         assert torch.equal(norm(x), stock(x))
 
 
+def test_a_bf16_models_norm_runs_the_native_op_in_a_decode_step_and_rounds_as_transformers():
+    """A bf16 checkpoint's RMSNorms (OLMoE: 17 a step on the 4-layer real-size model, each eight torch
+    ops) run the native op in a decode step on bf16 input, rounding where transformers' bf16 norm
+    does; under an fp32 autocast-style input and outside a step, the stock forward."""
+    from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
+
+    from moetailor.engine.native_layers import install_native_norms
+    from moetailor.models.step import Step, running
+
+    torch.manual_seed(0)
+    norm, stock = OlmoeRMSNorm(256, eps=1e-5), OlmoeRMSNorm(256, eps=1e-5)
+    norm.weight.data = stock.weight.data = torch.randn(256)
+    norm, stock = norm.bfloat16(), stock.bfloat16()
+    assert install_native_norms(norm) == 1
+    calls = []
+
+    def kernel(x, weight, eps):
+        calls.append(x.dtype)
+        return kernels.rms_norm()(x, weight, eps)
+
+    x = (3 * torch.randn(2, 5, 256)).bfloat16()
+    with running(Step(is_prefill=False, norm_kernel=kernel)):
+        y = norm(x)
+        assert torch.equal(norm(x.float()), stock(x.float()))       # fp32 rows on bf16 weights: stock
+    assert calls == [torch.bfloat16] and y.dtype is torch.bfloat16 and y.shape == x.shape
+    assert (y == stock(x)).float().mean() > 0.99                    # the variance's order: rare last-bit flips
+    torch.testing.assert_close(y.float(), stock(x).float(), rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(norm(x), stock(x))
+
+
 @pytest.mark.parametrize("rows", [3, 32])
 def test_a_bf16_linear_in_a_decode_step_runs_the_native_op_and_rounds_once(rows):
-    """A bf16 checkpoint's projections in a decode step: fp32 sums of the bf16 weights rounded to bf16
-    once, as torch's bf16 GEMM computes them (in another order: equal within bf16 rounding), at any
+    """A bf16 checkpoint's projections in a decode step: the bf16 rows go to the op, whose fp32 sums of
+    the bf16 weights are rounded to bf16 once, as torch's bf16 GEMM computes them (in another order: equal within bf16 rounding), at any
     row count where that GEMM has no hardware kernels; outside a step the stock layer."""
     from moetailor.engine.native_layers import NativeLinear, bf16_gemm_is_fast, install_native_linears
     from moetailor.models.step import Step, running
@@ -169,7 +199,7 @@ def test_a_bf16_linear_in_a_decode_step_runs_the_native_op_and_rounds_once(rows)
     with running(Step(is_prefill=False, linear_kernel=kernel)):
         y = layer(x)
     native = rows <= 8 or not bf16_gemm_is_fast()
-    assert calls == ([(torch.float32, torch.bfloat16)] if native else []) and y.dtype is torch.bfloat16
+    assert calls == ([(torch.bfloat16, torch.bfloat16)] if native else []) and y.dtype is torch.bfloat16
     assert y.shape == (rows, 40)
     torch.testing.assert_close(y, (x.float() @ layer.weight.float().T + layer.bias.float()).bfloat16())
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))

@@ -114,6 +114,20 @@ def test_rows_linear_adds_the_bias_as_torch_does(rows, cols):
         op(x, w, torch.randn(cols + 1))
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows,cols", [(1, 8192), (3, 50)])
+def test_rows_linear_on_bf16_rows_rounds_the_fp32_result_once(rows, cols, bias):
+    """A bf16 model's decode linears pass bf16 rows: the op's fp32 sums (+ the bias, widened) rounded to
+    bf16 once, the same bits as widening the rows, the fp32 op, the add and one ``.to(bf16)``."""
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 64).bfloat16(), torch.randn(cols, 64).bfloat16()
+    b = torch.randn(cols).bfloat16() if bias else None
+    op = kernels.rows_linear()
+    expected = op(x.float(), w) + (b.float() if bias else 0)
+    out = op(x, w, b)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("rows,width", [(1, 256), (3, 40)])
 def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(rows, width):
     """The lean decode forward fuses each residual add with the next norm; the module path adds, then
@@ -138,6 +152,26 @@ def test_rms_norm_equals_transformers(rows, width):
     torch.testing.assert_close(kernels.rms_norm()(x, norm.weight, 1e-6), norm(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="weight: contiguous fp32"):
         kernels.rms_norm()(x, torch.ones(width + 1), 1e-6)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 2048), (5, 40)])
+def test_rms_norm_on_bf16_rows_equals_transformers_bf16_norm(rows, width):
+    """A bf16 model's norms (OLMoE's, 2048 wide): transformers rounds the normalised row to bf16 and then
+    its product with the bf16 weight; the op does the same, so only the fp32 variance's summation order
+    differs: almost every element equal to the bit, none off by more than a bf16 rounding."""
+    from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
+
+    torch.manual_seed(rows)
+    norm = OlmoeRMSNorm(width, eps=1e-5)
+    norm.weight.data = torch.randn(width)
+    norm = norm.bfloat16()
+    x = (3 * torch.randn(rows, width)).bfloat16()
+    out, ref = kernels.rms_norm()(x, norm.weight, 1e-5), norm(x)
+    assert out.dtype == torch.bfloat16
+    assert (out == ref).float().mean() > 0.99
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-6)
+    with pytest.raises(RuntimeError, match="bf16 weight"):
+        kernels.rms_norm()(x, norm.weight.float(), 1e-5)
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):

@@ -31,6 +31,8 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if step is None or step.linear_kernel is None or x.dtype != weight.dtype or x.dtype not in NATIVE_LINEAR_DTYPES \
             or (rows > NATIVE_LINEAR_ROWS and not (x.dtype == torch.bfloat16 and not bf16_gemm_is_fast())):
         return torch.nn.functional.linear(x, weight, bias)
+    if x.dtype == torch.bfloat16:   # the op widens the rows and rounds its fp32 sums (+ bias) to bf16 once, as below
+        return step.linear_kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias).view(*x.shape[:-1], -1)
     fused = bias is not None and bias.dtype == torch.float32                           # the op adds an fp32 bias
     y = step.linear_kernel(x.reshape(rows, x.shape[-1]).float().contiguous(), weight,  # [rows, N] fp32
                            bias if fused else None)
@@ -58,10 +60,12 @@ class NativeLinear(torch.nn.Linear):
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """In an engine decode step on fp32 input, the step's native op; else the stock forward (which
-    also covers a bf16 input under a prefill autocast: it takes the variance in fp32)."""
+    """In an engine decode step on input of the weight's dtype (fp32, or bf16 in a bf16 model: the op
+    rounds as the stock forward does, the normalised row to bf16, then its product with the weight),
+    the step's native op; else the stock forward (which also covers a bf16 input to fp32 weights
+    under a prefill autocast: it takes the variance in fp32)."""
     step = current()
-    if step is None or step.norm_kernel is None or x.dtype != torch.float32:
+    if step is None or step.norm_kernel is None or x.dtype != self.weight.dtype:
         return type(self).__mro__[1].forward(self, x)
     return rms_norm(x, self.weight, self.variance_epsilon, step.norm_kernel)
 
@@ -84,14 +88,14 @@ def install_native_linears(model) -> int:
 
 
 def install_native_norms(model) -> int:
-    """Swap every fp32 RMSNorm of a class in ``PLAIN_RMSNORMS``. Returns the number swapped."""
+    """Swap every fp32 or bf16 RMSNorm of a class in ``PLAIN_RMSNORMS``. Returns the number swapped."""
     swapped = 0
     for module in model.modules():
         cls = type(module)
         if cls in _NORM_CLASSES.values():
             swapped += 1
         elif cls.__name__ in PLAIN_RMSNORMS and getattr(module, "weight", None) is not None and \
-                module.weight.dtype == torch.float32 and hasattr(module, "variance_epsilon"):
+                module.weight.dtype in NATIVE_LINEAR_DTYPES and hasattr(module, "variance_epsilon"):
             if cls not in _NORM_CLASSES:
                 _NORM_CLASSES[cls] = type(f"Native{cls.__name__}", (cls,), {"forward": _norm_forward})
             module.__class__ = _NORM_CLASSES[cls]

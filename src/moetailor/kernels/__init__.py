@@ -90,7 +90,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("moetailor::rows_linear")
     def _(x, weight, bias=None):
-        return x.new_empty(x.shape[0], weight.shape[0])                     # [T, N] fp32
+        return x.new_empty(x.shape[0], weight.shape[0])                     # [T, N] x's dtype (fp32 or bf16)
 
     @torch.library.register_fake("moetailor::softmax_topk")
     def _(logits, k, normalise, allowed=None):
@@ -99,7 +99,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("moetailor::rms_norm")
     def _(x, weight, eps):
-        return torch.empty_like(x)                                          # [T, H] fp32
+        return torch.empty_like(x)                                          # [T, H] x's dtype (fp32 or bf16)
 
     @torch.library.register_fake("moetailor::add_rms_norm")
     def _(x, residual, weight, eps):
@@ -138,7 +138,8 @@ def swiglu_experts():
 
 def rows_linear():
     """The op ``rows_linear(x [T, H] fp32, weight [N, H] fp32 or bf16, bias [N] fp32 = None) ->
-    x @ weight.T + bias [T, N]`` for a few rows (a decode step's linear layers and LM head), or None."""
+    x @ weight.T + bias [T, N]`` for a few rows (a decode step's linear layers and LM head), or None.
+    bf16 ``x`` (and bias) with bf16 weights gives bf16: the fp32 result rounded once, as torch's GEMM does."""
     ops = _module()
     return None if ops is None else ops.rows_linear
 
@@ -153,7 +154,8 @@ def softmax_topk():
 
 def rms_norm():
     """The op ``rms_norm(x [T, H] fp32, weight [H] fp32, eps) -> weight * x / sqrt(mean(x^2) + eps)``
-    in one call (a decode step's norms), or None."""
+    in one call (a decode step's norms), or None. bf16 ``x`` and weight: transformers' bf16 RMSNorm
+    (variance in fp32, the normalised row rounded to bf16, times the weight rounded again)."""
     ops = _module()
     return None if ops is None else ops.rms_norm
 

@@ -214,12 +214,17 @@ torch::Tensor swiglu_experts(const torch::Tensor& x, const torch::Tensor& gate_u
 }
 
 // x [T, H] fp32 (T small: a decode step's rows), weight [N, H] fp32 or bf16, bias [N] fp32 or none
-// -> x @ weight^T + bias [T, N] fp32.
+// -> x @ weight^T + bias [T, N] fp32; bf16 x (and bias) -> bf16 out, the fp32 result rounded once.
 // Why: at batch 1 the LM head ([1, H] x [H, V]) is the largest single read of a decode step, and the
 // library GEMM pays for packing at one row; here threads take column ranges and stream each weight
 // row once through the same register-blocked dot products the experts use.
 torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 [T, H]");
+  if (x.scalar_type() == torch::kBFloat16) {   // a bf16 layer's rows: the fp32 sums (+ bias) rounded to bf16 once
+    c10::optional<torch::Tensor> b32;
+    if (bias.has_value()) b32 = bias->to(torch::kFloat32);
+    return rows_linear(x.to(torch::kFloat32), weight, b32).to(torch::kBFloat16);
+  }
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 or bf16 [T, H]");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
               "weight: contiguous [N, H] with x's H");
   const int64_t rows = x.size(0), depth = x.size(1), cols = weight.size(0);

@@ -6,14 +6,14 @@
 
 #include <cmath>
 #include <tuple>
+#include <vector>
 
 #include "vec.h"
 
 namespace {
 
-// y = weight * (x * inv), inv = 1 / sqrt(mean(x^2) + eps) for one row; both ops share it, so the
-// fused add + norm is bit for bit the add followed by the norm.
-inline void norm_row(const float* xr, const float* w, float* yr, int64_t width, float eps) {
+// 1 / sqrt(mean(x^2) + eps) of one fp32 row
+inline float inverse_rms(const float* xr, int64_t width, float eps) {
   const int64_t vectors = width / 16;
   v16 acc = {};
   for (int64_t i = 0; i < vectors; ++i) {
@@ -23,9 +23,26 @@ inline void norm_row(const float* xr, const float* w, float* yr, int64_t width, 
   float squares = 0.f;
   for (int lane = 0; lane < 16; ++lane) squares += acc[lane];
   for (int64_t i = 16 * vectors; i < width; ++i) squares += xr[i] * xr[i];
-  const float inv = 1.f / std::sqrt(squares / (float)width + eps);
+  return 1.f / std::sqrt(squares / (float)width + eps);
+}
+
+// y = weight * (x * inv), inv = 1 / sqrt(mean(x^2) + eps) for one row; both ops share it, so the
+// fused add + norm is bit for bit the add followed by the norm.
+inline void norm_row(const float* xr, const float* w, float* yr, int64_t width, float eps) {
+  const int64_t vectors = width / 16;
+  const float inv = inverse_rms(xr, width, eps);
   for (int64_t i = 0; i < vectors; ++i) store16(yr + 16 * i, load16(w + 16 * i) * (load16(xr + 16 * i) * inv));
   for (int64_t i = 16 * vectors; i < width; ++i) yr[i] = w[i] * (xr[i] * inv);
+}
+
+// A bf16 row as transformers' RMSNorm computes it in a bf16 model: the row widened to fp32 (`buf`),
+// normalised there, rounded to bf16, then times the bf16 weight (one more rounding).
+inline void norm_row_bf16(const at::BFloat16* xr, const at::BFloat16* w, at::BFloat16* yr, int64_t width, float eps,
+                          float* buf) {
+  for (int64_t i = 0; i < width; ++i) buf[i] = static_cast<float>(xr[i]);
+  const float inv = inverse_rms(buf, width, eps);
+  for (int64_t i = 0; i < width; ++i)
+    yr[i] = at::BFloat16(static_cast<float>(w[i]) * static_cast<float>(at::BFloat16(buf[i] * inv)));
 }
 
 void check(const torch::Tensor& x, const torch::Tensor& weight) {
@@ -37,9 +54,19 @@ void check(const torch::Tensor& x, const torch::Tensor& weight) {
 }  // namespace
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  check(x, weight);
   const int64_t rows = x.size(0), width = x.size(1);
   auto out = torch::empty_like(x);
+  if (x.scalar_type() == torch::kBFloat16) {   // a bf16 model's norm: bf16 rows and weight
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 1 && weight.is_contiguous() &&
+                    weight.scalar_type() == torch::kBFloat16 && weight.size(0) == width,
+                "bf16 x: contiguous [T, H] with a contiguous bf16 weight [H]");
+    std::vector<float> buf(width);
+    for (int64_t r = 0; r < rows; ++r)
+      norm_row_bf16(x.data_ptr<at::BFloat16>() + r * width, weight.data_ptr<at::BFloat16>(),
+                    out.data_ptr<at::BFloat16>() + r * width, width, (float)eps, buf.data());
+    return out;
+  }
+  check(x, weight);
   for (int64_t r = 0; r < rows; ++r)   // a few rows of a few hundred: one thread
     norm_row(x.data_ptr<float>() + r * width, weight.data_ptr<float>(), out.data_ptr<float>() + r * width, width,
              (float)eps);
