@@ -27,4 +27,21 @@ if [ -x .venv-llamacpp/bin/python ]; then
   run llamacpp_vs_engine .venv-llamacpp/bin/python scripts/llamacpp_vs_engine.py --batch 1 8 32 \
       --plan src/moetailor/assets/plans/reference-reap-50.json
 fi
+# the same on a real-size bf16 checkpoint (4 OLMoE-1B-7B layers, 3.5 GiB, written once) against llama.cpp and the floor
+[ -f build/olmoe4/config.json ] || run synth_olmoe4 .venv/bin/moetailor synth olmoe-1b-7b --layers 4 --out build/olmoe4
+if [ -x .venv-llamacpp/bin/python ]; then
+  run llamacpp_vs_engine_olmoe4 .venv-llamacpp/bin/python scripts/llamacpp_vs_engine.py --model build/olmoe4 \
+      --dtype bf16 --prompt-len 32 --new-tokens 16 --batch 1 8 32 --repeats 3 --out "$out/llamacpp_olmoe4"
+fi
+run olmoe4_floor $py scripts/scale.py decode-one --kind full --model build/olmoe4 --pruned build/olmoe4 \
+    --batches 1 8 32 --out "$out/olmoe4-decode.json"
+# vLLM's CPU build (docs/vllm.md), when its environment exists (make setup-vllm): stock, the colocated masked
+# 50% pool and the pair's pruned decode instance, every instance's worker bound to the same CPUs
+# (the method of "Colocated vs the pair"); then FIFO against the k-aware scheduler on a split checkpoint
+if [ -x .venv-vllm/bin/moetailor ]; then
+  run bench_vllm .venv-vllm/bin/moetailor bench vllm --model synthetic --dtype bfloat16 \
+      --only stock,masked-50-eager,disaggregated --batches 8,32 --repeats 2 --out "$out/vllm" --overwrite
+  run bench_vllm_k .venv-vllm/bin/moetailor bench vllm-k --model synthetic --dtype float32 --experts-kernel \
+      --requests 16,32 --max-num-seqs 8 --new-tokens 32 --out "$out/vllm-k" --overwrite
+fi
 echo "done $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/index.txt"
