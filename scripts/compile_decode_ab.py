@@ -1,13 +1,20 @@
-"""Decode step time of the default (lean, eager) engine beside `LLM(compile_decode=True)` (torch.compile of
-the module path), in one process, alternating, best of 3, on the bundled model.
+"""Decode step time of the default (eager) engine beside `LLM(compile_decode=True)` (torch.compile of
+the module path), in one process, alternating round by round, on the bundled model or any checkpoint.
 
     flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/compile_decode_ab.py
+    flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/compile_decode_ab.py --model build/olmoe4 \
+        --dtype bf16 --batches 1 8 32 --prompt-len 32 --new-tokens 16 --rounds 4
 
-Time per step = (t(64 tokens) - t(1 token)) / 63 after 48-token held-out prompts, EOS ignored, 2 threads,
-after one warm-up generation each (the compiled engine compiles there).
+Time per step = (t(N tokens) - t(1 token)) / (N - 1) after held-out prompts, EOS ignored, 2 threads, after
+one warm-up generation each (the compiled engine compiles there). Printed: the best of the rounds and the
+median of the per-round ratios (this machine's speed drifts within minutes; a round has both engines).
+On the bundled fp32 model the default is the lean forward (decode_forward.py), on a bf16 or non-Qwen
+checkpoint transformers' modules.
 """
 from __future__ import annotations
 
+import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,22 +35,38 @@ def step_ms(llm, prompts, full, one) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="reference")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-len", type=int, default=48)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
     from moetailor.engine import LLM, SamplingParams
 
     torch.set_num_threads(2)
-    engines = {"lean eager (default)": LLM("reference"), "compile_decode": LLM("reference", compile_decode=True)}
-    full, one = SamplingParams(max_tokens=64, ignore_eos=True), SamplingParams(max_tokens=1, ignore_eos=True)
-    for batch in (1, 8):
-        prompts = heldout_prompts(engines["compile_decode"].tokenizer, batch, 48)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    kw = dict(dtype=dtype, max_num_seqs=max(args.batches), max_model_len=args.prompt_len + args.new_tokens + 8)
+    engines = {"eager (default)": LLM(args.model, **kw), "compile_decode": LLM(args.model, compile_decode=True, **kw)}
+    full = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    print(f"{args.model} {args.dtype}; the default engine's decode: "
+          f"{'lean forward' if engines['eager (default)'].runner.lean is not None else 'transformers modules'}")
+    for batch in args.batches:
+        prompts = heldout_prompts(engines["compile_decode"].tokenizer, batch, args.prompt_len)
         for llm in engines.values():
             llm.generate(prompts, full)   # warm-up (the compiled engine compiles here)
-        best: dict[str, float] = {}
-        for rnd in range(3):
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for rnd in range(args.rounds):
             order = list(engines.items()) if rnd % 2 == 0 else list(engines.items())[::-1]
             for name, llm in order:
-                best[name] = min(best.get(name, float("inf")), step_ms(llm, prompts, full, one))
-        print(f"batch {batch}: " + ", ".join(f"{n} {ms:.2f} ms/step ({1000 * batch / ms:.0f} tok/s)"
-                                            for n, ms in best.items()), flush=True)
+                times[name].append(step_ms(llm, prompts, full, one))
+        eager, compiled = times.values()
+        ratio = statistics.median(e / c for e, c in zip(eager, compiled))
+        print(f"batch {batch}: " + ", ".join(f"{n} {min(ms):.2f} ms/step ({1000 * batch / min(ms):.1f} tok/s)"
+                                            for n, ms in times.items())
+              + f"; eager / compiled per round: median {ratio:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--plan", default=None, help="also compare the checkpoint pruned to this plan's decode experts")
     ap.add_argument("--model", default="reference", help="checkpoint (default: the bundled model)")
     ap.add_argument("--dtype", choices=("f32", "bf16"), default="f32", help="weights on both sides")
+    ap.add_argument("--compile-decode", action="store_true", help="the engine's decode steps through torch.compile")
     ap.add_argument("--out", default="build/llamacpp_vs_engine")
     args = ap.parse_args()
 
@@ -96,10 +97,11 @@ def main() -> None:
         if not gguf.exists() or gguf.stat().st_mtime < max(f.stat().st_mtime for f in path.iterdir()):
             assert cli(["export", "gguf", str(path), "--out", str(gguf), "--outtype", args.dtype, "--overwrite"]) == 0
         engine = LLM(str(path), max_num_seqs=n, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
-                     max_model_len=args.prompt_len + args.new_tokens + 8)
+                     max_model_len=args.prompt_len + args.new_tokens + 8, compile_decode=args.compile_decode)
         llm = load(gguf, n_threads=args.threads)
         with BatchedDecoder(llm, max_seqs=n, n_ctx=n_ctx, n_threads=args.threads) as decoder:
-            engine_decode(engine, prompts_all[:2], 4, 1)                    # warm-up
+            engine_decode(engine, prompts_all[:1], 4, 1)                    # warm-up (compiled: batch 1
+            engine_decode(engine, prompts_all[:2], 4, 1)                    # and the dynamic-shape graph)
             llamacpp_decode(decoder, prompts_all[:2], 4, 1)
             for b in args.batch:
                 prompts = prompts_all[:b]

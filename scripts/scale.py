@@ -210,11 +210,14 @@ def decode_one(args) -> None:
            "weights_gib": round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, 2),
            "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
     print(json.dumps(res), flush=True)
-    llm = make_llm(model, max(args.batches), args.prompt_len + args.new_tokens + 4)
+    llm = make_llm(model, max(args.batches), args.prompt_len + args.new_tokens + 4, compile_decode=args.compile_decode)
+    res["compile_decode"] = args.compile_decode
     if args.kind == "masked":                        # full router in prefill, the plan's pool in decode
         llm.set_plan(Plan.load(args.plan).phase_aware())
     prompts = heldout_prompts(load_tokenizer(path), max(args.batches), args.prompt_len)
     engine_decode(llm, 1, args.prompt_len, 2, prompt_ids=prompts[:1])                  # warm-up
+    if args.compile_decode:                          # and the dynamic-shape graph a batch > 1 compiles
+        engine_decode(llm, 2, args.prompt_len, 2, prompt_ids=prompts[:2])
     res["rows"] = []
     for b in args.batches:
         r = engine_decode(llm, b, args.prompt_len, args.new_tokens, prompt_ids=prompts[:b])
@@ -243,6 +246,7 @@ def main() -> None:
     p.add_argument("--layers", default="3,6,12")
     p.add_argument("--kl-window", type=int, default=128)
     p.add_argument("--pruned", default=None)
+    p.add_argument("--compile-decode", action="store_true", help="decode-one: the engine's decode through torch.compile")
     p.add_argument("--out", default="build/scale")
     args = p.parse_args()
     if args.what == "decode-one":

@@ -48,6 +48,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "a loop over the routed experts")
     p.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
                    help="decode with torch's ops only, not moetailor's compiled CPU kernels (experts, paged attention)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="decode steps through torch.compile (about 30 s of compiling at the first steps): pays on "
+                        "checkpoints the engine's lean forward does not cover, e.g. bf16 or OLMoE / Mixtral / DeepSeek "
+                        "ones (1.18x / 1.08x at batch 1 / 8 on a real-size bf16 OLMoE shape, docs/benchmarks.md), "
+                        "not on fp32 Qwen-MoE ones")
     p.add_argument("--k-schedule", choices=("mixed", "max", "lanes", "tiers"), default="mixed",
                    help="how requests with different expert_top_k budgets share steps: mixed (one step, each "
                         "token at its own k), max (each step at its largest k), lanes (online low/high-k "
@@ -84,6 +89,7 @@ def build_engine(args):
                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, dtype=dtype, device=args.device,
                   max_model_len=args.max_model_len, experts_impl=args.experts_impl,
                   native_kernels=getattr(args, "native_kernels", True),
+                  compile_decode=getattr(args, "compile_decode", False),
                   k_schedule=getattr(args, "k_schedule", "mixed"),
                   memory_budget=int(args.memory_budget_mb * 2**20) if args.memory_budget_mb else None,
                   prefill_dtype=getattr(torch, DTYPES[args.prefill_dtype]) if args.prefill_dtype else None,

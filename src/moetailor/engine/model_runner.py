@@ -18,7 +18,7 @@ from ..routing import experts
 from ..routing.controller import RoutingController, native_router
 from .config import EngineConfig
 from .decode_forward import LeanDecoder
-from .native_layers import install_native_linears, install_native_norms
+from .native_layers import bf16_gemm_is_fast, install_native_linears, install_native_norms
 from .sequence import Sequence
 
 DEFAULT_KV_CAP_BYTES = 512 * 2**20   # default pool cap when neither num_kv_blocks nor memory_budget is given
@@ -61,6 +61,7 @@ class ModelRunner:
         self.native_router = kernels.softmax_topk() if native else None
         self.native_linear = kernels.rows_linear() if native and kernels.rows_linear_pays() \
             and install_native_linears(model) else None
+        bf16_gemm_is_fast()   # asked now, so that a compiled decode step only reads the answer
         self.native_norm = kernels.rms_norm() if native and install_native_norms(model) else None
         # a 4-D attention mask tells transformers the mask is built (engine steps need none: paged
         # attention reads the step context), so it skips mask preparation in every step

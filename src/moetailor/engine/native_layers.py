@@ -7,8 +7,6 @@ module path and the lean path (``decode_forward.py``) run the same arithmetic, b
 """
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 
 from ..models.step import current
@@ -41,10 +39,15 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.to(x.dtype).view(*x.shape[:-1], -1)                                        # [..., N]
 
 
-@cache
+_BF16_GEMM_FAST: list[bool] = []   # asked once (a module global: torch.compile reads it without a graph break)
+
+
 def bf16_gemm_is_fast() -> bool:
-    """Whether torch's bf16 GEMM has oneDNN's hardware kernels on this processor (AVX512-BF16 or AMX)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether torch's bf16 GEMM has oneDNN's hardware kernels on this processor (AVX512-BF16 or AMX).
+    The runner asks before any step, so a compiled decode step only reads the answer."""
+    if not _BF16_GEMM_FAST:
+        _BF16_GEMM_FAST.append(bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    return _BF16_GEMM_FAST[0]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel) -> torch.Tensor:
