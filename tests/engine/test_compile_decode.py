@@ -1,6 +1,6 @@
 """`compile_decode=True` (`--compile-decode`): decode steps through torch.compile, for checkpoints the
-lean forward does not cover (OLMoE here; on a real-size bf16 OLMoE shape it decoded 1.18x / 1.08x the
-eager module path at batch 1 / 8, docs/benchmarks.md). The compiled steps must compute what the eager
+lean forward does not cover (OLMoE here; on a real-size bf16 OLMoE shape it decoded 1.13-1.17x the
+eager module path at batch 1, 8 and 32, docs/benchmarks.md). The compiled steps must compute what the eager
 ones do, and must actually run compiled."""
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-decode", action="store_true",
                    help="decode steps through torch.compile (about 30 s of compiling at the first steps): pays on "
                         "checkpoints the engine's lean forward does not cover, e.g. bf16 or OLMoE / Mixtral / DeepSeek "
-                        "ones (1.18x / 1.08x at batch 1 / 8 on a real-size bf16 OLMoE shape, docs/benchmarks.md), "
+                        "ones (1.13-1.17x at batch 1, 8 and 32 on a real-size bf16 OLMoE shape, docs/benchmarks.md), "
                         "not on fp32 Qwen-MoE ones")
     p.add_argument("--k-schedule", choices=("mixed", "max", "lanes", "tiers"), default="mixed",
                    help="how requests with different expert_top_k budgets share steps: mixed (one step, each "
