@@ -2,7 +2,7 @@
 
     flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/decode_step_time.py [--batch 1 8 32] [--profile]
 
-Time per decode step = (t(64 tokens) - t(1 token)) / 63 after 48-token held-out prompts (B of them), greedy,
+Time per decode step = (t(64 tokens) - t(1 token)) / 63 after 48-token held-out prompts (``--prompt-len``) (B of them), greedy,
 EOS ignored, after one warm-up generation. To compare two trees, run it alternately with
 ``PYTHONPATH=<other worktree>/src`` (one machine, minutes apart: only same-run ratios compare).
 """
@@ -23,6 +23,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="reference")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="weights as loaded: float32, or bfloat16 (a bf16 checkpoint as stored)")
+    ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes, each timed in turn")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of one generation")
@@ -31,9 +33,9 @@ def main() -> None:
     from moetailor.engine import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 8)
     for batch in args.batch:
-        prompts = heldout_prompts(llm.tokenizer, batch, 48)
+        prompts = heldout_prompts(llm.tokenizer, batch, args.prompt_len)
         full, one = (SamplingParams(max_tokens=n, ignore_eos=True) for n in (args.new_tokens, 1))
         llm.generate(prompts, full)
         t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """The native CPU kernels against the torch ops they replace, in isolation, side by side in one run.
 
-    flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/native_kernels.py [--threads 1]
+    flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/native_kernels.py [--threads 1] [--bf16]
 
 Experts: the reference model's shapes (64 experts of hidden 256 x width 48, top-8, fp32 weights),
 T tokens routed by a skewed softmax; `kernels.swiglu_experts` vs the grouped-GEMM path
@@ -10,7 +10,10 @@ Attention: B sequences of S cached positions in scattered 16-token blocks, 4 que
 torch-op path). Linear layers of a decode step: `kernels.rows_linear` vs `F.linear` on the reference
 model's projection shapes and its LM head, with the weight cached ("hot") and cycling through
 96 MB of copies so every call reads memory ("cold", as inside a step). Microseconds per call, best of
-5 rounds.
+5 rounds. ``--bf16``: also bf16 linear layers of OLMoE-1B-7B's shapes (2048 -> 2048 and the 50,304-row LM
+head) at 1-64 rows, the native op against torch's bf16 GEMM, with the processor's answer to "does torch
+multiply bf16 in hardware" (``kernels.cpu_has_bf16_matmul``; the engine runs the op at every row count
+where it says no).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ def best_us(fn, calls: int = 100, rounds: int = 5) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--bf16", action="store_true", help="also bf16 linear layers of real size, 1-64 rows")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -95,7 +99,18 @@ def main() -> None:
             native, torch_ops = best_us(lambda: linear(x, pick()), calls), best_us(lambda: F.linear(x, pick()), calls)
             rows.append((f"linear {T} x [{N}, {H}], {kind}", f"{torch_ops:.1f}", f"{native:.1f}",
                          f"{torch_ops / native:.1f}x"))
-    print_table(f"native kernels vs torch ops, µs per call, {torch.get_num_threads()} threads",
+    if args.bf16:
+        for N in (2048, 50304):
+            w = (torch.randn(N, 2048) * 0.02).bfloat16()
+            for T in (1, 8, 32, 64):
+                x = torch.randn(T, 2048).bfloat16()
+                torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=2e-2, atol=2e-2)
+                native, torch_ops = best_us(lambda: linear(x, w), 5), best_us(lambda: F.linear(x, w), 5)
+                gflop = 2 * T * N * 2048 / 1e3
+                rows.append((f"bf16 linear {T} x [{N}, 2048] (GFLOP/s {gflop / torch_ops:.0f} vs {gflop / native:.0f})",
+                             f"{torch_ops:.0f}", f"{native:.0f}", f"{torch_ops / native:.1f}x"))
+    print_table(f"native kernels vs torch ops, µs per call, {torch.get_num_threads()} threads"
+                + (f"; bf16 in hardware: {kernels.cpu_has_bf16_matmul()}" if args.bf16 else ""),
                 ["case", "torch ops", "native", "speedup"], rows)
 
 

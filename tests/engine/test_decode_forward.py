@@ -178,6 +178,24 @@ def test_a_bf16_models_norm_runs_the_native_op_in_a_decode_step_and_rounds_as_tr
     assert torch.equal(norm(x), stock(x))
 
 
+@pytest.mark.parametrize("flags, onednn, fast", [
+    ("fpu avx2 fma avx512f avx512bw avx512_vnni", True, False),   # AVX-512 without bf16: oneDNN says yes, widens in software
+    ("fpu avx512f avx512bw avx512_bf16", True, True),
+    ("fpu avx512f amx_bf16 amx_tile", True, True),
+    ("fpu avx2 fma", False, False),
+    ("", False, False)])                                         # no /proc/cpuinfo
+def test_torch_bf16_gemm_counts_as_fast_only_with_bf16_in_hardware(monkeypatch, flags, onednn, fast):
+    """A bf16 layer of more than a few rows leaves the native op for torch's GEMM only where the processor
+    multiplies bf16 itself: on an AVX-512 core without it oneDNN claims bf16 support, and ran 2-3x slower
+    than the op (2026-12-03)."""
+    from moetailor.engine import native_layers
+
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: f"flags\t\t: {flags}\n")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
+    monkeypatch.setattr(native_layers, "_BF16_GEMM_FAST", [])
+    assert native_layers.bf16_gemm_is_fast() is fast
+
+
 @pytest.mark.parametrize("rows", [3, 32])
 def test_a_bf16_linear_in_a_decode_step_runs_the_native_op_and_rounds_once(rows):
     """A bf16 checkpoint's projections in a decode step: the bf16 rows go to the op, whose fp32 sums of

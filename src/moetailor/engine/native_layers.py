@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..models.step import current
 
 NATIVE_LINEAR_ROWS = 8   # up to this many rows a linear layer runs the native op (a decode step's GEMV); else torch's GEMM
@@ -23,7 +24,8 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     the native op, which streams the [N, H] weight once (2x faster on the reference model's 256-wide
     projections at batch 1); else torch's. A bf16 layer takes its rows in fp32 and rounds the fp32
     sums to bf16 once, as torch's bf16 GEMM does; where that GEMM has no hardware kernels (no
-    AVX512-BF16 or AMX: a scalar loop, ~5 GB/s) every decode step's bf16 layer runs the op, whatever its rows."""
+    AVX512-BF16 or AMX: widened in software, 2-3x slower than the op) every decode step's bf16 layer runs the
+    op, whatever its rows."""
     step = current()
     rows = x.numel() // x.shape[-1]
     if step is None or step.linear_kernel is None or x.dtype != weight.dtype or x.dtype not in NATIVE_LINEAR_DTYPES \
@@ -43,10 +45,13 @@ _BF16_GEMM_FAST: list[bool] = []   # asked once (a module global: torch.compile 
 
 
 def bf16_gemm_is_fast() -> bool:
-    """Whether torch's bf16 GEMM has oneDNN's hardware kernels on this processor (AVX512-BF16 or AMX).
+    """Whether torch's bf16 GEMM has hardware bf16 instructions on this processor (AVX512-BF16 or AMX).
+    Not oneDNN's own answer (``mkldnn._is_mkldnn_bf16_supported``), which is yes on any AVX-512 core:
+    there it widens bf16 in software, and on an Ice Lake-class Xeon (2026-12-03, ``scripts/native_kernels.py
+    --bf16``) it ran 32-64 rows at 54-62 GFLOP/s where the native op ran 128-144 (2.1-2.6x).
     The runner asks before any step, so a compiled decode step only reads the answer."""
     if not _BF16_GEMM_FAST:
-        _BF16_GEMM_FAST.append(bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+        _BF16_GEMM_FAST.append(kernels.cpu_has_bf16_matmul() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     return _BF16_GEMM_FAST[0]
 
 

@@ -184,6 +184,13 @@ def rows_linear_pays() -> bool:
     return "avx512f" in flags or ("avx2" in flags and "fma" in flags)
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Whether the processor multiplies bf16 in hardware (AVX512-BF16 dot products or AMX tiles), the
+    only case where torch's bf16 GEMM beats the native ops on a decode step's rows."""
+    flags = _cpu_flags().split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def paged_decode_attention():
     """The op ``paged_decode_attention(q, k_cache, v_cache, block_table, lengths, block_size,
     scale) -> out``, or None."""
