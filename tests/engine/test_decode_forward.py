@@ -182,6 +182,7 @@ def test_a_bf16_models_norm_runs_the_native_op_in_a_decode_step_and_rounds_as_tr
     ("fpu avx2 fma avx512f avx512bw avx512_vnni", True, False),   # AVX-512 without bf16: oneDNN says yes, widens in software
     ("fpu avx512f avx512bw avx512_bf16", True, True),
     ("fpu avx512f amx_bf16 amx_tile", True, True),
+    ("fpu avx512f avx512_bf16", False, False),                     # a torch built without oneDNN's bf16
     ("fpu avx2 fma", False, False),
     ("", False, False)])                                         # no /proc/cpuinfo
 def test_torch_bf16_gemm_counts_as_fast_only_with_bf16_in_hardware(monkeypatch, flags, onednn, fast):

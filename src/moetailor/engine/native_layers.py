@@ -45,13 +45,11 @@ _BF16_GEMM_FAST: list[bool] = []   # asked once (a module global: torch.compile 
 
 
 def bf16_gemm_is_fast() -> bool:
-    """Whether torch's bf16 GEMM has hardware bf16 instructions on this processor (AVX512-BF16 or AMX).
-    Not oneDNN's own answer (``mkldnn._is_mkldnn_bf16_supported``), which is yes on any AVX-512 core:
-    there it widens bf16 in software, and on an Ice Lake-class Xeon (2026-12-03, ``scripts/native_kernels.py
-    --bf16``) it ran 32-64 rows at 54-62 GFLOP/s where the native op ran 128-144 (2.1-2.6x).
-    The runner asks before any step, so a compiled decode step only reads the answer."""
+    """Whether torch's bf16 GEMM has bf16 hardware under it (``kernels.cpu_has_bf16_matmul``); without,
+    a bf16 layer's rows stay on the native op, 2-3x faster. The runner asks before any step, so a
+    compiled decode step only reads the answer."""
     if not _BF16_GEMM_FAST:
-        _BF16_GEMM_FAST.append(kernels.cpu_has_bf16_matmul() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+        _BF16_GEMM_FAST.append(kernels.cpu_has_bf16_matmul())
     return _BF16_GEMM_FAST[0]
 
 

@@ -185,10 +185,13 @@ def rows_linear_pays() -> bool:
 
 
 def cpu_has_bf16_matmul() -> bool:
-    """Whether the processor multiplies bf16 in hardware (AVX512-BF16 dot products or AMX tiles), the
-    only case where torch's bf16 GEMM beats the native ops on a decode step's rows."""
+    """Whether torch's bf16 GEMM runs on bf16 hardware here (AVX512-BF16 dot products or AMX tiles,
+    which oneDNN uses). oneDNN's own answer (``mkldnn._is_mkldnn_bf16_supported``) is yes on any
+    AVX-512 core, where it widens bf16 in software: on an Ice Lake-class Xeon (2026-12-03,
+    ``scripts/native_kernels.py --bf16``) 33-61 GFLOP/s, where the native op ran 118-143 and torch's
+    fp32 GEMM 149. Decides the engine's bf16 layers and the trainer's autocast."""
     flags = _cpu_flags().split()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return ("avx512_bf16" in flags or "amx_bf16" in flags) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def paged_decode_attention():

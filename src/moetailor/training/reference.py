@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .. import kernels
 from ..data.corpus import DOMAIN_NAMES, build_corpus
 from ..data.tasks import TASKS, training_rng
 from ..models.paths import REFERENCE_DIR
@@ -301,9 +302,10 @@ def _run_stage(model, mixture: Mixture, stage: Stage, number: int, batch_size: i
 
 
 def bf16_matmuls_are_fast() -> bool:
-    """Autocast to bf16 only where oneDNN has bf16 kernels (AVX512-BF16 or AMX): on an AVX2-only
-    processor torch's bf16 GEMM falls back to a scalar loop and a training step took 60 s, not 3.5 s."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Autocast to bf16 only where the processor multiplies bf16 in hardware (AVX512-BF16 or AMX): on an
+    AVX2-only processor torch's bf16 GEMM falls back to a scalar loop and a training step took 60 s, not
+    3.5 s; on AVX-512 without bf16, oneDNN widens it in software, slower than fp32 (``kernels.cpu_has_bf16_matmul``)."""
+    return kernels.cpu_has_bf16_matmul()
 
 
 def causal_lm_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
