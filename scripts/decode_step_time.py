@@ -2,7 +2,7 @@
 
     flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/decode_step_time.py [--batch 1 8 32] [--profile]
 
-Time per decode step = (t(64 tokens) - t(1 token)) / 63 after 48-token held-out prompts (``--prompt-len``) (B of them), greedy,
+Time per decode step = (t(64 tokens) - t(1 token)) / 63 after B held-out prompts of 48 tokens (``--prompt-len``), greedy,
 EOS ignored, after one warm-up generation. To compare two trees, run it alternately with
 ``PYTHONPATH=<other worktree>/src`` (one machine, minutes apart: only same-run ratios compare).
 """
