@@ -27,9 +27,12 @@ def reference_experts(x, gate_up, down, index, weight):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 37])
-def test_swiglu_experts_equal_torch(dtype, tokens):
+@pytest.mark.parametrize("inter", [32, 48])
+def test_swiglu_experts_equal_torch(dtype, tokens, inter):
+    """inter 48: a down projection whose depth is not a multiple of 32 (the reference model's), where
+    bf16 weights take the 16-wide tile instead of the pairs of 32 (AVX-512)."""
     torch.manual_seed(tokens)
-    E, H, I, K = 12, 64, 32, 3
+    E, H, I, K = 12, 64, inter, 3
     gate_up, down = (torch.randn(E, 2 * I, H) * 0.1).to(dtype), (torch.randn(E, H, I) * 0.1).to(dtype)
     x = torch.randn(tokens, H)
     weight, index = torch.softmax(torch.randn(tokens, E), -1).topk(K, -1)
@@ -40,6 +43,27 @@ def test_swiglu_experts_equal_torch(dtype, tokens):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     live = index[(index >= 0) & (index < E)]
     assert read.tolist() == [-1, live.unique().numel(), -1]          # the count goes to its layer's entry
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_experts_do_not_depend_on_the_thread_count(dtype):
+    """Threads claim experts in turn (most rows first); each expert's rows are computed the same way
+    whichever thread takes them, so one thread and two give the same bits."""
+    torch.manual_seed(0)
+    E, H, I, K, T = 16, 64, 32, 4, 29
+    gate_up, down = (torch.randn(E, 2 * I, H) * 0.1).to(dtype), (torch.randn(E, H, I) * 0.1).to(dtype)
+    x = torch.randn(T, H)
+    weight, index = torch.softmax(3 * torch.randn(T, E), -1).topk(K, -1)   # skewed: uneven rows per expert
+    args = (x, gate_up, down, index.contiguous(), weight.contiguous(), torch.zeros(1, dtype=torch.int64), 0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.swiglu_experts()(*args)
+        torch.set_num_threads(2)
+        two = kernels.swiglu_experts()(*args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
 
 
 def test_swiglu_experts_refuse_bad_shapes():
@@ -96,10 +120,12 @@ def test_kernels_are_torch_ops_with_fake_implementations():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,cols", [(1, 8192), (3, 50), (8, 17)])
-def test_rows_linear_equals_torch(rows, cols, dtype):
-    """The decode LM head's op: column counts that are not whole 16-column tiles, 1-8 rows."""
+@pytest.mark.parametrize("depth", [64, 48])
+def test_rows_linear_equals_torch(rows, cols, dtype, depth):
+    """The decode LM head's op: column counts that are not whole 16-column tiles, 1-8 rows; a depth
+    that is not a multiple of 32 takes the 16-wide tile for bf16 weights too."""
     torch.manual_seed(rows)
-    x, w = torch.randn(rows, 64), torch.randn(cols, 64).to(dtype)
+    x, w = torch.randn(rows, depth), torch.randn(cols, depth).to(dtype)
     torch.testing.assert_close(kernels.rows_linear()(x, w), x @ w.float().T, rtol=1e-5, atol=1e-4)
 
 
