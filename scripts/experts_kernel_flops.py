@@ -1,48 +1,78 @@
-"""The native experts kernel on the synthetic model's expert shapes: bytes read and FLOP/s per call.
+"""The native experts kernel at OLMoE-1B-7B's expert shapes: its read rate against a plain read, and its FLOP/s.
 
-    flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/experts_kernel_flops.py
+    flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/experts_kernel_flops.py [--dtype bfloat16]
 
-64 experts of hidden 2048 x width 1024 (OLMoE-1B-7B's, fp32), top-8, T tokens routed uniformly over
-a pool of the first P experts, best of 5 calls. At large batch a decode step is compute-bound: a
-pool moves the same T x k routes through fewer experts, so it saves bytes and not FLOPs; this
-shows how close the kernel is to the GEMM peak (printed beside it: torch's 2048-cube `mm`).
+64 experts of hidden 2048 x width 1024, top-8, T tokens routed by a skewed softmax over all 64
+(``--pool P``: uniformly over the first P), the weights of ``--layers`` layers called in turn so that
+every call reads memory, as in a decode step (4 layers of bf16 experts are 3.2 GB). Per T: ms per
+layer (best of 5 rounds), the distinct experts' bytes per second beside the yardstick (an fp32 ``sum`` over
+1 GiB, ``bench.bandwidth.read_bandwidth``, timed right after it: what reading memory costs with no
+arithmetic; the same yardstick as ``scripts/scale.py decode-one``), and
+GFLOP/s, with torch's 2048-cube fp32 ``mm`` at the end. At batch 1-8 the kernel should read at the
+yardstick's rate; at 32-64 a layer's arithmetic (T x 8 routes) starts to show.
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
 
 
-def main() -> None:
-    from moetailor import kernels
+def best_s(fn, rounds: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
-    torch.set_num_threads(2)
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--pool", type=int, default=None, help="route uniformly over the first P experts")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    from moetailor import kernels
+    from moetailor.bench.bandwidth import read_bandwidth
+
+    torch.set_num_threads(args.threads)
     experts = kernels.swiglu_experts()
     if experts is None:
         raise SystemExit("the native kernels did not build here")
     E, H, I, K = 64, 2048, 1024, 8
-    torch.manual_seed(0)
-    gate_up, down = torch.randn(E, 2 * I, H) * 0.02, torch.randn(E, H, I) * 0.02
-    read = torch.full((1,), -1)
-    for T, pool in ((8, 64), (32, 64), (32, 32), (64, 32)):
-        x, weight = torch.randn(T, H), torch.rand(T, K)
-        index = torch.stack([torch.randperm(pool)[:K] for _ in range(T)])
-        experts(x, gate_up, down, index, weight, read, 0)
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            experts(x, gate_up, down, index, weight, read, 0)
-            best = min(best, time.perf_counter() - t0)
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(0)
+    layers = [((torch.randn(E, 2 * I, H, generator=g) * 0.02).to(dtype), (torch.randn(E, H, I, generator=g) * 0.02).to(dtype))
+              for _ in range(args.layers)]
+    read = torch.zeros(args.layers, dtype=torch.int64)
+
+    for T in args.tokens:
+        x = torch.randn(T, H, generator=g)
+        if args.pool:
+            index = torch.stack([torch.randperm(args.pool, generator=g)[:K] for _ in range(T)])
+            weight = torch.rand(T, K, generator=g)
+        else:
+            weight, index = torch.softmax(2 * torch.randn(T, E, generator=g), -1).topk(K, -1)
+        index, weight = index.contiguous(), weight.contiguous()
+
+        def step() -> None:
+            for layer, (gate_up, down) in enumerate(layers):
+                experts(x, gate_up, down, index, weight, read, layer)
+
+        per_layer = best_s(step) / args.layers
+        yardstick = read_bandwidth() / 1e9
         n = int(read[0])
-        print(f"T={T} pool={pool}: {best * 1e3:6.1f} ms, {n} experts read, {n * 3 * H * I * 4 / best / 1e9:5.1f} GB/s, "
-              f"{T * K * 3 * H * I * 2 / best / 1e9:5.1f} GFLOP/s")
+        rate = n * 3 * H * I * layers[0][0].element_size() / per_layer / 1e9
+        print(f"{args.dtype} T={T:3d}: {per_layer * 1e3:6.2f} ms per layer, {n:2d} experts read, {rate:5.1f} GB/s "
+              f"(yardstick {yardstick:5.1f}: {100 * rate / yardstick:3.0f}%), "
+              f"{T * K * 3 * H * I * 2 / per_layer / 1e9:6.1f} GFLOP/s", flush=True)
     a = torch.randn(2048, 2048)
-    a @ a
-    t0 = time.perf_counter()
-    for _ in range(5):
-        a @ a
-    print(f"torch mm 2048^3: {2 * 2048 ** 3 * 5 / (time.perf_counter() - t0) / 1e9:.0f} GFLOP/s")
+    print(f"torch mm 2048^3 (fp32): {2 * 2048 ** 3 / best_s(lambda: a @ a) / 1e9:.0f} GFLOP/s")
 
 
 if __name__ == "__main__":
