@@ -161,34 +161,28 @@ bool pair_order(int64_t depth) {
   return kPairedBf16 && std::is_same_v<W, at::BFloat16> && depth % 32 == 0;
 }
 
+template <int RB, typename W>
+inline void tile_for(bool pairs, const float* const* a, const W* w, int j0, int cols, int depth, float* out, int ldo) {
+  if constexpr (std::is_same_v<W, at::BFloat16>)
+    if (pairs) return tile_pairs<RB>(a, w, j0, cols, depth, out, ldo);
+  tile<RB>(a, w, j0, cols, depth, out, ldo);
+}
+
 // out[r][j] = dot(a[r], w[j]) for r < rows, j < cols; a[r] and w[j] hold `depth` (a multiple of 16)
 // values, a[r] in pair order where pair_order<W>(depth). Weights go by tiles of 16 rows, each read
 // from memory once and reused from cache by every block of 4, 2 and 1 activation rows (a decode
 // step's expert sees 1-16 rows).
 template <typename W>
 void rows_times_weight(const float* const* a, int rows, const W* w, int cols, int depth, float* out, int ldo) {
-  if constexpr (std::is_same_v<W, at::BFloat16>) {
-    if (pair_order<W>(depth)) {
-      for (int t0 = 0; t0 < cols; t0 += 16) {
-        const int t1 = std::min(t0 + 16, cols);
-        int r0 = 0;
-        for (; r0 + 4 <= rows; r0 += 4)
-          for (int j0 = t0; j0 < t1; j0 += 4) tile_pairs<4>(a + r0, w, j0, cols, depth, out + (int64_t)r0 * ldo, ldo);
-        for (; r0 + 2 <= rows; r0 += 2)
-          for (int j0 = t0; j0 < t1; j0 += 8) tile_pairs<2>(a + r0, w, j0, cols, depth, out + (int64_t)r0 * ldo, ldo);
-        for (; r0 < rows; ++r0) tile_pairs<1>(a + r0, w, t0, cols, depth, out + (int64_t)r0 * ldo, ldo);
-      }
-      return;
-    }
-  }
+  const bool pairs = pair_order<W>(depth);
   for (int t0 = 0; t0 < cols; t0 += 16) {
     const int t1 = std::min(t0 + 16, cols);
     int r0 = 0;
     for (; r0 + 4 <= rows; r0 += 4)
-      for (int j0 = t0; j0 < t1; j0 += 4) tile<4>(a + r0, w, j0, cols, depth, out + (int64_t)r0 * ldo, ldo);
+      for (int j0 = t0; j0 < t1; j0 += 4) tile_for<4>(pairs, a + r0, w, j0, cols, depth, out + (int64_t)r0 * ldo, ldo);
     for (; r0 + 2 <= rows; r0 += 2)
-      for (int j0 = t0; j0 < t1; j0 += 8) tile<2>(a + r0, w, j0, cols, depth, out + (int64_t)r0 * ldo, ldo);
-    for (; r0 < rows; ++r0) tile<1>(a + r0, w, t0, cols, depth, out + (int64_t)r0 * ldo, ldo);
+      for (int j0 = t0; j0 < t1; j0 += 8) tile_for<2>(pairs, a + r0, w, j0, cols, depth, out + (int64_t)r0 * ldo, ldo);
+    for (; r0 < rows; ++r0) tile_for<1>(pairs, a + r0, w, t0, cols, depth, out + (int64_t)r0 * ldo, ldo);
   }
 }
 
