@@ -9,7 +9,9 @@ layer (best of 5 rounds), the distinct experts' bytes per second beside the yard
 1 GiB, ``bench.bandwidth.read_bandwidth``, timed right after it: what reading memory costs with no
 arithmetic; the same yardstick as ``scripts/scale.py decode-one``), and
 GFLOP/s, with torch's 2048-cube fp32 ``mm`` at the end. At batch 1-8 the kernel should read at the
-yardstick's rate; at 32-64 a layer's arithmetic (T x 8 routes) starts to show.
+yardstick's rate; at 32-64 a layer's arithmetic (T x 8 routes) starts to show. ``--layout both``
+times the row-major weights and the same weights packed (``kernels.pack_expert_weights``, what the
+engine holds on AVX-512) in alternating rounds, and prints packed / row-major.
 """
 from __future__ import annotations
 
@@ -20,12 +22,19 @@ import torch
 
 
 def best_s(fn, rounds: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
+    return best_each({"": fn}, rounds)[""]
+
+
+def best_each(fns: dict, rounds: int = 5) -> dict:
+    """Best time of each function, called in turn every round (so each sees the same machine)."""
+    for fn in fns.values():
         fn()
-        best = min(best, time.perf_counter() - t0)
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
     return best
 
 
@@ -36,6 +45,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--pool", type=int, default=None, help="route uniformly over the first P experts")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layout", default="both", choices=["row-major", "packed", "both"])
     args = ap.parse_args()
     from moetailor import kernels
     from moetailor.bench.bandwidth import read_bandwidth
@@ -49,6 +59,13 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     layers = [((torch.randn(E, 2 * I, H, generator=g) * 0.02).to(dtype), (torch.randn(E, H, I, generator=g) * 0.02).to(dtype))
               for _ in range(args.layers)]
+    layouts = {}
+    if args.layout != "packed":
+        layouts["row-major"] = layers
+    if args.layout != "row-major":
+        layouts["packed"] = [tuple(kernels.pack_expert_weights(w) for w in layer) for layer in layers]
+    if args.layout == "packed":
+        del layers
     read = torch.zeros(args.layers, dtype=torch.int64)
 
     for T in args.tokens:
@@ -60,17 +77,21 @@ def main() -> None:
             weight, index = torch.softmax(2 * torch.randn(T, E, generator=g), -1).topk(K, -1)
         index, weight = index.contiguous(), weight.contiguous()
 
-        def step() -> None:
-            for layer, (gate_up, down) in enumerate(layers):
+        def step(weights) -> None:
+            for layer, (gate_up, down) in enumerate(weights):
                 experts(x, gate_up, down, index, weight, read, layer)
 
-        per_layer = best_s(step) / args.layers
+        best = best_each({name: (lambda w=w: step(w)) for name, w in layouts.items()})
         yardstick = read_bandwidth() / 1e9
         n = int(read[0])
-        rate = n * 3 * H * I * layers[0][0].element_size() / per_layer / 1e9
-        print(f"{args.dtype} T={T:3d}: {per_layer * 1e3:6.2f} ms per layer, {n:2d} experts read, {rate:5.1f} GB/s "
-              f"(yardstick {yardstick:5.1f}: {100 * rate / yardstick:3.0f}%), "
-              f"{T * K * 3 * H * I * 2 / per_layer / 1e9:6.1f} GFLOP/s", flush=True)
+        for name, seconds in best.items():
+            per_layer = seconds / args.layers
+            rate = n * 3 * H * I * dtype.itemsize / per_layer / 1e9
+            print(f"{args.dtype} {name:9s} T={T:3d}: {per_layer * 1e3:6.2f} ms per layer, {n:2d} experts read, "
+                  f"{rate:5.1f} GB/s (yardstick {yardstick:5.1f}: {100 * rate / yardstick:3.0f}%), "
+                  f"{T * K * 3 * H * I * 2 / per_layer / 1e9:6.1f} GFLOP/s", flush=True)
+        if len(best) == 2:
+            print(f"  packed / row-major: {best['row-major'] / best['packed']:.2f}x faster", flush=True)
     a = torch.randn(2048, 2048)
     print(f"torch mm 2048^3 (fp32): {2 * 2048 ** 3 / best_s(lambda: a @ a) / 1e9:.0f} GFLOP/s")
 

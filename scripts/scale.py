@@ -195,6 +195,7 @@ def decode_one(args) -> None:
     import torch
 
     from engine_vs_hf import heldout_prompts
+    from moetailor import kernels
     from moetailor.bench.bandwidth import read_bandwidth
     from moetailor.bench.measure import engine_decode, make_llm
     from moetailor.memory import peak_rss_gib
@@ -210,8 +211,11 @@ def decode_one(args) -> None:
            "weights_gib": round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, 2),
            "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
     print(json.dumps(res), flush=True)
-    llm = make_llm(model, max(args.batches), args.prompt_len + args.new_tokens + 4, compile_decode=args.compile_decode)
+    llm = make_llm(model, max(args.batches), args.prompt_len + args.new_tokens + 4, compile_decode=args.compile_decode,
+                   pack_experts=kernels.packed_experts_pay() and not args.row_major)   # as `moetailor serve` holds them
     res["compile_decode"] = args.compile_decode
+    res["packed_experts"] = llm.runner.expert_weights[False] is not None and any(
+        kernels.is_packed(w[0]) for w in llm.runner.expert_weights[False].values())
     if args.kind == "masked":                        # full router in prefill, the plan's pool in decode
         llm.set_plan(Plan.load(args.plan).phase_aware())
     prompts = heldout_prompts(load_tokenizer(path), max(args.batches), args.prompt_len)
@@ -247,6 +251,8 @@ def main() -> None:
     p.add_argument("--kl-window", type=int, default=128)
     p.add_argument("--pruned", default=None)
     p.add_argument("--compile-decode", action="store_true", help="decode-one: the engine's decode through torch.compile")
+    p.add_argument("--row-major", action="store_true", help="decode-one: keep the experts in the checkpoint's layout "
+                   "(the engine packs them for its kernel where that pays)")
     p.add_argument("--out", default="build/scale")
     args = p.parse_args()
     if args.what == "decode-one":

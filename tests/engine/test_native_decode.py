@@ -30,3 +30,36 @@ def test_native_decode_equals_torch_decode(one_thread, lengths):
     expected_tokens, expected_reads = decode(False, prompts)
     assert tokens == expected_tokens
     assert reads == expected_reads
+
+
+def test_packed_experts_decode_the_same_tokens_as_the_model_layout(one_thread):
+    """pack_experts: the engine packs its experts in place, by default only a model it loaded itself
+    (a given one with pack_experts=True); the module then holds the packed weights and its other paths
+    refuse them clearly. Same tokens and traffic as the model's own layout."""
+    import torch
+
+    from moetailor.models.adapters import moe_layers
+    from moetailor.models.loading import load_model
+
+    prompts = random_prompts([5, 17, 33, 9], vocab=8000, seed=3)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def run(llm):
+        outs = llm.generate(prompts, params)
+        return [o.token_ids for o in outs], [(r.phase, r.expert_bytes) for r in llm.step_log]
+
+    expected = run(LLM("reference", max_num_seqs=8, pack_experts=False))
+    owned = LLM("reference", max_num_seqs=8, pack_experts=True)
+    layer = moe_layers(owned.model)[0]
+    assert kernels.is_packed(layer.experts.gate_up_proj) and kernels.is_packed(layer.experts.down_proj)
+    assert owned.runner.expert_weights[False][layer.index][0] is layer.experts.gate_up_proj
+    assert run(owned) == expected
+    with pytest.raises(RuntimeError, match="packed for moetailor's native kernel"):
+        owned.model(input_ids=torch.tensor([[1, 2, 3]]))
+
+    model = load_model("reference")
+    LLM(model, max_num_seqs=8)                                                  # given: left as it is by default
+    assert not kernels.is_packed(moe_layers(model)[0].experts.gate_up_proj)
+    assert run(LLM(model, max_num_seqs=8, pack_experts=True)) == expected
+    assert kernels.is_packed(moe_layers(model)[0].experts.gate_up_proj)
+    assert run(LLM(model, max_num_seqs=8)) == expected                         # a later engine on the packed model

@@ -28,9 +28,12 @@ def reference_experts(x, gate_up, down, index, weight):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 37])
 @pytest.mark.parametrize("inter", [32, 48])
-def test_swiglu_experts_equal_torch(dtype, tokens, inter):
+@pytest.mark.parametrize("packed", [False, True])
+def test_swiglu_experts_equal_torch(dtype, tokens, inter, packed):
     """inter 48: a down projection whose depth is not a multiple of 32 (the reference model's), where
-    bf16 weights take the 16-wide tile instead of the pairs of 32 (AVX-512)."""
+    row-major bf16 weights take the 16-wide tile instead of the pairs of 32 (AVX-512). packed: the
+    same weights in 16-column panels (kernels.pack_expert_weights); 37 tokens give some expert more
+    than the panel tile's 8 rows."""
     torch.manual_seed(tokens)
     E, H, I, K = 12, 64, inter, 3
     gate_up, down = (torch.randn(E, 2 * I, H) * 0.1).to(dtype), (torch.randn(E, H, I) * 0.1).to(dtype)
@@ -38,7 +41,8 @@ def test_swiglu_experts_equal_torch(dtype, tokens, inter):
     weight, index = torch.softmax(torch.randn(tokens, E), -1).topk(K, -1)
     index[0, -1] = E                                              # a dropped route (the router's sentinel)
     read = torch.full((3,), -1)
-    out = kernels.swiglu_experts()(x, gate_up, down, index.contiguous(), weight.contiguous(), read, 1)
+    held = [kernels.pack_expert_weights(w) for w in (gate_up, down)] if packed else [gate_up, down]
+    out = kernels.swiglu_experts()(x, *held, index.contiguous(), weight.contiguous(), read, 1)
     expected = reference_experts(x, gate_up, down, index, weight)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     live = index[(index >= 0) & (index < E)]
@@ -46,12 +50,15 @@ def test_swiglu_experts_equal_torch(dtype, tokens, inter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swiglu_experts_do_not_depend_on_the_thread_count(dtype):
+@pytest.mark.parametrize("packed", [False, True])
+def test_swiglu_experts_do_not_depend_on_the_thread_count(dtype, packed):
     """Threads claim experts in turn (most rows first); each expert's rows are computed the same way
     whichever thread takes them, so one thread and two give the same bits."""
     torch.manual_seed(0)
     E, H, I, K, T = 16, 64, 32, 4, 29
     gate_up, down = (torch.randn(E, 2 * I, H) * 0.1).to(dtype), (torch.randn(E, H, I) * 0.1).to(dtype)
+    if packed:
+        gate_up, down = kernels.pack_expert_weights(gate_up), kernels.pack_expert_weights(down)
     x = torch.randn(T, H)
     weight, index = torch.softmax(3 * torch.randn(T, E), -1).topk(K, -1)   # skewed: uneven rows per expert
     args = (x, gate_up, down, index.contiguous(), weight.contiguous(), torch.zeros(1, dtype=torch.int64), 0)
@@ -68,9 +75,25 @@ def test_swiglu_experts_do_not_depend_on_the_thread_count(dtype):
 
 def test_swiglu_experts_refuse_bad_shapes():
     gate_up, down = torch.randn(4, 20, 64), torch.randn(4, 64, 10)          # I = 10: not whole vectors
+    args = (torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), torch.full((1,), -1), 0)
     with pytest.raises(RuntimeError, match="multiples of 16"):
-        kernels.swiglu_experts()(torch.randn(2, 64), gate_up, down, torch.zeros(2, 1, dtype=torch.long),
-                                 torch.ones(2, 1), torch.full((1,), -1), 0)
+        kernels.swiglu_experts()(torch.randn(2, 64), gate_up, down, *args)
+    gate_up, down = torch.randn(4, 64, 64), torch.randn(4, 64, 32)
+    with pytest.raises(RuntimeError, match="both row-major or both packed"):
+        kernels.swiglu_experts()(torch.randn(2, 64), kernels.pack_expert_weights(gate_up), down, *args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_expert_weights_are_a_permutation(dtype):
+    """One 64-byte load of a packed weight is 16 output columns at P depths (P = 2 for bf16)."""
+    w = torch.randn(3, 32, 48).to(dtype)                                    # [E, cols, depth]
+    packed = kernels.pack_expert_weights(w)
+    P = 2 if dtype == torch.bfloat16 else 1
+    assert packed.shape == (3, 2, 48 // P, 16, P) and kernels.is_packed(packed) and not kernels.is_packed(w)
+    assert torch.equal(packed[1, 1, 5, 3], w[1, 16 + 3, 5 * P:5 * P + P])   # expert 1, column 19, depths 5P..
+    assert torch.equal(kernels.unpack_expert_weights(packed), w)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        kernels.pack_expert_weights(torch.randn(2, 24, 32))
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,dtype", [(4, 2, 64, torch.float32), (6, 6, 24, torch.float32),

@@ -12,6 +12,7 @@ import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import kernels
 from .bandwidth import gemv_bandwidth, read_bandwidth
 from .measure import DecodeResult, engine_decode, hf_decode, make_llm
 from .pools import Pool, make_pools, plan_pool
@@ -88,8 +89,10 @@ def measure_model(name: str, cfg: DecodeConfig, progress_desc: str = "decode", m
                 break
     pools = make_pools(model, cfg.keeps, cfg.pruned, cfg.top_ks) + [plan_pool(model, p) for p in cfg.plans]
     max_len = cfg.prompt_len + cfg.steps + 4
-    llm = make_llm(model, max(cfg.batches), max_len)
-    pruned_llms = {id(p): make_llm(p.model, max(cfg.batches), max_len) for p in pools if p.kind == "pruned"}
+    pack = kernels.packed_experts_pay()   # the models are handed over: transformers and pruning ran above
+    llm = make_llm(model, max(cfg.batches), max_len, pack_experts=pack)
+    pruned_llms = {id(p): make_llm(p.model, max(cfg.batches), max_len, pack_experts=pack)
+                   for p in pools if p.kind == "pruned"}
     out: list[Measured] = []
     bar = tqdm(total=len(cfg.batches) * len(pools), desc=f"{name}: {progress_desc}", unit="run")
     for b in cfg.batches:

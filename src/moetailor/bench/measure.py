@@ -47,12 +47,16 @@ def static_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in experts and id(p) != embed)
 
 
-def make_llm(model, max_batch: int, max_len: int, compile_decode: bool = False):
+def make_llm(model, max_batch: int, max_len: int, compile_decode: bool = False, pack_experts: bool | None = None):
+    """An engine for a benchmark on ``model``. ``pack_experts``: as ``LLM``'s; a bench that hands its
+    model over (nothing needs its own layout afterwards: transformers' generate and pruning ran
+    before) passes ``kernels.packed_experts_pay()``, so it measures what ``moetailor serve`` runs."""
     from ..engine import LLM
 
     blocks_per_seq = (max_len + 15) // 16 + 1
     return LLM(model, max_num_seqs=max_batch, max_num_batched_tokens=max(4096, max_batch * max_len),
-               num_kv_blocks=max_batch * blocks_per_seq + 4, max_model_len=max_len + 16, compile_decode=compile_decode)
+               num_kv_blocks=max_batch * blocks_per_seq + 4, max_model_len=max_len + 16, compile_decode=compile_decode,
+               pack_experts=pack_experts)
 
 
 def engine_decode(llm, batch: int, prompt_len: int, steps: int, expert_top_k: int | None = None,

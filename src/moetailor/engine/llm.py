@@ -62,12 +62,14 @@ class LLM:
                  step_log_size: int = 10_000, guard: GuardConfig | bool | None = None,
                  k_schedule: str = "mixed", k_cost: StepCost | None = None,
                  decode_pools: PoolsByLoad | None = None, decode_expert_dtype: torch.dtype | None = None,
-                 native_kernels: bool = True, compile_decode: bool = False, lean_decode: bool = True):
+                 native_kernels: bool = True, compile_decode: bool = False, lean_decode: bool = True,
+                 pack_experts: bool | None = None):
         from ..models.loading import load_model, load_tokenizer
         from .config import as_dtype
 
         dtype = as_dtype(dtype, "dtype")
-        if isinstance(model, (str, Path)):
+        owns_model = isinstance(model, (str, Path))   # then the runner may pack its experts in place
+        if owns_model:
             name = model
             model = load_model(name, dtype=dtype, device=device)
             if tokenizer is None:
@@ -84,8 +86,9 @@ class LLM:
                                    memory_budget=memory_budget, dtype=dtype, prefill_dtype=prefill_dtype,
                                    device=str(device), experts_impl=experts_impl, k_schedule=k_schedule,
                                    decode_expert_dtype=decode_expert_dtype, native_kernels=native_kernels,
-                                   compile_decode=compile_decode, lean_decode=lean_decode)
-        self.runner = ModelRunner(self.model, self.config)
+                                   compile_decode=compile_decode, lean_decode=lean_decode,
+                                   pack_experts=pack_experts)
+        self.runner = ModelRunner(self.model, self.config, owns_model)
         self.controller = self.runner.controller
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)
         self.budgets = BudgetPolicy.of(self.model, k_schedule, k_cost, max_num_seqs, self.runner.device)

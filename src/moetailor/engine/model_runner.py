@@ -45,7 +45,7 @@ def default_max_model_len(model_config) -> int:
     return min(int(getattr(model_config, "max_position_embeddings", 4096) or 4096), 4096)
 
 class ModelRunner:
-    def __init__(self, model, config: EngineConfig):
+    def __init__(self, model, config: EngineConfig, owns_model: bool = False):
         self.model = model
         self.config = config
         self.device = torch.device(config.device)
@@ -67,12 +67,8 @@ class ModelRunner:
         # attention reads the step context), so it skips mask preparation in every step
         self._mask_built = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self._kv_buffers: dict = {}     # decode gather buffers, reused by every layer and step
-        self.decode_expert_weights = self._expert_copies(config.decode_expert_dtype)
         self.num_layers = int(getattr(model.config, "num_hidden_layers", 0)) or \
             max(l.index for l in self.controller.layers) + 1
-        self.expert_bytes = {phase: {l.index: experts.expert_bytes(*(weights or {}).get(l.index, (
-            l.experts.gate_up_proj, l.experts.down_proj))) for l in self.controller.layers}
-            for phase, weights in ((True, None), (False, self.decode_expert_weights))}   # is_prefill -> layer -> bytes
         limit = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
         if config.max_model_len is None:
             config.max_model_len = default_max_model_len(model.config)
@@ -80,6 +76,11 @@ class ModelRunner:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
         self._check_attention()
         self.kv_shapes = self._probe_kv_shapes()          # layer -> ((nKV, Dk), (nKV, Dv), native kernel applies)
+        # after the probe, which runs the module path on the model's own layout
+        self.expert_weights = self._expert_weights(owns_model)   # is_prefill -> layer -> (gate_up, down) | None
+        self.expert_bytes = {phase: {l.index: experts.expert_bytes(*(weights or {}).get(l.index, (
+            l.experts.gate_up_proj, l.experts.down_proj))) for l in self.controller.layers}
+            for phase, weights in self.expert_weights.items()}   # is_prefill -> layer -> bytes
         if self.kv_dtype not in (torch.float32, torch.bfloat16) or not all(ok for *_, ok in self.kv_shapes.values()):
             self.native_attention = None                  # the kernel covers plain attention over fp32 / bf16 caches
         self.block_bytes = config.block_size * sum(
@@ -93,18 +94,41 @@ class ModelRunner:
                                       kernels.add_rms_norm() if self.native_attention is not None else None,
                                       config.max_model_len,
                                       kernels.decode_layer_ops() if self.native_attention is not None else None,
-                                      self.kv_cache, config.block_size, self.decode_expert_weights) \
+                                      self.kv_cache, config.block_size, self.expert_weights[False]) \
             if config.lean_decode and self._compiled is None else None
 
-    def _expert_copies(self, dtype: torch.dtype | None) -> dict | None:
-        """MoE layer -> its experts' (gate_up, down) in ``dtype``, for decode steps; None = the model's."""
+    def _expert_weights(self, owns_model: bool) -> dict[bool, dict | None]:
+        """Per phase (is_prefill), MoE layer -> the (gate_up, down) its steps' experts read instead of
+        the module's (None = the module's for every layer): decode copies in ``decode_expert_dtype``,
+        and the experts packed for the native kernel (``EngineConfig.pack_experts``), in place, one
+        layer at a time, so memory does not grow."""
         from ..models.adapters import moe_layers
 
+        c = self.config
         layers = moe_layers(self.model)
-        if dtype is None or all(l.experts.gate_up_proj.dtype == dtype for l in layers):
-            return None
-        return {l.index: (l.experts.gate_up_proj.detach().to(dtype), l.experts.down_proj.detach().to(dtype))
-                for l in layers}
+        already = any(kernels.is_packed(l.experts.gate_up_proj) for l in layers)   # by an earlier engine
+
+        def row_major(w: torch.Tensor) -> torch.Tensor:
+            return kernels.unpack_expert_weights(w) if kernels.is_packed(w) else w.detach()
+
+        decode = None
+        if c.decode_expert_dtype is not None and any(l.experts.gate_up_proj.dtype != c.decode_expert_dtype for l in layers):
+            decode = {l.index: (row_major(l.experts.gate_up_proj).to(c.decode_expert_dtype),
+                                row_major(l.experts.down_proj).to(c.decode_expert_dtype)) for l in layers}
+        pack = already or (c.pack_experts if c.pack_experts is not None else owns_model and kernels.packed_experts_pay())
+        if not pack or self.native_experts is None:
+            return {True: None, False: decode}
+        packed = {}
+        for l in self.controller.layers:
+            m = l.experts
+            if m._moetailor_native:   # the module holds the packed weights from now on
+                if not kernels.is_packed(m.gate_up_proj):
+                    m.gate_up_proj, m.down_proj = (torch.nn.Parameter(kernels.pack_expert_weights(w.detach()),
+                                                                      requires_grad=False) for w in (m.gate_up_proj, m.down_proj))
+                packed[l.index] = (m.gate_up_proj, m.down_proj)
+        if decode is not None:
+            decode = {i: tuple(map(kernels.pack_expert_weights, decode[i])) if i in packed else decode[i] for i in decode}
+        return {True: packed, False: packed if decode is None else decode}
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -121,7 +145,10 @@ class ModelRunner:
         """Run one token through the model to learn each layer's k/v head shapes (works for MLA too)."""
         probe: dict = {}
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        with torch.inference_mode(), running(Step(is_prefill=True, probe=probe)):
+        native = self.native_experts is not None   # a model an earlier engine packed runs only there
+        step = Step(is_prefill=True, probe=probe, experts="native" if native else "loop", experts_kernel=self.native_experts,
+                    experts_read=experts_read_buffer(self.num_layers, self.device) if native else None)
+        with torch.inference_mode(), running(step):
             self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
         if not probe:
             raise ValueError(f"{type(self.model).__name__} did not call transformers' attention interface; "
@@ -215,7 +242,7 @@ class ModelRunner:
         return Step(is_prefill, routing, kv,
                     experts="native" if native else "grouped" if self.grouped_experts else "loop",
                     experts_kernel=self.native_experts,
-                    expert_weights=None if is_prefill else self.decode_expert_weights,
+                    expert_weights=self.expert_weights[is_prefill],
                     linear_kernel=None if is_prefill else self.native_linear,
                     norm_kernel=None if is_prefill else self.native_norm,
                     router_kernel=None if is_prefill else self.native_router,

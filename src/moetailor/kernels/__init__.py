@@ -131,7 +131,8 @@ def _register_fakes() -> None:
 def swiglu_experts():
     """The op ``swiglu_experts(x [T, H] fp32, gate_up [E, 2I, H], down [E, H, I], index [T, K] int64,
     weight [T, K] fp32, experts_read [L] int64 (written), layer) -> out [T, H]``, or None: writes the
-    number of distinct experts it read into ``experts_read[layer]``."""
+    number of distinct experts it read into ``experts_read[layer]``. The weights may also be both
+    packed (``pack_expert_weights``)."""
     ops = _module()
     return None if ops is None else ops.swiglu_experts
 
@@ -182,6 +183,37 @@ def rows_linear_pays() -> bool:
     it was 2-3x slower there. Fixed per processor, not timed per run, so outputs do not change between runs."""
     flags = _cpu_flags().split()
     return "avx512f" in flags or ("avx2" in flags and "fma" in flags)
+
+
+def packed_experts_pay() -> bool:
+    """Whether the engine holds its experts packed for ``swiglu_experts`` (``pack_expert_weights``):
+    where the kernels are compiled for AVX-512, whose panel tile is the one written for that layout (on
+    an Ice Lake Xeon, 2026-12-04: 1.03-1.51x the row-major tile on a 2048 x 2048 bf16 linear at 1-64
+    rows, ``scripts/packed_weights_probe.py``). Elsewhere a packed weight still computes, on a plain loop."""
+    return "avx512f" in _cpu_flags().split()
+
+
+def pack_expert_weights(weight: torch.Tensor) -> torch.Tensor:
+    """[E, cols, depth] -> the packed layout ``swiglu_experts`` also takes: [E, cols/16, depth/P, 16, P],
+    P = 1 for fp32 and 2 for bf16, so that one 64-byte load is 16 columns (output features) at P depths.
+    A permutation of the same values (``unpack_expert_weights`` inverts it); cols and depth must be
+    multiples of 16."""
+    E, cols, depth = weight.shape
+    if cols % 16 or depth % 16:
+        raise ValueError(f"packing needs expert weights whose sizes are multiples of 16; got {tuple(weight.shape)}")
+    P = 2 if weight.dtype == torch.bfloat16 else 1
+    return weight.reshape(E, cols // 16, 16, depth // P, P).transpose(2, 3).contiguous()
+
+
+def unpack_expert_weights(packed: torch.Tensor) -> torch.Tensor:
+    """The packed layout back to [E, cols, depth] (a copy)."""
+    E, panels, pairs, lanes, P = packed.shape
+    return packed.transpose(2, 3).reshape(E, panels * lanes, pairs * P)
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether an expert weight is in ``pack_expert_weights``' layout (5-D) rather than [E, cols, depth]."""
+    return weight.dim() == 5
 
 
 def cpu_has_bf16_matmul() -> bool:

@@ -186,6 +186,102 @@ void rows_times_weight(const float* const* a, int rows, const W* w, int cols, in
   }
 }
 
+// ---- packed experts ------------------------------------------------------------------------------
+// A weight [cols, depth] held as [cols/16][depth/P][16][P], P = 1 (fp32) or 2 (bf16): 16-column panels,
+// each 64-byte load 16 columns at P depths. The tile broadcasts one activation value per row and
+// depth against whole panels, so each weight load feeds RB rows x CP panels of accumulators and
+// nothing is summed across lanes at the end: the outer-product form torch's and llama.cpp's GEMMs
+// repack their weights for. The row-major tile above re-reads its activation rows for every 16 / RB
+// columns; this one for every 16 x CP. On an Ice Lake Xeon (2026-12-04, scripts/packed_weights_probe.py)
+// a 2048 x 2048 bf16 linear at 1-64 rows ran 1.03-1.51x the pair tile. The engine packs its experts
+// where this tile is compiled for AVX-512 (kernels.packed_experts_pay); the layout is in
+// kernels.pack_expert_weights.
+#if defined(__AVX512F__)
+
+template <int RB, int CP, typename W>
+inline void panel_tile(const float* const* a, const W* w, int64_t panel_stride, int depth, float* out, int ldo) {
+  __m512 acc[RB][CP];
+  for (int r = 0; r < RB; ++r)
+    for (int p = 0; p < CP; ++p) acc[r][p] = _mm512_setzero_ps();
+  if constexpr (std::is_same_v<W, float>) {
+    for (int d = 0; d < depth; ++d) {
+      __m512 wv[CP];
+      for (int p = 0; p < CP; ++p) wv[p] = _mm512_loadu_ps(w + p * panel_stride + (int64_t)d * 16);
+      for (int r = 0; r < RB; ++r) {
+        const __m512 b = _mm512_set1_ps(a[r][d]);
+        for (int p = 0; p < CP; ++p) acc[r][p] = _mm512_fmadd_ps(b, wv[p], acc[r][p]);
+      }
+    }
+  } else {   // a 32-bit lane holds one column's two depths: << 16 is depth d, & 0xffff0000 depth d + 1
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int d = 0; d < depth; d += 2) {
+      __m512 even[CP], odd[CP];
+      for (int p = 0; p < CP; ++p) {
+        const __m512i both = _mm512_loadu_si512(w + p * panel_stride + (int64_t)d * 16);
+        even[p] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+        odd[p] = _mm512_castsi512_ps(_mm512_and_si512(both, high));
+      }
+      for (int r = 0; r < RB; ++r) {
+        const __m512 b0 = _mm512_set1_ps(a[r][d]), b1 = _mm512_set1_ps(a[r][d + 1]);
+        for (int p = 0; p < CP; ++p) acc[r][p] = _mm512_fmadd_ps(b1, odd[p], _mm512_fmadd_ps(b0, even[p], acc[r][p]));
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int p = 0; p < CP; ++p) _mm512_storeu_ps(out + (int64_t)r * ldo + p * 16, acc[r][p]);
+}
+#else
+
+// Without AVX-512 the engine does not pack (kernels.packed_experts_pay); this plain loop keeps a
+// packed tensor computable, and the same on every processor, for tests and tools.
+template <int RB, int CP, typename W>
+inline void panel_tile(const float* const* a, const W* w, int64_t panel_stride, int depth, float* out, int ldo) {
+  constexpr int P = std::is_same_v<W, float> ? 1 : 2;
+  for (int r = 0; r < RB; ++r)
+    for (int p = 0; p < CP; ++p)
+      for (int c = 0; c < 16; ++c) {
+        float sum = 0.f;
+        for (int d = 0; d < depth; ++d) sum += a[r][d] * (float)w[p * panel_stride + (int64_t)(d / P) * 16 * P + c * P + d % P];
+        out[(int64_t)r * ldo + p * 16 + c] = sum;
+      }
+}
+#endif
+
+// RB rows against panels [p0, p1): CP panels a tile, the rest one at a time.
+template <int RB, int CP, typename W>
+inline void panel_rows(const float* const* a, const W* w, int p0, int p1, int64_t panel_stride, int depth, float* out, int ldo) {
+  int p = p0;
+  for (; p + CP <= p1; p += CP) panel_tile<RB, CP>(a, w + p * panel_stride, panel_stride, depth, out + p * 16, ldo);
+  for (; p < p1; ++p) panel_tile<RB, 1>(a, w + p * panel_stride, panel_stride, depth, out + p * 16, ldo);
+}
+
+// out[r][j] = dot(a[r], column j of the packed weight) for r < rows, j < cols (a multiple of 16).
+// Rows go by blocks of up to 8 (24 accumulators at 8 rows x 3 panels); columns by groups of 12
+// panels, so a group's weights stay in L2 while every row block uses them.
+template <typename W>
+void rows_times_packed(const float* const* a, int rows, const W* w, int cols, int depth, float* out, int ldo) {
+  const int64_t stride = (int64_t)depth * 16;
+  const int panels = cols / 16;
+  constexpr int kGroup = 12;
+  for (int g0 = 0; g0 < panels; g0 += kGroup) {
+    const int g1 = std::min(g0 + kGroup, panels);
+    for (int r0 = 0; r0 < rows; r0 += 8) {
+      const float* const* ar = a + r0;
+      float* o = out + (int64_t)r0 * ldo;
+      switch (std::min(rows - r0, 8)) {
+        case 8: panel_rows<8, 3>(ar, w, g0, g1, stride, depth, o, ldo); break;
+        case 7: panel_rows<7, 3>(ar, w, g0, g1, stride, depth, o, ldo); break;
+        case 6: panel_rows<6, 3>(ar, w, g0, g1, stride, depth, o, ldo); break;
+        case 5: panel_rows<5, 4>(ar, w, g0, g1, stride, depth, o, ldo); break;
+        case 4: panel_rows<4, 4>(ar, w, g0, g1, stride, depth, o, ldo); break;
+        case 3: panel_rows<3, 4>(ar, w, g0, g1, stride, depth, o, ldo); break;
+        case 2: panel_rows<2, 6>(ar, w, g0, g1, stride, depth, o, ldo); break;
+        default: panel_rows<1, 6>(ar, w, g0, g1, stride, depth, o, ldo); break;
+      }
+    }
+  }
+}
+
 // Scratch rows on 64-byte boundaries: a 64-byte load across two cache lines costs two (glibc's
 // malloc aligns to 16).
 template <typename T>
@@ -201,10 +297,11 @@ struct Aligned64 {
 };
 using Floats = std::vector<float, Aligned64<float>>;
 
+// The weights row-major ([E, 2I, H] / [E, H, I]) or packed (rows_times_packed's panels, `packed`).
 template <typename W>
-void run_experts(const float* x, const W* gate_up, const W* down, const int64_t* index, const float* weight,
-                 int64_t tokens, int64_t k, int64_t num_experts, int64_t hidden, int64_t inter,
-                 float* routed, float* out, int64_t* distinct) {
+void run_experts(const float* x, const W* gate_up, const W* down, bool packed, const int64_t* index,
+                 const float* weight, int64_t tokens, int64_t k, int64_t num_experts, int64_t hidden,
+                 int64_t inter, float* routed, float* out, int64_t* distinct) {
   const int64_t routes = tokens * k;
   std::vector<int64_t> count(num_experts + 1, 0);
   for (int64_t s = 0; s < routes; ++s) {
@@ -224,8 +321,9 @@ void run_experts(const float* x, const W* gate_up, const W* down, const int64_t*
   }
   *distinct = (int64_t)active.size();
 
+  const auto times_weight = packed ? rows_times_packed<W> : rows_times_weight<W>;
   Floats x_pairs;                                             // x in the order the gate_up tile reads
-  if (pair_order<W>(hidden)) {
+  if (!packed && pair_order<W>(hidden)) {
     x_pairs.resize(tokens * hidden);
     to_pair_order(x, x_pairs.data(), tokens * hidden);
     x = x_pairs.data();
@@ -245,7 +343,7 @@ void run_experts(const float* x, const W* gate_up, const W* down, const int64_t*
       y.resize(n * hidden);
       rows.resize(n);
       for (int64_t r = 0; r < n; ++r) rows[r] = x + (order[first + r] / k) * hidden;
-      rows_times_weight(rows.data(), n, gate_up + e * 2 * inter * hidden, 2 * inter, hidden, h.data(), 2 * inter);
+      times_weight(rows.data(), n, gate_up + e * 2 * inter * hidden, 2 * inter, hidden, h.data(), 2 * inter);
       for (int64_t r = 0; r < n; ++r) {                       // SwiGLU: silu(gate) * up
         const float* g = h.data() + r * 2 * inter;
         for (int64_t c = 0; c < inter; c += 16) {
@@ -253,9 +351,9 @@ void run_experts(const float* x, const W* gate_up, const W* down, const int64_t*
           store16(act.data() + r * inter + c, gate / (1.f + exp16(-gate)) * load16(g + inter + c));
         }
       }
-      if (pair_order<W>(inter)) to_pair_order(act.data(), act.data(), n * inter);
+      if (!packed && pair_order<W>(inter)) to_pair_order(act.data(), act.data(), n * inter);
       for (int64_t r = 0; r < n; ++r) rows[r] = act.data() + r * inter;
-      rows_times_weight(rows.data(), n, down + e * hidden * inter, hidden, inter, y.data(), hidden);
+      times_weight(rows.data(), n, down + e * hidden * inter, hidden, inter, y.data(), hidden);
       // each route's expert output goes to its own row of `routed`, so threads never write the same row
       for (int64_t r = 0; r < n; ++r) {
         const int64_t s = order[first + r];
@@ -281,34 +379,50 @@ void run_experts(const float* x, const W* gate_up, const W* down, const int64_t*
 
 }  // namespace
 
-// x [T, H] fp32, gate_up [E, 2I, H], down [E, H, I] (fp32 or bf16), index [T, K] int64,
-// weight [T, K] fp32 -> out [T, H] fp32; the number of distinct experts read goes to
-// experts_read[layer] (int64 [L], the step's output; skipped when layer is outside it)
+namespace {
+
+// (experts, cols, depth) of an expert weight: row-major [E, cols, depth], or packed
+// [E, cols/16, depth/P, 16, P] (P = 1 fp32, 2 bf16; kernels.pack_expert_weights)
+std::tuple<int64_t, int64_t, int64_t> expert_dims(const torch::Tensor& w) {
+  if (w.dim() == 3) return {w.size(0), w.size(1), w.size(2)};
+  const int64_t P = w.scalar_type() == torch::kBFloat16 ? 2 : 1;
+  TORCH_CHECK(w.dim() == 5 && w.size(3) == 16 && w.size(4) == P,
+              "expert weights: [E, cols, depth], or packed [E, cols/16, depth/P, 16, P] (kernels.pack_expert_weights)");
+  return {w.size(0), w.size(1) * 16, w.size(2) * P};
+}
+
+}  // namespace
+
+// x [T, H] fp32, gate_up [E, 2I, H], down [E, H, I] (fp32 or bf16; both row-major or both packed),
+// index [T, K] int64, weight [T, K] fp32 -> out [T, H] fp32; the number of distinct experts read goes
+// to experts_read[layer] (int64 [L], the step's output; skipped when layer is outside it)
 torch::Tensor swiglu_experts(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
                              const torch::Tensor& index, const torch::Tensor& weight, torch::Tensor& experts_read,
                              int64_t layer) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 [T, H]");
-  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.is_contiguous() && down.is_contiguous(),
-              "gate_up [E, 2I, H] and down [E, H, I] must be contiguous");
+  TORCH_CHECK(gate_up.dim() == down.dim() && gate_up.is_contiguous() && down.is_contiguous(),
+              "gate_up [E, 2I, H] and down [E, H, I] must be contiguous, both row-major or both packed");
   TORCH_CHECK(gate_up.scalar_type() == down.scalar_type(), "gate_up and down must share a dtype");
   TORCH_CHECK(index.scalar_type() == torch::kInt64 && index.is_contiguous(), "index: contiguous int64 [T, K]");
   TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(), "weight: contiguous fp32 [T, K]");
   const int64_t tokens = x.size(0), hidden = x.size(1), k = index.size(1);
-  const int64_t num_experts = gate_up.size(0), inter = down.size(2);
-  TORCH_CHECK(gate_up.size(1) == 2 * inter && gate_up.size(2) == hidden && down.size(1) == hidden,
+  const auto [num_experts, two_inter, gate_up_depth] = expert_dims(gate_up);
+  const auto [down_experts, down_cols, inter] = expert_dims(down);
+  TORCH_CHECK(two_inter == 2 * inter && gate_up_depth == hidden && down_cols == hidden && down_experts == num_experts,
               "expert shapes do not match x");
   TORCH_CHECK(hidden % 16 == 0 && inter % 16 == 0, "hidden and expert sizes must be multiples of 16");
+  const bool packed = gate_up.dim() == 5;
   auto out = torch::empty_like(x);
   auto routed = torch::empty({tokens * k, hidden}, x.options());
   TORCH_CHECK(experts_read.scalar_type() == torch::kInt64 && experts_read.dim() == 1, "experts_read: int64 [L]");
   int64_t distinct = 0;
   if (gate_up.scalar_type() == torch::kFloat32) {
-    run_experts(x.data_ptr<float>(), gate_up.data_ptr<float>(), down.data_ptr<float>(), index.data_ptr<int64_t>(),
+    run_experts(x.data_ptr<float>(), gate_up.data_ptr<float>(), down.data_ptr<float>(), packed, index.data_ptr<int64_t>(),
                 weight.data_ptr<float>(), tokens, k, num_experts, hidden, inter, routed.data_ptr<float>(),
                 out.data_ptr<float>(), &distinct);
   } else {
     TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "expert weights must be fp32 or bf16");
-    run_experts(x.data_ptr<float>(), gate_up.data_ptr<at::BFloat16>(), down.data_ptr<at::BFloat16>(),
+    run_experts(x.data_ptr<float>(), gate_up.data_ptr<at::BFloat16>(), down.data_ptr<at::BFloat16>(), packed,
                 index.data_ptr<int64_t>(), weight.data_ptr<float>(), tokens, k, num_experts, hidden, inter,
                 routed.data_ptr<float>(), out.data_ptr<float>(), &distinct);
   }

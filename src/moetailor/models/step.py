@@ -61,7 +61,7 @@ class Step:
     kv: PagedKV | None = None                 # None: plain SDPA over the call's own k/v (no engine cache)
     experts: str = "loop"                     # "native" | "grouped" | "loop" (routing/experts.py)
     experts_kernel: Callable | None = None    # the native experts kernel, for experts == "native"
-    expert_weights: Mapping[int, tuple] | None = None  # MoE layer -> (gate_up, down) instead of the model's
+    expert_weights: Mapping[int, tuple] | None = None  # MoE layer -> (gate_up, down) instead of the model's (a decode dtype, packed)
     linear_kernel: Callable | None = None     # a native op for linear layers of a few rows (engine decode steps)
     norm_kernel: Callable | None = None       # a native op for RMSNorm (engine decode steps)
     router_kernel: Callable | None = None     # a native op for a softmax router's top-k selection (engine decode steps)

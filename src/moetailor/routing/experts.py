@@ -30,12 +30,13 @@ GROUPED_IMPLEMENTATION = "moetailor_grouped"
 
 
 def expert_bytes(gate_up: torch.Tensor, down: torch.Tensor) -> int:
-    """Bytes one expert's weights take (what reading it costs)."""
-    return (gate_up.shape[1] * gate_up.shape[2] + down.shape[1] * down.shape[2]) * gate_up.element_size()
+    """Bytes one expert's weights take (what reading it costs), in either layout ([E, ...] first)."""
+    return (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
 
 
 def step_weights(module, step: Step | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up [E, 2I, H], down [E, H, I]) this step runs: the engine's decode copy, else the module's."""
+    """(gate_up, down) this step runs: the engine's copy for the step's phase (a decode dtype, or packed
+    for the native kernel: ``ModelRunner._expert_weights``), else the module's [E, 2I, H] / [E, H, I]."""
     if step is not None and step.expert_weights:
         found = step.expert_weights.get(getattr(module, "_moetailor_layer", -1))
         if found is not None:
@@ -116,10 +117,15 @@ def native_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
 
 def native_layout(experts_module) -> bool:
     """Whether the native kernel runs this experts module: SwiGLU with a gate, no biases, the fused
-    [E, 2I, H] / [E, H, I] layout, fp32 or bf16, and sizes in whole 16-wide vectors."""
+    [E, 2I, H] / [E, H, I] layout (or those packed for the kernel by an engine), fp32 or bf16, and
+    sizes in whole 16-wide vectors."""
     m = experts_module
     gu, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
-    if not isinstance(gu, torch.Tensor) or not isinstance(down, torch.Tensor) or gu.dim() != 3 or down.dim() != 3:
+    if not isinstance(gu, torch.Tensor) or not isinstance(down, torch.Tensor):
+        return False
+    if gu.dim() == 5 and down.dim() == 5:   # packed (kernels.pack_expert_weights): an engine checked it before
+        return True
+    if gu.dim() != 3 or down.dim() != 3:
         return False
     silu = isinstance(getattr(m, "act_fn", None), torch.nn.SiLU) or type(getattr(m, "act_fn", None)).__name__ == "SiLUActivation"
     E, two_i, H = gu.shape
@@ -137,6 +143,11 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     mode = step.experts if step is not None else "loop"
     if mode == "native" and getattr(self, "_moetailor_native", False) and step.experts_read is not None:
         return native_experts_forward(self, hidden_states, top_k_index, top_k_weights, step)
+    if getattr(self, "gate_up_proj", None) is not None and self.gate_up_proj.dim() != 3:
+        raise RuntimeError(
+            "this experts module holds its weights packed for moetailor's native kernel (an engine that loaded "
+            "the model packed it: EngineConfig.pack_experts), and only that kernel's steps can run it; "
+            "build the engine with pack_experts=False, or load the model again, to run it on another path")
     grouped = mode != "loop" and getattr(self, "has_gate", True) and not (
         getattr(self, "has_bias", False) or getattr(self, "is_transposed", False))   # layouts grouped_mm skips
     forward = grouped_experts_forward if grouped else loop_experts_forward
