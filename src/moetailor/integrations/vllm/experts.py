@@ -16,7 +16,11 @@ How: two methods of vLLM's ``CPUUnquantizedExperts`` (the portable, AMX and othe
 inherit them) are wrapped, for the layers of an engine that asked:
 
 * ``process_weights_after_loading`` keeps the checkpoint layout (w13 [E, 2I, H] = gate then up,
-  w2 [E, H, I], contiguous) instead of padding and prepacking it for vLLM's kernel;
+  w2 [E, H, I], contiguous) instead of padding and prepacking it for vLLM's kernel, or, where the
+  kernel has its AVX-512 panel tile (``kernels.packed_experts_pay``), packs it into that tile's
+  16-column panels as moetailor's engine holds its experts (``kernels.pack_expert_weights``);
+* ``moe_problem_size`` reads the sizes from the layer's config when the weights are packed (vLLM's
+  default unpacks them from 3-D weights, as vLLM's own CPU int4/int8 experts also avoid);
 * ``apply`` calls ``swiglu_experts`` on those weights (hidden states in fp32, one rounding back to
   the layer's dtype) and writes vLLM's output buffer.
 
@@ -96,6 +100,7 @@ def install_patches() -> None:
     CPUUnquantizedExperts.process_weights_after_loading = _wrap_process(
         CPUUnquantizedExperts.process_weights_after_loading)
     CPUUnquantizedExperts.apply = _wrap_apply(CPUUnquantizedExperts.apply)
+    CPUUnquantizedExperts.moe_problem_size = _wrap_problem_size(CPUUnquantizedExperts.moe_problem_size)
     CPUUnquantizedExperts._moetailor_wrapped = True
 
 
@@ -111,8 +116,11 @@ def _wrap_process(process):
                              f"{why}; drop the key to use vLLM's kernel")
         from vllm.model_executor.utils import replace_parameter
 
-        replace_parameter(layer, "w13_weight", layer.w13_weight.data.contiguous())
-        replace_parameter(layer, "w2_weight", layer.w2_weight.data.contiguous())
+        from ...kernels import pack_expert_weights, packed_experts_pay
+
+        hold = pack_expert_weights if packed_experts_pay() else torch.Tensor.contiguous
+        replace_parameter(layer, "w13_weight", hold(layer.w13_weight.data))
+        replace_parameter(layer, "w2_weight", hold(layer.w2_weight.data))
         self._moetailor_kernel = True
         self._use_zentorch = False
         self._moetailor_read = torch.zeros(1, dtype=torch.long)     # the op's distinct-expert count (unused here)
@@ -128,6 +136,17 @@ def _wrap_apply(apply):
                          global_num_experts, expert_map, *args, **kwargs)
         on_input = kwargs.get("apply_router_weight_on_input", args[-1] if args else False)
         return run_experts(output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, bool(on_input))
+    return wrapped
+
+
+def _wrap_problem_size(problem_size):
+    @functools.wraps(problem_size)
+    def wrapped(self, a1, w1, w2, topk_ids):
+        if not getattr(self, "_moetailor_kernel", False) or w1.dim() == 3:
+            return problem_size(self, a1, w1, w2, topk_ids)
+        cfg = self.moe_config                         # packed weights: (E, M, N = 2I, K = H, top-k) from the config
+        return (w1.shape[0], a1.size(0) if a1.dim() == 2 else a1.size(1),
+                cfg.intermediate_size_per_partition * cfg.w13_num_shards, a1.size(-1), topk_ids.size(1))
     return wrapped
 
 

@@ -165,14 +165,16 @@ def route_totals(worker, reset: bool = False) -> dict:
     return totals
 
 
-def experts_kernel_layers(worker) -> int:
+def experts_kernel_layers(worker, packed: bool | None = None) -> int:
     """``LLM.collective_rpc("moetailor_experts_kernel_layers")``: how many MoE layers run on moetailor's
-    experts kernel (``experts.py``)."""
+    experts kernel (``experts.py``); ``args=(True,)`` / ``(False,)``: only those whose weights it holds
+    packed / row-major."""
     from .experts import uses_moetailor_kernel
     from .routing import moe_runners
 
     runner = getattr(worker, "model_runner", worker)
-    return sum(uses_moetailor_kernel(r) for r in moe_runners(runner.get_model()))
+    return sum(uses_moetailor_kernel(r) and (packed is None or (r.routed_experts.w13_weight.dim() == 5) == packed)
+               for r in moe_runners(runner.get_model()))
 
 
 def use_plan(worker, plan: str | None, mode: str = "decode") -> str:
