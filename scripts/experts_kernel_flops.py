@@ -10,7 +10,7 @@ layer (best of 5 rounds), the distinct experts' bytes per second beside the yard
 arithmetic; the same yardstick as ``scripts/scale.py decode-one``), and
 GFLOP/s, with torch's 2048-cube fp32 ``mm`` at the end. At batch 1-8 the kernel should read at the
 yardstick's rate; at 32-64 a layer's arithmetic (T x 8 routes) starts to show. ``--layout both``
-times the row-major weights and the same weights packed (``kernels.pack_expert_weights``, what the
+times the row-major weights and the same weights packed (``kernels.pack_weight``, what the
 engine holds on AVX-512) in alternating rounds, and prints packed / row-major.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def main() -> None:
     if args.layout != "packed":
         layouts["row-major"] = layers
     if args.layout != "row-major":
-        layouts["packed"] = [tuple(kernels.pack_expert_weights(w) for w in layer) for layer in layers]
+        layouts["packed"] = [tuple(kernels.pack_weight(w) for w in layer) for layer in layers]
     if args.layout == "packed":
         del layers
     read = torch.zeros(args.layers, dtype=torch.int64)

@@ -212,7 +212,7 @@ def decode_one(args) -> None:
            "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
     print(json.dumps(res), flush=True)
     llm = make_llm(model, max(args.batches), args.prompt_len + args.new_tokens + 4, compile_decode=args.compile_decode,
-                   pack_experts=kernels.packed_experts_pay() and not args.row_major)   # as `moetailor serve` holds them
+                   pack_weights=kernels.packed_weights_pay() and not args.row_major)   # as `moetailor serve` holds them
     res["compile_decode"] = args.compile_decode
     res["packed_experts"] = llm.runner.expert_weights[False] is not None and any(
         kernels.is_packed(w[0]) for w in llm.runner.expert_weights[False].values())

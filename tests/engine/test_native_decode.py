@@ -33,8 +33,8 @@ def test_native_decode_equals_torch_decode(one_thread, lengths):
 
 
 def test_packed_experts_decode_the_same_tokens_as_the_model_layout(one_thread):
-    """pack_experts: the engine packs its experts in place, by default only a model it loaded itself
-    (a given one with pack_experts=True); the module then holds the packed weights and its other paths
+    """pack_weights: the engine packs its experts in place, by default only a model it loaded itself
+    (a given one with pack_weights=True); the module then holds the packed weights and its other paths
     refuse them clearly. Same tokens and traffic as the model's own layout."""
     import torch
 
@@ -48,8 +48,8 @@ def test_packed_experts_decode_the_same_tokens_as_the_model_layout(one_thread):
         outs = llm.generate(prompts, params)
         return [o.token_ids for o in outs], [(r.phase, r.expert_bytes) for r in llm.step_log]
 
-    expected = run(LLM("reference", max_num_seqs=8, pack_experts=False))
-    owned = LLM("reference", max_num_seqs=8, pack_experts=True)
+    expected = run(LLM("reference", max_num_seqs=8, pack_weights=False))
+    owned = LLM("reference", max_num_seqs=8, pack_weights=True)
     layer = moe_layers(owned.model)[0]
     assert kernels.is_packed(layer.experts.gate_up_proj) and kernels.is_packed(layer.experts.down_proj)
     assert owned.runner.expert_weights[False][layer.index][0] is layer.experts.gate_up_proj
@@ -60,6 +60,33 @@ def test_packed_experts_decode_the_same_tokens_as_the_model_layout(one_thread):
     model = load_model("reference")
     LLM(model, max_num_seqs=8)                                                  # given: left as it is by default
     assert not kernels.is_packed(moe_layers(model)[0].experts.gate_up_proj)
-    assert run(LLM(model, max_num_seqs=8, pack_experts=True)) == expected
+    assert run(LLM(model, max_num_seqs=8, pack_weights=True)) == expected
     assert kernels.is_packed(moe_layers(model)[0].experts.gate_up_proj)
     assert run(LLM(model, max_num_seqs=8)) == expected                         # a later engine on the packed model
+
+
+def test_bf16_linears_whose_rows_all_run_the_op_are_packed_too(one_thread, monkeypatch):
+    """Without bf16 GEMM hardware every row of a bf16 linear layer runs the native op (decode), so the
+    engine packs those layers with the experts; prefill then runs them on the op too, and outside the
+    engine the layer still computes. The tied LM head (the embedding's weight too) stays as it is.
+    bf16 rounds differently summed fp32 values, so: the same first tokens, logprobs close."""
+    import torch
+
+    from moetailor.engine import native_layers
+    from moetailor.models.step import current
+
+    monkeypatch.setattr(native_layers, "_BF16_GEMM_FAST", [False])      # as on a CPU without AVX512-BF16 / AMX
+    prompts = random_prompts([5, 17, 9], vocab=8000, seed=4)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
+    plain = LLM("reference", dtype=torch.bfloat16, max_num_seqs=8, pack_weights=False)
+    packed = LLM("reference", dtype=torch.bfloat16, max_num_seqs=8, pack_weights=True)
+    q = packed.model.model.layers[0].self_attn.q_proj
+    assert kernels.is_packed(q.weight) and not kernels.is_packed(packed.model.lm_head.weight)
+    for a, b in zip(plain.generate(prompts, params), packed.generate(prompts, params)):
+        assert a.token_ids[:2] == b.token_ids[:2]
+        torch.testing.assert_close(torch.tensor([e.logprob for e in b.logprobs[:2]]),
+                                   torch.tensor([e.logprob for e in a.logprobs[:2]]), atol=0.05, rtol=0)
+    x = torch.randn(3, q.in_features, dtype=torch.bfloat16)
+    assert current() is None
+    torch.testing.assert_close(q(x), torch.nn.functional.linear(x, kernels.unpack_weight(q.weight), q.bias),
+                               atol=0.02, rtol=0.02)

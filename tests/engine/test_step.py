@@ -132,12 +132,14 @@ def test_decode_pools_by_load_switch_per_step_on_one_kv_cache():
     assert all(max(r.distinct_experts.values()) <= len(keep) for r in decode if r.pool_size == len(keep))
 
 
-def test_bf16_decode_experts_read_half_the_bytes_and_prefill_keeps_fp32():
+@pytest.mark.parametrize("pack", [False, True])
+def test_bf16_decode_experts_read_half_the_bytes_and_prefill_keeps_fp32(pack):
+    """pack: the engine takes the model over and packs its experts (the decode copies too)."""
     model = tiny_model("qwen2_moe", seed=2)
     prompts = random_prompts([6, 10], seed=2)
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     fp32 = LLM(model, block_size=4)
-    half = LLM(model, block_size=4, decode_expert_dtype=torch.bfloat16)
+    half = LLM(model, block_size=4, decode_expert_dtype=torch.bfloat16, pack_weights=pack)
     a, b = fp32.generate(prompts, params), half.generate(prompts, params)
     assert [o.token_ids[0] for o in a] == [o.token_ids[0] for o in b]     # the prefill token: model weights
     for phase, ratio in (("prefill", 1.0), ("decode", 0.5)):
@@ -145,6 +147,10 @@ def test_bf16_decode_experts_read_half_the_bytes_and_prefill_keeps_fp32():
                for llm in (fp32, half)]
         assert per[1][0] == per[0][0] * ratio
     assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
+    from moetailor import kernels
+    held = half.runner.expert_weights[False]
+    assert all(kernels.is_packed(w) == (pack and half.runner.native_experts is not None) and w.dtype == torch.bfloat16
+               for pair in held.values() for w in pair)
 
 
 def test_grouped_experts_never_read_the_device_and_drop_sentinels(monkeypatch):

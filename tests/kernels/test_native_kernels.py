@@ -32,7 +32,7 @@ def reference_experts(x, gate_up, down, index, weight):
 def test_swiglu_experts_equal_torch(dtype, tokens, inter, packed):
     """inter 48: a down projection whose depth is not a multiple of 32 (the reference model's), where
     row-major bf16 weights take the 16-wide tile instead of the pairs of 32 (AVX-512). packed: the
-    same weights in 16-column panels (kernels.pack_expert_weights); 37 tokens give some expert more
+    same weights in 16-column panels (kernels.pack_weight); 37 tokens give some expert more
     than the panel tile's 8 rows."""
     torch.manual_seed(tokens)
     E, H, I, K = 12, 64, inter, 3
@@ -41,7 +41,7 @@ def test_swiglu_experts_equal_torch(dtype, tokens, inter, packed):
     weight, index = torch.softmax(torch.randn(tokens, E), -1).topk(K, -1)
     index[0, -1] = E                                              # a dropped route (the router's sentinel)
     read = torch.full((3,), -1)
-    held = [kernels.pack_expert_weights(w) for w in (gate_up, down)] if packed else [gate_up, down]
+    held = [kernels.pack_weight(w) for w in (gate_up, down)] if packed else [gate_up, down]
     out = kernels.swiglu_experts()(x, *held, index.contiguous(), weight.contiguous(), read, 1)
     expected = reference_experts(x, gate_up, down, index, weight)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
@@ -58,7 +58,7 @@ def test_swiglu_experts_do_not_depend_on_the_thread_count(dtype, packed):
     E, H, I, K, T = 16, 64, 32, 4, 29
     gate_up, down = (torch.randn(E, 2 * I, H) * 0.1).to(dtype), (torch.randn(E, H, I) * 0.1).to(dtype)
     if packed:
-        gate_up, down = kernels.pack_expert_weights(gate_up), kernels.pack_expert_weights(down)
+        gate_up, down = kernels.pack_weight(gate_up), kernels.pack_weight(down)
     x = torch.randn(T, H)
     weight, index = torch.softmax(3 * torch.randn(T, E), -1).topk(K, -1)   # skewed: uneven rows per expert
     args = (x, gate_up, down, index.contiguous(), weight.contiguous(), torch.zeros(1, dtype=torch.int64), 0)
@@ -80,20 +80,23 @@ def test_swiglu_experts_refuse_bad_shapes():
         kernels.swiglu_experts()(torch.randn(2, 64), gate_up, down, *args)
     gate_up, down = torch.randn(4, 64, 64), torch.randn(4, 64, 32)
     with pytest.raises(RuntimeError, match="both row-major or both packed"):
-        kernels.swiglu_experts()(torch.randn(2, 64), kernels.pack_expert_weights(gate_up), down, *args)
+        kernels.swiglu_experts()(torch.randn(2, 64), kernels.pack_weight(gate_up), down, *args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_expert_weights_are_a_permutation(dtype):
+def test_packed_weights_are_a_permutation(dtype):
     """One 64-byte load of a packed weight is 16 output columns at P depths (P = 2 for bf16)."""
     w = torch.randn(3, 32, 48).to(dtype)                                    # [E, cols, depth]
-    packed = kernels.pack_expert_weights(w)
+    packed = kernels.pack_weight(w)
     P = 2 if dtype == torch.bfloat16 else 1
     assert packed.shape == (3, 2, 48 // P, 16, P) and kernels.is_packed(packed) and not kernels.is_packed(w)
     assert torch.equal(packed[1, 1, 5, 3], w[1, 16 + 3, 5 * P:5 * P + P])   # expert 1, column 19, depths 5P..
-    assert torch.equal(kernels.unpack_expert_weights(packed), w)
+    assert torch.equal(kernels.unpack_weight(packed), w)
+    linear = kernels.pack_weight(w[0])                                      # a linear layer's [N, H]
+    assert linear.shape == (2, 48 // P, 16, P) and kernels.is_packed(linear) and not kernels.is_packed(w[0])
+    assert torch.equal(kernels.unpack_weight(linear), w[0])
     with pytest.raises(ValueError, match="multiples of 16"):
-        kernels.pack_expert_weights(torch.randn(2, 24, 32))
+        kernels.pack_weight(torch.randn(2, 24, 32))
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,dtype", [(4, 2, 64, torch.float32), (6, 6, 24, torch.float32),
@@ -298,3 +301,16 @@ def test_softmax_topk_equals_the_stock_softmax_router(rows, experts, k, normalis
 def test_softmax_topk_breaks_ties_toward_the_lower_expert():
     _, index = kernels.softmax_topk()(torch.zeros(1, 4), 2, False)        # every expert scores the same
     assert index.tolist() == [[0, 1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_rows_linear_on_packed_weights_equals_torch(dtype, rows):
+    """The packed layout (16-column panels) through the same op, any row count (prefill's too)."""
+    torch.manual_seed(rows)
+    w, bias = (torch.randn(96, 64) * 0.1).to(dtype), torch.randn(96)
+    x = torch.randn(rows, 64)
+    out = kernels.rows_linear()(x, kernels.pack_weight(w), bias)
+    torch.testing.assert_close(out, x @ w.float().T + bias, rtol=1e-4, atol=1e-4)
+    rounded = kernels.rows_linear()(x.to(dtype), kernels.pack_weight(w), None)     # bf16 rows: bf16 out
+    assert rounded.dtype == dtype

@@ -89,9 +89,9 @@ def measure_model(name: str, cfg: DecodeConfig, progress_desc: str = "decode", m
                 break
     pools = make_pools(model, cfg.keeps, cfg.pruned, cfg.top_ks) + [plan_pool(model, p) for p in cfg.plans]
     max_len = cfg.prompt_len + cfg.steps + 4
-    pack = kernels.packed_experts_pay()   # the models are handed over: transformers and pruning ran above
-    llm = make_llm(model, max(cfg.batches), max_len, pack_experts=pack)
-    pruned_llms = {id(p): make_llm(p.model, max(cfg.batches), max_len, pack_experts=pack)
+    pack = kernels.packed_weights_pay()   # the models are handed over: transformers and pruning ran above
+    llm = make_llm(model, max(cfg.batches), max_len, pack_weights=pack)
+    pruned_llms = {id(p): make_llm(p.model, max(cfg.batches), max_len, pack_weights=pack)
                    for p in pools if p.kind == "pruned"}
     out: list[Measured] = []
     bar = tqdm(total=len(cfg.batches) * len(pools), desc=f"{name}: {progress_desc}", unit="run")

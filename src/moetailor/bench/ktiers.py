@@ -99,7 +99,7 @@ def run_ktiers(model: str, mix_text: str, requests: int, prompt_len: int, max_to
     full_k = max(1, base.config.num_experts_per_tok)
     if max(k for k, _ in mix) > full_k:
         raise ValueError(f"--mix asks for k={max(k for k, _ in mix)} but the model routes {full_k} experts per token")
-    vocab = base.get_output_embeddings().weight.shape[0]
+    vocab = base.get_output_embeddings().out_features
     prompts, ks = workload(mix, requests, prompt_len, vocab)
     blocks = max_num_seqs * ((prompt_len + max_tokens) // 16 + 2)
 

@@ -47,16 +47,16 @@ def static_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in experts and id(p) != embed)
 
 
-def make_llm(model, max_batch: int, max_len: int, compile_decode: bool = False, pack_experts: bool | None = None):
-    """An engine for a benchmark on ``model``. ``pack_experts``: as ``LLM``'s; a bench that hands its
+def make_llm(model, max_batch: int, max_len: int, compile_decode: bool = False, pack_weights: bool | None = None):
+    """An engine for a benchmark on ``model``. ``pack_weights``: as ``LLM``'s; a bench that hands its
     model over (nothing needs its own layout afterwards: transformers' generate and pruning ran
-    before) passes ``kernels.packed_experts_pay()``, so it measures what ``moetailor serve`` runs."""
+    before) passes ``kernels.packed_weights_pay()``, so it measures what ``moetailor serve`` runs."""
     from ..engine import LLM
 
     blocks_per_seq = (max_len + 15) // 16 + 1
     return LLM(model, max_num_seqs=max_batch, max_num_batched_tokens=max(4096, max_batch * max_len),
                num_kv_blocks=max_batch * blocks_per_seq + 4, max_model_len=max_len + 16, compile_decode=compile_decode,
-               pack_experts=pack_experts)
+               pack_weights=pack_weights)
 
 
 def engine_decode(llm, batch: int, prompt_len: int, steps: int, expert_top_k: int | None = None,
@@ -102,7 +102,7 @@ def hf_decode(model, batch: int, prompt_len: int, steps: int, seed: int = 0) -> 
 
     ``model`` should be stock (no RoutingController), so this is what transformers alone delivers.
     """
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.get_output_embeddings().out_features
     ids = torch.tensor(prompts(batch, prompt_len, vocab, seed))                 # [B, L]
     clock = _StepClock()
     with torch.inference_mode():

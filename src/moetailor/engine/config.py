@@ -25,13 +25,14 @@ class EngineConfig:
     # decode steps run the compiled CPU kernels (moetailor/kernels: experts in one call per layer, paged
     # attention read in place) where they apply and build; the torch ops above otherwise
     native_kernels: bool = True
-    # the experts held packed for the native kernel (kernels.pack_expert_weights: 16-column panels, the
-    # layout its AVX-512 tile reads without transposing; 1.1-1.35x faster per layer at 8-64 rows on an
-    # Ice Lake Xeon), in place: same memory, and the model's experts then run only in the engine's
-    # native steps (its other paths refuse them with an error that says so). None = where that tile is
-    # compiled (kernels.packed_experts_pay) and the engine loaded the model itself; True = also a model
-    # passed in, which the engine then takes over; False = the model's layout.
-    pack_experts: bool | None = None
+    # weights held packed for the native kernels (kernels.pack_weight: 16-column panels, the layout
+    # their AVX-512 tile reads without transposing; the experts op 1.1-1.35x faster per layer at 8-64
+    # rows on an Ice Lake Xeon): the experts, and the bf16 linear layers whose rows all run the native op
+    # (no bf16 GEMM hardware), in place: same memory, and the model's experts then run only in the
+    # engine's native steps (its other paths refuse them with an error that says so). None = where
+    # that tile is compiled (kernels.packed_weights_pay) and the engine loaded the model itself;
+    # True = also a model passed in, which the engine then takes over; False = the model's layout.
+    pack_weights: bool | None = None
     # decode steps of a few sequences on a Qwen-MoE-style checkpoint run the engine's own forward
     # (engine/decode_forward.py: the same arithmetic without transformers' module calls); False =
     # transformers' modules for every step

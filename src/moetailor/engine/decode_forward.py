@@ -172,7 +172,7 @@ class LeanDecoder:
             moe_in = layer.router.weight.detach()
             if layer.shared_expert is not None:
                 mlp = layer.shared_expert
-                E, I = moe_in.shape[0], mlp.gate_proj.weight.shape[0]
+                E, I = moe_in.shape[0], mlp.gate_proj.out_features
                 moe_in = torch.cat([moe_in, mlp.gate_proj.weight, mlp.up_proj.weight, layer.shared_gate.weight]).detach()
                 shared, shared_gate = moe_in[E:E + 2 * I], moe_in[E + 2 * I:]   # row ranges: contiguous views
                 shared_down = mlp.down_proj.weight.detach()

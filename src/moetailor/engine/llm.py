@@ -63,7 +63,7 @@ class LLM:
                  k_schedule: str = "mixed", k_cost: StepCost | None = None,
                  decode_pools: PoolsByLoad | None = None, decode_expert_dtype: torch.dtype | None = None,
                  native_kernels: bool = True, compile_decode: bool = False, lean_decode: bool = True,
-                 pack_experts: bool | None = None):
+                 pack_weights: bool | None = None):
         from ..models.loading import load_model, load_tokenizer
         from .config import as_dtype
 
@@ -87,7 +87,7 @@ class LLM:
                                    device=str(device), experts_impl=experts_impl, k_schedule=k_schedule,
                                    decode_expert_dtype=decode_expert_dtype, native_kernels=native_kernels,
                                    compile_decode=compile_decode, lean_decode=lean_decode,
-                                   pack_experts=pack_experts)
+                                   pack_weights=pack_weights)
         self.runner = ModelRunner(self.model, self.config, owns_model)
         self.controller = self.runner.controller
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)
@@ -99,7 +99,7 @@ class LLM:
         self.set_plan(plan)
         self.decode_pools: PoolsByLoad | None = None
         self.set_decode_pools(decode_pools)
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = self.model.get_output_embeddings().out_features   # not weight.shape: it may be packed
         self.step_log: deque[StepRecord] = deque(maxlen=step_log_size)   # the most recent steps
         self.lock = threading.RLock()
         self.tokens_generated = 0

@@ -18,7 +18,7 @@ from ..routing import experts
 from ..routing.controller import RoutingController, native_router
 from .config import EngineConfig
 from .decode_forward import LeanDecoder
-from .native_layers import bf16_gemm_is_fast, install_native_linears, install_native_norms
+from .native_layers import bf16_gemm_is_fast, install_native_linears, install_native_norms, pack_linears
 from .sequence import Sequence
 
 DEFAULT_KV_CAP_BYTES = 512 * 2**20   # default pool cap when neither num_kv_blocks nor memory_budget is given
@@ -100,8 +100,8 @@ class ModelRunner:
     def _expert_weights(self, owns_model: bool) -> dict[bool, dict | None]:
         """Per phase (is_prefill), MoE layer -> the (gate_up, down) its steps' experts read instead of
         the module's (None = the module's for every layer): decode copies in ``decode_expert_dtype``,
-        and the experts packed for the native kernel (``EngineConfig.pack_experts``), in place, one
-        layer at a time, so memory does not grow."""
+        and the experts packed for the native kernel (``EngineConfig.pack_weights``), in place, one
+        layer at a time, so memory does not grow; with them the bf16 linear layers the op runs anyway."""
         from ..models.adapters import moe_layers
 
         c = self.config
@@ -109,13 +109,13 @@ class ModelRunner:
         already = any(kernels.is_packed(l.experts.gate_up_proj) for l in layers)   # by an earlier engine
 
         def row_major(w: torch.Tensor) -> torch.Tensor:
-            return kernels.unpack_expert_weights(w) if kernels.is_packed(w) else w.detach()
+            return kernels.unpack_weight(w) if kernels.is_packed(w) else w.detach()
 
         decode = None
         if c.decode_expert_dtype is not None and any(l.experts.gate_up_proj.dtype != c.decode_expert_dtype for l in layers):
             decode = {l.index: (row_major(l.experts.gate_up_proj).to(c.decode_expert_dtype),
                                 row_major(l.experts.down_proj).to(c.decode_expert_dtype)) for l in layers}
-        pack = already or (c.pack_experts if c.pack_experts is not None else owns_model and kernels.packed_experts_pay())
+        pack = already or (c.pack_weights if c.pack_weights is not None else owns_model and kernels.packed_weights_pay())
         if not pack or self.native_experts is None:
             return {True: None, False: decode}
         packed = {}
@@ -123,11 +123,13 @@ class ModelRunner:
             m = l.experts
             if m._moetailor_native:   # the module holds the packed weights from now on
                 if not kernels.is_packed(m.gate_up_proj):
-                    m.gate_up_proj, m.down_proj = (torch.nn.Parameter(kernels.pack_expert_weights(w.detach()),
+                    m.gate_up_proj, m.down_proj = (torch.nn.Parameter(kernels.pack_weight(w.detach()),
                                                                       requires_grad=False) for w in (m.gate_up_proj, m.down_proj))
                 packed[l.index] = (m.gate_up_proj, m.down_proj)
         if decode is not None:
-            decode = {i: tuple(map(kernels.pack_expert_weights, decode[i])) if i in packed else decode[i] for i in decode}
+            decode = {i: tuple(map(kernels.pack_weight, decode[i])) if i in packed else decode[i] for i in decode}
+        if self.native_linear is not None and not bf16_gemm_is_fast():
+            pack_linears(self.model, keep=tuple(l.router for l in self.controller.layers))   # rows all run the op anyway
         return {True: packed, False: packed if decode is None else decode}
 
     @property

@@ -62,6 +62,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel) -> torch
 
 class NativeLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.is_packed(self.weight):   # packed by an engine (``pack_linears``): only the op reads it
+            rows = x.numel() // x.shape[-1]
+            y = torch.ops.moetailor.rows_linear(x.reshape(rows, x.shape[-1]).to(self.weight.dtype).contiguous(),
+                                                self.weight, self.bias)   # [rows, N]; loaded: the engine packed it
+            return y.to(x.dtype).view(*x.shape[:-1], -1)
         return native_linear(x, self.weight, self.bias)
 
 
@@ -91,6 +96,27 @@ def install_native_linears(model) -> int:
             module.__class__ = NativeLinear
             swapped += 1
     return swapped
+
+
+def pack_linears(model, keep: tuple = ()) -> int:
+    """Pack, in place, the bf16 native linear layers that every row of a step already sends to the op
+    (torch's bf16 GEMM without bf16 hardware, ``bf16_gemm_is_fast``): the op's panel tile then reads
+    them (``kernels.pack_weight``), in decode steps and prefill steps alike (at prefill's rows it is
+    GEMM-shaped, where torch widens bf16 in software). A weight another module also holds (tied
+    embeddings) stays as it is, as do the modules in ``keep`` (routers: routing reads their weight).
+    Returns the number of layers packed."""
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders[p.data_ptr()] = holders.get(p.data_ptr(), 0) + 1
+    packed = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if type(module) is NativeLinear and all(module is not k for k in keep) and not kernels.is_packed(w) and \
+                w.dtype == torch.bfloat16 and w.is_contiguous() and w.shape[0] % 16 == 0 and holders[w.data_ptr()] == 1:
+            module.weight = torch.nn.Parameter(kernels.pack_weight(w.detach()), requires_grad=False)
+            packed += 1
+    return packed
 
 
 def install_native_norms(model) -> int:

@@ -90,7 +90,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("moetailor::rows_linear")
     def _(x, weight, bias=None):
-        return x.new_empty(x.shape[0], weight.shape[0])                     # [T, N] x's dtype (fp32 or bf16)
+        cols = weight.shape[0] * (16 if weight.dim() == 4 else 1)          # [N, H], or packed [N/16, H/P, 16, P]
+        return x.new_empty(x.shape[0], cols)                                # [T, N] x's dtype (fp32 or bf16)
 
     @torch.library.register_fake("moetailor::softmax_topk")
     def _(logits, k, normalise, allowed=None):
@@ -132,14 +133,15 @@ def swiglu_experts():
     """The op ``swiglu_experts(x [T, H] fp32, gate_up [E, 2I, H], down [E, H, I], index [T, K] int64,
     weight [T, K] fp32, experts_read [L] int64 (written), layer) -> out [T, H]``, or None: writes the
     number of distinct experts it read into ``experts_read[layer]``. The weights may also be both
-    packed (``pack_expert_weights``)."""
+    packed (``pack_weight``)."""
     ops = _module()
     return None if ops is None else ops.swiglu_experts
 
 
 def rows_linear():
-    """The op ``rows_linear(x [T, H] fp32, weight [N, H] fp32 or bf16, bias [N] fp32 = None) ->
-    x @ weight.T + bias [T, N]`` for a few rows (a decode step's linear layers and LM head), or None.
+    """The op ``rows_linear(x [T, H] fp32, weight [N, H] fp32 or bf16 (or packed: ``pack_weight``),
+    bias [N] fp32 = None) -> x @ weight.T + bias [T, N]`` for a few rows (a decode step's linear layers
+    and LM head; any rows on packed weights), or None.
     bf16 ``x`` (and bias) with bf16 weights gives bf16: the fp32 result rounded once, as torch's GEMM does."""
     ops = _module()
     return None if ops is None else ops.rows_linear
@@ -185,35 +187,40 @@ def rows_linear_pays() -> bool:
     return "avx512f" in flags or ("avx2" in flags and "fma" in flags)
 
 
-def packed_experts_pay() -> bool:
-    """Whether the engine holds its experts packed for ``swiglu_experts`` (``pack_expert_weights``):
-    where the kernels are compiled for AVX-512, whose panel tile is the one written for that layout (on
-    an Ice Lake Xeon, 2026-12-04: 1.03-1.51x the row-major tile on a 2048 x 2048 bf16 linear at 1-64
-    rows, ``scripts/packed_weights_probe.py``). Elsewhere a packed weight still computes, on a plain loop."""
+def packed_weights_pay() -> bool:
+    """Whether the engine holds its weights packed for the native kernels (``pack_weight``): where they
+    are compiled for AVX-512, whose panel tile is the one written for that layout (on an Ice Lake
+    Xeon, 2026-12-04: 1.03-1.51x the row-major tile on a 2048 x 2048 bf16 linear at 1-64 rows,
+    ``scripts/packed_weights_probe.py``). Elsewhere a packed weight still computes, on a plain loop."""
     return "avx512f" in _cpu_flags().split()
 
 
-def pack_expert_weights(weight: torch.Tensor) -> torch.Tensor:
-    """[E, cols, depth] -> the packed layout ``swiglu_experts`` also takes: [E, cols/16, depth/P, 16, P],
-    P = 1 for fp32 and 2 for bf16, so that one 64-byte load is 16 columns (output features) at P depths.
-    A permutation of the same values (``unpack_expert_weights`` inverts it); cols and depth must be
-    multiples of 16."""
-    E, cols, depth = weight.shape
+def _lanes(weight: torch.Tensor) -> int:
+    return 2 if weight.dtype == torch.bfloat16 else 1   # values of one 32-bit lane
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[..., cols, depth] (a linear layer's [N, H], experts' [E, cols, depth]) -> the packed layout the
+    native ops also take: [..., cols/16, depth/P, 16, P], P = 1 for fp32 and 2 for bf16, so that one
+    64-byte load is 16 columns (output features) at P depths. A permutation of the same values
+    (``unpack_weight`` inverts it); cols and depth must be multiples of 16."""
+    *lead, cols, depth = weight.shape
     if cols % 16 or depth % 16:
-        raise ValueError(f"packing needs expert weights whose sizes are multiples of 16; got {tuple(weight.shape)}")
-    P = 2 if weight.dtype == torch.bfloat16 else 1
-    return weight.reshape(E, cols // 16, 16, depth // P, P).transpose(2, 3).contiguous()
+        raise ValueError(f"packing needs weights whose sizes are multiples of 16; got {tuple(weight.shape)}")
+    P = _lanes(weight)
+    return weight.reshape(*lead, cols // 16, 16, depth // P, P).transpose(-3, -2).contiguous()
 
 
-def unpack_expert_weights(packed: torch.Tensor) -> torch.Tensor:
-    """The packed layout back to [E, cols, depth] (a copy)."""
-    E, panels, pairs, lanes, P = packed.shape
-    return packed.transpose(2, 3).reshape(E, panels * lanes, pairs * P)
+def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
+    """The packed layout back to [..., cols, depth] (a copy)."""
+    *lead, panels, pairs, lanes, P = packed.shape
+    return packed.transpose(-3, -2).reshape(*lead, panels * lanes, pairs * P)
 
 
 def is_packed(weight: torch.Tensor) -> bool:
-    """Whether an expert weight is in ``pack_expert_weights``' layout (5-D) rather than [E, cols, depth]."""
-    return weight.dim() == 5
+    """Whether a weight is in ``pack_weight``'s layout rather than [..., cols, depth] (whose depth, a
+    multiple of 16, is never the packed layout's last size, 1 or 2)."""
+    return weight.dim() >= 4 and weight.shape[-2] == 16 and weight.shape[-1] == _lanes(weight)
 
 
 def cpu_has_bf16_matmul() -> bool:

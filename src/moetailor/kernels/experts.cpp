@@ -194,10 +194,14 @@ void rows_times_weight(const float* const* a, int rows, const W* w, int cols, in
 // repack their weights for. The row-major tile above re-reads its activation rows for every 16 / RB
 // columns; this one for every 16 x CP. On an Ice Lake Xeon (2026-12-04, scripts/packed_weights_probe.py)
 // a 2048 x 2048 bf16 linear at 1-64 rows ran 1.03-1.51x the pair tile. The engine packs its experts
-// where this tile is compiled for AVX-512 (kernels.packed_experts_pay); the layout is in
-// kernels.pack_expert_weights.
+// where this tile is compiled for AVX-512 (kernels.packed_weights_pay); the layout is in
+// kernels.pack_weight.
 #if defined(__AVX512F__)
-
+// Each panel's stream is prefetched 16 lines ahead: a panel is contiguous across 4 KB pages, where
+// the hardware prefetcher stops, so without it a core's loads stall at every page while its FMAs
+// wait (2026-12-04, the experts op at OLMoE-1B-7B's shapes, alternating builds: 1.05-1.17x at
+// 1-64 tokens; 32 lines into L2 was no better).
+constexpr int kPrefetchLines = 16;
 template <int RB, int CP, typename W>
 inline void panel_tile(const float* const* a, const W* w, int64_t panel_stride, int depth, float* out, int ldo) {
   __m512 acc[RB][CP];
@@ -206,6 +210,8 @@ inline void panel_tile(const float* const* a, const W* w, int64_t panel_stride, 
   if constexpr (std::is_same_v<W, float>) {
     for (int d = 0; d < depth; ++d) {
       __m512 wv[CP];
+      for (int p = 0; p < CP; ++p)
+        _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (int64_t)(d + kPrefetchLines) * 16), _MM_HINT_T0);
       for (int p = 0; p < CP; ++p) wv[p] = _mm512_loadu_ps(w + p * panel_stride + (int64_t)d * 16);
       for (int r = 0; r < RB; ++r) {
         const __m512 b = _mm512_set1_ps(a[r][d]);
@@ -216,6 +222,8 @@ inline void panel_tile(const float* const* a, const W* w, int64_t panel_stride, 
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int d = 0; d < depth; d += 2) {
       __m512 even[CP], odd[CP];
+      for (int p = 0; p < CP; ++p)
+        _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (int64_t)(d + 2 * kPrefetchLines) * 16), _MM_HINT_T0);
       for (int p = 0; p < CP; ++p) {
         const __m512i both = _mm512_loadu_si512(w + p * panel_stride + (int64_t)d * 16);
         even[p] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
@@ -232,7 +240,7 @@ inline void panel_tile(const float* const* a, const W* w, int64_t panel_stride, 
 }
 #else
 
-// Without AVX-512 the engine does not pack (kernels.packed_experts_pay); this plain loop keeps a
+// Without AVX-512 the engine does not pack (kernels.packed_weights_pay); this plain loop keeps a
 // packed tensor computable, and the same on every processor, for tests and tools.
 template <int RB, int CP, typename W>
 inline void panel_tile(const float* const* a, const W* w, int64_t panel_stride, int depth, float* out, int ldo) {
@@ -382,12 +390,12 @@ void run_experts(const float* x, const W* gate_up, const W* down, bool packed, c
 namespace {
 
 // (experts, cols, depth) of an expert weight: row-major [E, cols, depth], or packed
-// [E, cols/16, depth/P, 16, P] (P = 1 fp32, 2 bf16; kernels.pack_expert_weights)
+// [E, cols/16, depth/P, 16, P] (P = 1 fp32, 2 bf16; kernels.pack_weight)
 std::tuple<int64_t, int64_t, int64_t> expert_dims(const torch::Tensor& w) {
   if (w.dim() == 3) return {w.size(0), w.size(1), w.size(2)};
   const int64_t P = w.scalar_type() == torch::kBFloat16 ? 2 : 1;
   TORCH_CHECK(w.dim() == 5 && w.size(3) == 16 && w.size(4) == P,
-              "expert weights: [E, cols, depth], or packed [E, cols/16, depth/P, 16, P] (kernels.pack_expert_weights)");
+              "expert weights: [E, cols, depth], or packed [E, cols/16, depth/P, 16, P] (kernels.pack_weight)");
   return {w.size(0), w.size(1) * 16, w.size(2) * P};
 }
 
@@ -430,8 +438,9 @@ torch::Tensor swiglu_experts(const torch::Tensor& x, const torch::Tensor& gate_u
   return out;
 }
 
-// x [T, H] fp32 (T small: a decode step's rows), weight [N, H] fp32 or bf16, bias [N] fp32 or none
-// -> x @ weight^T + bias [T, N] fp32; bf16 x (and bias) -> bf16 out, the fp32 result rounded once.
+// x [T, H] fp32 (T small: a decode step's rows; any T on packed weights), weight [N, H] fp32 or bf16
+// or packed [N/16, H/P, 16, P], bias [N] fp32 or none -> x @ weight^T + bias [T, N] fp32; bf16 x (and
+// bias) -> bf16 out, the fp32 result rounded once.
 // Why: at batch 1 the LM head ([1, H] x [H, V]) is the largest single read of a decode step, and the
 // library GEMM pays for packing at one row; here threads take column ranges and stream each weight
 // row once through the same register-blocked dot products the experts use.
@@ -442,9 +451,12 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& weight, c
     return rows_linear(x.to(torch::kFloat32), weight, b32).to(torch::kBFloat16);
   }
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 or bf16 [T, H]");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
-              "weight: contiguous [N, H] with x's H");
-  const int64_t rows = x.size(0), depth = x.size(1), cols = weight.size(0);
+  const bool packed = weight.dim() == 4;     // [N/16, H/P, 16, P] (kernels.pack_weight)
+  const int64_t lanes = weight.scalar_type() == torch::kBFloat16 ? 2 : 1;
+  TORCH_CHECK(weight.is_contiguous() && (packed ? weight.size(2) == 16 && weight.size(3) == lanes && weight.size(1) * lanes == x.size(1)
+                                                : weight.dim() == 2 && weight.size(1) == x.size(1)),
+              "weight: contiguous [N, H] with x's H, or packed [N/16, H/P, 16, P] (kernels.pack_weight)");
+  const int64_t rows = x.size(0), depth = x.size(1), cols = packed ? weight.size(0) * 16 : weight.size(0);
   TORCH_CHECK(depth % 16 == 0, "the hidden size must be a multiple of 16");
   const float* b = nullptr;
   if (bias.has_value()) {
@@ -454,8 +466,8 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& weight, c
   }
   auto out = torch::empty({rows, cols}, x.options());
   const float* xs = x.data_ptr<float>();
-  Floats x_pairs;                                             // x in the order a bf16 weight's tile reads
-  if (weight.scalar_type() == torch::kBFloat16 && pair_order<at::BFloat16>(depth)) {
+  Floats x_pairs;                                             // x in the order a bf16 weight's pair tile reads
+  if (!packed && weight.scalar_type() == torch::kBFloat16 && pair_order<at::BFloat16>(depth)) {
     x_pairs.resize(rows * depth);
     to_pair_order(xs, x_pairs.data(), rows * depth);
     xs = x_pairs.data();
@@ -463,14 +475,17 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& weight, c
   std::vector<const float*> a(rows);
   for (int64_t r = 0; r < rows; ++r) a[r] = xs + r * depth;
   float* o = out.data_ptr<float>();
+  // threads take ranges of 16-column tiles (packed: panels); either way columns j0.. start at w + j0 * depth
   at::parallel_for(0, (cols + 15) / 16, 8, [&](int64_t begin, int64_t end) {
     const int j0 = (int)(begin * 16), j1 = (int)std::min<int64_t>(end * 16, cols);
-    if (weight.scalar_type() == torch::kFloat32)
-      rows_times_weight(a.data(), (int)rows, weight.data_ptr<float>() + (int64_t)j0 * depth, j1 - j0, (int)depth,
-                        o + j0, (int)cols);
-    else
-      rows_times_weight(a.data(), (int)rows, weight.data_ptr<at::BFloat16>() + (int64_t)j0 * depth, j1 - j0,
-                        (int)depth, o + j0, (int)cols);
+    if (weight.scalar_type() == torch::kFloat32) {
+      const float* w = weight.data_ptr<float>() + (int64_t)j0 * depth;
+      (packed ? rows_times_packed<float> : rows_times_weight<float>)(a.data(), (int)rows, w, j1 - j0, (int)depth, o + j0, (int)cols);
+    } else {
+      const at::BFloat16* w = weight.data_ptr<at::BFloat16>() + (int64_t)j0 * depth;
+      (packed ? rows_times_packed<at::BFloat16> : rows_times_weight<at::BFloat16>)(a.data(), (int)rows, w, j1 - j0, (int)depth,
+                                                                                   o + j0, (int)cols);
+    }
     if (b != nullptr)   // the bias after the sum, as torch's linear adds it: one rounding each
       for (int64_t r = 0; r < rows; ++r)
         for (int j = j0; j < j1; ++j) o[r * cols + j] += b[j];

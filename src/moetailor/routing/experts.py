@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..models.step import Step, current
 
 IMPLEMENTATION = "moetailor"
@@ -123,7 +124,7 @@ def native_layout(experts_module) -> bool:
     gu, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
     if not isinstance(gu, torch.Tensor) or not isinstance(down, torch.Tensor):
         return False
-    if gu.dim() == 5 and down.dim() == 5:   # packed (kernels.pack_expert_weights): an engine checked it before
+    if kernels.is_packed(gu) and kernels.is_packed(down):   # packed by an engine, which checked it before
         return True
     if gu.dim() != 3 or down.dim() != 3:
         return False
@@ -143,11 +144,11 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     mode = step.experts if step is not None else "loop"
     if mode == "native" and getattr(self, "_moetailor_native", False) and step.experts_read is not None:
         return native_experts_forward(self, hidden_states, top_k_index, top_k_weights, step)
-    if getattr(self, "gate_up_proj", None) is not None and self.gate_up_proj.dim() != 3:
+    if getattr(self, "gate_up_proj", None) is not None and kernels.is_packed(self.gate_up_proj):
         raise RuntimeError(
             "this experts module holds its weights packed for moetailor's native kernel (an engine that loaded "
-            "the model packed it: EngineConfig.pack_experts), and only that kernel's steps can run it; "
-            "build the engine with pack_experts=False, or load the model again, to run it on another path")
+            "the model packed it: EngineConfig.pack_weights), and only that kernel's steps can run it; "
+            "build the engine with pack_weights=False, or load the model again, to run it on another path")
     grouped = mode != "loop" and getattr(self, "has_gate", True) and not (
         getattr(self, "has_bias", False) or getattr(self, "is_transposed", False))   # layouts grouped_mm skips
     forward = grouped_experts_forward if grouped else loop_experts_forward

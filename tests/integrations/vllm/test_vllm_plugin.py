@@ -27,7 +27,7 @@ def phase_aware_vllm(request, quarter_plan):
             assert llm.collective_rpc("moetailor_experts_kernel_layers") == [6], "every MoE layer on moetailor's kernel"
             from moetailor import kernels    # its experts packed as the engine holds them, where that pays
             assert llm.collective_rpc("moetailor_experts_kernel_layers", args=(True,)) == \
-                [6 if kernels.packed_experts_pay() else 0]
+                [6 if kernels.packed_weights_pay() else 0]
         yield llm
 
 

@@ -17,8 +17,8 @@ inherit them) are wrapped, for the layers of an engine that asked:
 
 * ``process_weights_after_loading`` keeps the checkpoint layout (w13 [E, 2I, H] = gate then up,
   w2 [E, H, I], contiguous) instead of padding and prepacking it for vLLM's kernel, or, where the
-  kernel has its AVX-512 panel tile (``kernels.packed_experts_pay``), packs it into that tile's
-  16-column panels as moetailor's engine holds its experts (``kernels.pack_expert_weights``);
+  kernel has its AVX-512 panel tile (``kernels.packed_weights_pay``), packs it into that tile's
+  16-column panels as moetailor's engine holds its experts (``kernels.pack_weight``);
 * ``moe_problem_size`` reads the sizes from the layer's config when the weights are packed (vLLM's
   default unpacks them from 3-D weights, as vLLM's own CPU int4/int8 experts also avoid);
 * ``apply`` calls ``swiglu_experts`` on those weights (hidden states in fp32, one rounding back to
@@ -116,9 +116,9 @@ def _wrap_process(process):
                              f"{why}; drop the key to use vLLM's kernel")
         from vllm.model_executor.utils import replace_parameter
 
-        from ...kernels import pack_expert_weights, packed_experts_pay
+        from ...kernels import pack_weight, packed_weights_pay
 
-        hold = pack_expert_weights if packed_experts_pay() else torch.Tensor.contiguous
+        hold = pack_weight if packed_weights_pay() else torch.Tensor.contiguous
         replace_parameter(layer, "w13_weight", hold(layer.w13_weight.data))
         replace_parameter(layer, "w2_weight", hold(layer.w2_weight.data))
         self._moetailor_kernel = True
