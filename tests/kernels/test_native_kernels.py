@@ -84,6 +84,20 @@ def test_swiglu_experts_refuse_bad_shapes():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_deep_enough_for_narrow_column_groups(dtype):
+    """fp32 panels deeper than 1024 take 6-panel column groups (12 would not stay in L2) and 3 panels a
+    tile at every row count; 20 tokens on both of 2 experts: row blocks of 8, 8 and 4 on a 10-panel gate_up."""
+    torch.manual_seed(1)
+    E, H, I, K, T = 2, 1088, 80, 2, 20
+    gate_up, down = (torch.randn(E, 2 * I, H) * 0.05).to(dtype), (torch.randn(E, H, I) * 0.05).to(dtype)
+    x = torch.randn(T, H)
+    weight, index = torch.softmax(torch.randn(T, E), -1).topk(K, -1)
+    out = kernels.swiglu_experts()(x, kernels.pack_weight(gate_up), kernels.pack_weight(down), index.contiguous(),
+                                   weight.contiguous(), torch.full((1,), -1), 0)
+    torch.testing.assert_close(out, reference_experts(x, gate_up, down, index, weight), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_weights_are_a_permutation(dtype):
     """One 64-byte load of a packed weight is 16 output columns at P depths (P = 2 for bf16)."""
     w = torch.randn(3, 32, 48).to(dtype)                                    # [E, cols, depth]

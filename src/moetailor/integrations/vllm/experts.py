@@ -35,6 +35,8 @@ import functools
 
 import torch
 
+from ...kernels import is_packed
+
 KEY = "moetailor_experts_kernel"          # additional_config key
 _loading: list[bool] = []                 # set while a runner that asked loads its model (one process may hold several)
 
@@ -142,7 +144,7 @@ def _wrap_apply(apply):
 def _wrap_problem_size(problem_size):
     @functools.wraps(problem_size)
     def wrapped(self, a1, w1, w2, topk_ids):
-        if not getattr(self, "_moetailor_kernel", False) or w1.dim() == 3:
+        if not getattr(self, "_moetailor_kernel", False) or not is_packed(w1):
             return problem_size(self, a1, w1, w2, topk_ids)
         cfg = self.moe_config                         # packed weights: (E, M, N = 2I, K = H, top-k) from the config
         return (w1.shape[0], a1.size(0) if a1.dim() == 2 else a1.size(1),

@@ -169,11 +169,12 @@ def experts_kernel_layers(worker, packed: bool | None = None) -> int:
     """``LLM.collective_rpc("moetailor_experts_kernel_layers")``: how many MoE layers run on moetailor's
     experts kernel (``experts.py``); ``args=(True,)`` / ``(False,)``: only those whose weights it holds
     packed / row-major."""
+    from ...kernels import is_packed
     from .experts import uses_moetailor_kernel
     from .routing import moe_runners
 
     runner = getattr(worker, "model_runner", worker)
-    return sum(uses_moetailor_kernel(r) and (packed is None or (r.routed_experts.w13_weight.dim() == 5) == packed)
+    return sum(uses_moetailor_kernel(r) and (packed is None or is_packed(r.routed_experts.w13_weight) == packed)
                for r in moe_runners(runner.get_model()))
 
 
