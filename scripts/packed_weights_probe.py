@@ -1,14 +1,16 @@
-"""A probe for the next experts-kernel layout: bf16 weights packed in 16-column panels, activations broadcast.
+"""A probe of the experts-kernel layout: bf16 weights packed in 16-column panels, activations broadcast.
 
     flock /tmp/moetailor-heavy.lock .venv/bin/python scripts/packed_weights_probe.py
 
-Not used by the engine. Times one [2048 x 2048] bf16 linear at 1-64 rows two ways, side by side: the
+Times one [2048 x 2048] bf16 linear at 1-64 rows two ways, side by side: the
 engine's op (`kernels.rows_linear`: each weight row a dot product against each activation row, the
 pair tile of `experts.cpp`) and a microkernel on the same weights repacked as [cols/16][depth/2][16][2]
 (one 64-byte load = 16 columns x 2 depths, widened by a shift and an and; each activation value
 broadcast; 8 rows x 3 panels of accumulators, no horizontal sums), as torch's and llama.cpp's GEMMs
 repack. "hot": one weight (8 MB, in L3); "cold": 16 copies in turn (128 MB). AVX-512 only. What it
-measures is the case for holding experts packed (docs/benchmarks.md, 2026-12-04).
+measured was the case for holding experts packed (docs/benchmarks.md, 2026-12-04); the engine has held
+them so since (``kernels.pack_weight``, the panel tile in ``kernels/experts.cpp``), and this stays as the
+microkernel's own yardstick.
 """
 from __future__ import annotations
 

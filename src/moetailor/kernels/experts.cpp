@@ -239,7 +239,6 @@ inline void panel_tile(const float* const* a, const W* w, int64_t panel_stride, 
     for (int p = 0; p < CP; ++p) _mm512_storeu_ps(out + (int64_t)r * ldo + p * 16, acc[r][p]);
 }
 #else
-
 // Without AVX-512 the engine does not pack (kernels.packed_weights_pay); this plain loop keeps a
 // packed tensor computable, and the same on every processor, for tests and tools.
 template <int RB, int CP, typename W>
