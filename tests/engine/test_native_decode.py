@@ -34,8 +34,9 @@ def test_native_decode_equals_torch_decode(one_thread, lengths):
 
 def test_packed_experts_decode_the_same_tokens_as_the_model_layout(one_thread):
     """pack_weights: the engine packs its experts in place, by default only a model it loaded itself
-    (a given one with pack_weights=True); the module then holds the packed weights and its other paths
-    refuse them clearly. Same tokens and traffic as the model's own layout."""
+    (a given one with pack_weights=True); the module then holds the packed weights, which the kernel
+    also runs outside the engine's steps (``llm.model(ids)``). Same tokens and traffic as the model's
+    own layout."""
     import torch
 
     from moetailor.models.adapters import moe_layers
@@ -48,14 +49,17 @@ def test_packed_experts_decode_the_same_tokens_as_the_model_layout(one_thread):
         outs = llm.generate(prompts, params)
         return [o.token_ids for o in outs], [(r.phase, r.expert_bytes) for r in llm.step_log]
 
-    expected = run(LLM("reference", max_num_seqs=8, pack_weights=False))
+    row_major = LLM("reference", max_num_seqs=8, pack_weights=False)
+    expected = run(row_major)
     owned = LLM("reference", max_num_seqs=8, pack_weights=True)
     layer = moe_layers(owned.model)[0]
     assert kernels.is_packed(layer.experts.gate_up_proj) and kernels.is_packed(layer.experts.down_proj)
     assert owned.runner.expert_weights[False][layer.index][0] is layer.experts.gate_up_proj
     assert run(owned) == expected
-    with pytest.raises(RuntimeError, match="packed for moetailor's native kernel"):
-        owned.model(input_ids=torch.tensor([[1, 2, 3]]))
+    ids = torch.tensor([prompts[1]])
+    with torch.inference_mode():                                                # the model, called outside a step
+        got, want = owned.model(input_ids=ids).logits, row_major.model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
     model = load_model("reference")
     LLM(model, max_num_seqs=8)                                                  # given: left as it is by default

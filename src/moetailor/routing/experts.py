@@ -11,7 +11,8 @@ routing controller) and it takes its path from the forward's step (``models.step
   weights are not read) and nothing waits on the host: per-expert counts and offsets stay on the
   device, dropped routes sort last and are masked out;
 - otherwise (analysis and evaluation passes, ``experts_impl="loop"``, no step): a Python loop over
-  the routed experts (``loop_experts_forward``), which runs any expert layout.
+  the routed experts (``loop_experts_forward``), which runs any expert layout but the one packed
+  for the native kernel; a module an engine packed runs on that kernel on every path.
 
 All share one contract: sentinel routes (index E, from ``route``) cost nothing, and inside a step
 each call writes how many distinct experts it read into the step's ``experts_read`` (a device
@@ -116,6 +117,25 @@ def native_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     return out.to(hidden_states.dtype)
 
 
+def packed_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor, step: Step | None) -> torch.Tensor:
+    """An experts module an engine packed for the native kernel (``EngineConfig.pack_weights``), run
+    outside the engine's steps (``llm.model(ids)``, an evaluation pass): only that kernel reads the
+    layout, so it runs here too, and the engine's model stays a model a user can call."""
+    kernel = kernels.swiglu_experts()
+    if kernel is None:
+        raise RuntimeError("this experts module holds its weights packed for moetailor's native kernel, which "
+                           "did not build here (moetailor.kernels); load the model again, or build the engine "
+                           "with pack_weights=False")
+    if step is not None and step.experts_read is not None:                  # a step counts what it reads
+        read, layer = step.experts_read, getattr(self, "_moetailor_layer", -1)
+    else:
+        read, layer = torch.zeros(1, dtype=torch.long), 0
+    out = kernel(hidden_states.float().contiguous(), self.gate_up_proj, self.down_proj,  # [T, H]
+                 top_k_index.long().contiguous(), top_k_weights.float().contiguous(), read, layer)
+    return out.to(hidden_states.dtype)
+
+
 def native_layout(experts_module) -> bool:
     """Whether the native kernel runs this experts module: SwiGLU with a gate, no biases, the fused
     [E, 2I, H] / [E, H, I] layout (or those packed for the kernel by an engine), fp32 or bf16, and
@@ -145,10 +165,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     if mode == "native" and getattr(self, "_moetailor_native", False) and step.experts_read is not None:
         return native_experts_forward(self, hidden_states, top_k_index, top_k_weights, step)
     if getattr(self, "gate_up_proj", None) is not None and kernels.is_packed(self.gate_up_proj):
-        raise RuntimeError(
-            "this experts module holds its weights packed for moetailor's native kernel (an engine that loaded "
-            "the model packed it: EngineConfig.pack_weights), and only that kernel's steps can run it; "
-            "build the engine with pack_weights=False, or load the model again, to run it on another path")
+        return packed_experts_forward(self, hidden_states, top_k_index, top_k_weights, step)
     grouped = mode != "loop" and getattr(self, "has_gate", True) and not (
         getattr(self, "has_bias", False) or getattr(self, "is_transposed", False))   # layouts grouped_mm skips
     forward = grouped_experts_forward if grouped else loop_experts_forward
