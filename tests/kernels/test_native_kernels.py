@@ -328,3 +328,16 @@ def test_rows_linear_on_packed_weights_equals_torch(dtype, rows):
     torch.testing.assert_close(out, x @ w.float().T + bias, rtol=1e-4, atol=1e-4)
     rounded = kernels.rows_linear()(x.to(dtype), kernels.pack_weight(w), None)     # bf16 rows: bf16 out
     assert rounded.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_tiles_of_every_row_count(dtype):
+    """Each row count up to 8 has its own tile shape (8 rows x 3 panels ... 1 x 6) and more rows go by
+    blocks of 8: every count from 1 to 35 against torch, on 7 panels (tiles and leftover panels)."""
+    torch.manual_seed(7)
+    w = (torch.randn(112, 96) * 0.1).to(dtype)
+    packed = kernels.pack_weight(w)
+    for rows in range(1, 36):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(kernels.rows_linear()(x, packed, None), x @ w.float().T, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{rows} rows: {m}")
