@@ -42,6 +42,7 @@ if [ -x .venv-vllm/bin/moetailor ]; then
   run bench_vllm .venv-vllm/bin/moetailor bench vllm --model synthetic --dtype bfloat16 \
       --only stock,masked-50-eager,disaggregated --batches 8,32 --repeats 2 --out "$out/vllm" --overwrite
   run bench_vllm_k .venv-vllm/bin/moetailor bench vllm-k --model synthetic --dtype float32 --experts-kernel \
-      --requests 16,32 --max-num-seqs 8 --new-tokens 32 --out "$out/vllm-k" --overwrite
+      --requests 32,64 --max-num-seqs 16 --budgets 2,16 --new-tokens 32 --schedule tiers --slo 4 \
+      --out "$out/vllm-k" --overwrite
 fi
 echo "done $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/index.txt"

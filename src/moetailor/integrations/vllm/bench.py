@@ -5,7 +5,9 @@ Rows: stock (plugin off: ``VLLM_PLUGINS=""``); the plugin at full k (the same ba
 per-request ``expert_top_k=4`` and a mixed-budget batch; masked decode pools of 50% and 25% (and the
 50% pool in eager mode, the mode of the pair's decode instance); a folding decode pool (ExFold, 50%,
 tables calibrated once on the model); dynamic skipping (NAEE threshold); the disaggregated pair
-(pruned 50% decode instance).
+(pruned 50% decode instance); and on moetailor's experts kernel (``--only experts-kernel``,
+``disaggregated-kernel``) the same budgets, pools and pair, so that colocated and disaggregated
+can be compared on one kernel.
 
 How it is timed: one process holds every engine the rows need (stock, the plugin, the plugin eager,
 the pair's two instances), and each round times every row once, in turn, so that drift of the
@@ -40,7 +42,8 @@ PROCESSES = {"stock": ("stock",), "budgets": ("full k", "k=4", "mixed k"), "mask
              "masked-50-eager": ("masked 50% eager",), "masked-25": ("masked 25%",), "fold-50": ("fold 50%",),
              "skip": ("skip",), "disaggregated": ("pair",),
              "experts-kernel": ("full k, mt kernel", "k=4, mt kernel", "mixed k, mt kernel", "masked 50%, mt kernel",
-                                "masked 25%, mt kernel", "skip, mt kernel")}
+                                "masked 25%, mt kernel", "skip, mt kernel"),
+             "disaggregated-kernel": ("pair, mt kernel",)}
 IDLE_S = 1.5                    # an idle vLLM worker busy-polls for 1 s after its last step
 MIXED_K = (2, 4, 6, 8)          # the mixed batch's budgets, request i gets MIXED_K[i % 4] (capped at the model's k)
 SKIP_BETA = 0.5
@@ -234,7 +237,7 @@ def _distinct(llm) -> float:
 @dataclass(frozen=True)
 class Row:
     name: str
-    engine: str                          # "stock" | "plugin" | "eager" | "kernel" | "pair"
+    engine: str                          # "stock" | "plugin" | "eager" | "kernel" | "pair" | "pair-kernel"
     plan: str | None = None              # decode plan the plugin engine switches to for this row
     budgets: tuple[int, ...] | None = None
 
@@ -255,7 +258,10 @@ def rows_of(groups: list[str], plans: dict[str, str], model_k: int) -> list[Row]
                                 Row("mixed k, mt kernel", "kernel", budgets=mixed),
                                 Row("masked 50%, mt kernel", "kernel", plans["masked-50"]),
                                 Row("masked 25%, mt kernel", "kernel", plans["masked-25"]),
-                                Row("skip, mt kernel", "kernel", plans["skip"])]}
+                                Row("skip, mt kernel", "kernel", plans["skip"])],
+             # the pair with both instances on moetailor's experts kernel: against "masked 50%, mt kernel",
+             # colocated and disaggregated on the same kernel
+             "disaggregated-kernel": [Row("pair, mt kernel", "pair-kernel")]}
     return [row for group in groups for row in every[group]]
 
 
@@ -344,16 +350,17 @@ def start_engines(spec: dict, rows: list[Row]) -> dict:
             llm = LLM(**kwargs)
             engines[name] = (llm, (llm,))
             log_binding(name)
-    if "pair" in needed:
-        storage = tempfile.mkdtemp(prefix="moetailor-kv-", dir=spec["out"])
-        pk, dk = pair_kwargs(spec["model"], spec["pruned"], storage, **common)
-        dk.setdefault("additional_config", {})[RECORD_KEY] = True
-        prefill = LLM(**pk)
-        log_binding("pair prefill")
-        decode = LLM(**dk)
-        log_binding("pair decode")
-        engines["pair"] = (decode, (prefill, decode))
-        engines["pair-prefill"] = (prefill, ())
+    for name in ("pair", "pair-kernel"):
+        if name in needed:
+            storage = tempfile.mkdtemp(prefix="moetailor-kv-", dir=spec["out"])
+            pk, dk = pair_kwargs(spec["model"], spec["pruned"], storage, experts_kernel=name == "pair-kernel", **common)
+            dk.setdefault("additional_config", {})[RECORD_KEY] = True
+            prefill = LLM(**pk)
+            log_binding(f"{name} prefill")
+            decode = LLM(**dk)
+            log_binding(f"{name} decode")
+            engines[name] = (decode, (prefill, decode))
+            engines[f"{name}-prefill"] = (prefill, ())
     if "stock" in needed:
         before = os.environ.get("VLLM_PLUGINS")
         os.environ["VLLM_PLUGINS"] = ""   # the unmodified engine: its worker process loads no plugin
@@ -399,8 +406,8 @@ def worker(spec: dict) -> dict:
 
         def params(n):
             return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, extra_args=e) for e in extra]
-        if row.engine == "pair":
-            prefill = engines["pair-prefill"][0]
+        if row.engine in ("pair", "pair-kernel"):
+            prefill = engines[f"{row.engine}-prefill"][0]
 
             # the decode instance frees a prompt's stored KV when its request ends: prefill twice
             def handoff(max_tokens):
