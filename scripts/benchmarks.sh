@@ -35,12 +35,13 @@ if [ -x .venv-llamacpp/bin/python ]; then
 fi
 run olmoe4_floor $py scripts/scale.py decode-one --kind full --model build/olmoe4 --pruned build/olmoe4 \
     --batches 1 8 32 --out "$out/olmoe4-decode.json"
-# vLLM's CPU build (docs/vllm.md), when its environment exists (make setup-vllm): stock, the colocated masked
-# 50% pool and the pair's pruned decode instance, every instance's worker bound to the same CPUs
+# vLLM's CPU build (docs/vllm.md), when its environment exists (make setup-vllm): stock, every technique and
+# the pair's pruned decode instance on moetailor's experts kernel, every instance's worker bound to the same CPUs
 # (the method of "Colocated vs the pair"); then FIFO against the k-aware scheduler on a split checkpoint
 if [ -x .venv-vllm/bin/moetailor ]; then
-  run bench_vllm .venv-vllm/bin/moetailor bench vllm --model synthetic --dtype bfloat16 \
-      --only stock,masked-50-eager,disaggregated --batches 8,32 --repeats 2 --out "$out/vllm" --overwrite
+  run bench_vllm .venv-vllm/bin/moetailor bench vllm --model synthetic --dtype float32 \
+      --only stock,experts-kernel,disaggregated-kernel --batches 8,32 --new-tokens 32 --repeats 2 \
+      --out "$out/vllm" --overwrite
   run bench_vllm_k .venv-vllm/bin/moetailor bench vllm-k --model synthetic --dtype float32 --experts-kernel \
       --requests 32,64 --max-num-seqs 16 --budgets 2,16 --new-tokens 32 --schedule tiers --slo 4 \
       --out "$out/vllm-k" --overwrite
