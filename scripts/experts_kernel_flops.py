@@ -38,6 +38,17 @@ def best_each(fns: dict, rounds: int = 5) -> dict:
     return best
 
 
+def routes(tokens: int, experts: int, k: int, pool: int | None, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, weight) [T, K] of T tokens: uniformly over the first `pool` experts, else a skewed
+    softmax over all of them."""
+    if pool:
+        index = torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(tokens)])
+        weight = torch.rand(tokens, k, generator=g)
+    else:
+        weight, index = torch.softmax(2 * torch.randn(tokens, experts, generator=g), -1).topk(k, -1)
+    return index.contiguous(), weight.contiguous()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -70,12 +81,7 @@ def main() -> None:
 
     for T in args.tokens:
         x = torch.randn(T, H, generator=g)
-        if args.pool:
-            index = torch.stack([torch.randperm(args.pool, generator=g)[:K] for _ in range(T)])
-            weight = torch.rand(T, K, generator=g)
-        else:
-            weight, index = torch.softmax(2 * torch.randn(T, E, generator=g), -1).topk(K, -1)
-        index, weight = index.contiguous(), weight.contiguous()
+        index, weight = routes(T, E, K, args.pool, g)
 
         def step(weights) -> None:
             for layer, (gate_up, down) in enumerate(weights):

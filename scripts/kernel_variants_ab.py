@@ -5,7 +5,8 @@
 
 Each variant is NAME[@DIR]=FLAGS: the kernel sources in DIR (default: this tree's
 ``src/moetailor/kernels``; e.g. ``git worktree add /tmp/old <commit>`` then ``@/tmp/old/src/moetailor/kernels``)
-compiled with extra compiler FLAGS (comma-separated), each under its own op namespace (``mt_NAME``) so
+compiled with extra compiler FLAGS (comma-separated; e.g. the switches of the patches in
+``docs/bench/2026-12-04-s19/``), each under its own op namespace (``mt_NAME``) so
 that all load into one process. Why one process: separate processes one after the other on this
 2-core machine drift by more than the differences being measured. Every variant's output is checked
 against the first's; rounds alternate the order. Per T: best and median ms per layer, and the floor
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
+from experts_kernel_flops import routes   # scripts/, next to this file
 from moetailor import kernels
 from moetailor.bench.bandwidth import read_bandwidth
 
@@ -66,12 +68,7 @@ def main() -> None:
     read = torch.zeros(args.layers, dtype=torch.int64)
     for T in args.tokens:
         x = torch.randn(T, H, generator=g)
-        if args.pool:
-            index = torch.stack([torch.randperm(args.pool, generator=g)[:K] for _ in range(T)])
-            weight = torch.rand(T, K, generator=g)
-        else:
-            weight, index = torch.softmax(2 * torch.randn(T, E, generator=g), -1).topk(K, -1)
-        index, weight = index.contiguous(), weight.contiguous()
+        index, weight = routes(T, E, K, args.pool, g)
         first = None
         for op in ops.values():                                              # same answer from every variant
             out = op(x, *layers[0], index, weight, read, 0)
