@@ -105,8 +105,9 @@ def route(logits: torch.Tensor, sem: RouterSemantics, cp: CompiledPolicy, bias: 
     the native selection op for ``select`` (engine decode steps)."""
     p, E = cp.policy, sem.num_experts
     k = p.top_k or sem.top_k
-    if token_top_k is not None and token_top_k.numel() and (k_max is not None or not graph_safe):  # budgets: the batch's largest k,
-        k = min(k, k_max if k_max is not None else int(token_top_k.max()))  # then trim each row
+    if token_top_k is not None and (k_max is not None or not graph_safe):  # budgets: route at the batch's largest k,
+        largest = k_max if k_max is not None else int(token_top_k.max()) if token_top_k.numel() else k
+        k = min(k, largest)                                                 # then trim each row
     allowed = cp.keep_mask if p.pool_mode == "mask" else None
     weights, index = select(logits, sem, k, allowed, bias, select_kernel)  # [T, k]
 
