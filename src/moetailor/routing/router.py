@@ -187,8 +187,9 @@ def _pool_routes(weights, index, importance, pool_size: int, fold: FoldTables | 
     """The routes of ``_batch_pool`` once the step's experts outnumber the pool."""
     valid = index < E
     pool = importance.topk(pool_size).indices                               # [D]
-    in_pool = torch.zeros(E + 1, dtype=torch.bool, device=weights.device)
-    in_pool[pool] = True
+    # index_fill_, not `in_pool[pool] = True`: the latter copies a host scalar, which a CUDA graph
+    # capture refuses (vLLM captures the routing op on a GPU; tests/cuda)
+    in_pool = torch.zeros(E + 1, dtype=torch.bool, device=weights.device).index_fill_(0, pool, True)
     outside = valid & ~in_pool[index]
     if not (do_fold and fold is not None):
         return _drop(weights, index, outside, E, renormalise=False)
