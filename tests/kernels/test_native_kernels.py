@@ -13,15 +13,24 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c+
                                 reason="no C++ compiler: the engine runs on torch's kernels")
 
 
-def reference_experts(x, gate_up, down, index, weight):
+def rows_in(weight: torch.Tensor, packed: bool) -> "callable":
+    """What the kernel multiplies a weight's rows by: on a processor with the bf16 dot product, packed
+    bf16 weights meet rows rounded to bf16 (``kernels.experts_round_to_bf16``), else the rows as given."""
+    if packed and weight.dtype == torch.bfloat16 and kernels.experts_round_to_bf16():
+        return lambda rows: rows.to(torch.bfloat16).float()
+    return lambda rows: rows
+
+
+def reference_experts(x, gate_up, down, index, weight, packed=False):
     """Token by token: sum over live routes of weight * down(silu(gate) * up)."""
     E, I = gate_up.shape[0], down.shape[2]
+    rows = rows_in(gate_up, packed)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for e, w in zip(index[t].tolist(), weight[t].tolist()):
             if 0 <= e < E:
-                h = gate_up[e].float() @ x[t]                      # [2I]
-                out[t] += w * (down[e].float() @ (F.silu(h[:I]) * h[I:]))
+                h = gate_up[e].float() @ rows(x[t])                # [2I]
+                out[t] += w * (down[e].float() @ rows(F.silu(h[:I]) * h[I:]))
     return out
 
 
@@ -43,7 +52,7 @@ def test_swiglu_experts_equal_torch(dtype, tokens, inter, packed):
     read = torch.full((3,), -1)
     held = [kernels.pack_weight(w) for w in (gate_up, down)] if packed else [gate_up, down]
     out = kernels.swiglu_experts()(x, *held, index.contiguous(), weight.contiguous(), read, 1)
-    expected = reference_experts(x, gate_up, down, index, weight)
+    expected = reference_experts(x, gate_up, down, index, weight, packed)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     live = index[(index >= 0) & (index < E)]
     assert read.tolist() == [-1, live.unique().numel(), -1]          # the count goes to its layer's entry
@@ -94,7 +103,21 @@ def test_packed_experts_deep_enough_for_narrow_column_groups(dtype):
     weight, index = torch.softmax(torch.randn(T, E), -1).topk(K, -1)
     out = kernels.swiglu_experts()(x, kernels.pack_weight(gate_up), kernels.pack_weight(down), index.contiguous(),
                                    weight.contiguous(), torch.full((1,), -1), 0)
-    torch.testing.assert_close(out, reference_experts(x, gate_up, down, index, weight), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, reference_experts(x, gate_up, down, index, weight, packed=True), rtol=1e-4, atol=1e-4)
+
+
+def test_packed_bf16_weights_meet_rows_rounded_to_bf16_where_the_processor_has_the_dot_product():
+    """With AVX512-BF16 the packed bf16 tile rounds its rows to bf16 (vdpbf16ps), elsewhere it widens the
+    weights and keeps the rows fp32: the op's answer must be the one the kernel computes, so the result
+    equals that form's reference to fp32 rounding and differs from the other form's."""
+    torch.manual_seed(3)
+    w, x = (torch.randn(64, 256) * 0.1).to(torch.bfloat16), torch.randn(5, 256)
+    out = kernels.rows_linear()(x, kernels.pack_weight(w), None)
+    exact, rounded = x @ w.float().T, x.to(torch.bfloat16).float() @ w.float().T
+    want, other = (rounded, exact) if kernels.experts_round_to_bf16() else (exact, rounded)
+    assert (out - want).abs().max() < 1e-5 < (out - other).abs().max()
+    flags = kernels._cpu_flags().split()
+    assert kernels.experts_round_to_bf16() == ("avx512_bf16" in flags and "avx512f" in flags)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -325,7 +348,7 @@ def test_rows_linear_on_packed_weights_equals_torch(dtype, rows):
     w, bias = (torch.randn(96, 64) * 0.1).to(dtype), torch.randn(96)
     x = torch.randn(rows, 64)
     out = kernels.rows_linear()(x, kernels.pack_weight(w), bias)
-    torch.testing.assert_close(out, x @ w.float().T + bias, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, rows_in(w, True)(x) @ w.float().T + bias, rtol=1e-4, atol=1e-4)
     rounded = kernels.rows_linear()(x.to(dtype), kernels.pack_weight(w), None)     # bf16 rows: bf16 out
     assert rounded.dtype == dtype
 
@@ -339,5 +362,5 @@ def test_packed_tiles_of_every_row_count(dtype):
     packed = kernels.pack_weight(w)
     for rows in range(1, 36):
         x = torch.randn(rows, 96)
-        torch.testing.assert_close(kernels.rows_linear()(x, packed, None), x @ w.float().T, rtol=1e-4, atol=1e-4,
+        torch.testing.assert_close(kernels.rows_linear()(x, packed, None), rows_in(w, True)(x) @ w.float().T, rtol=1e-4, atol=1e-4,
                                    msg=lambda m: f"{rows} rows: {m}")

@@ -223,6 +223,15 @@ def is_packed(weight: torch.Tensor) -> bool:
     return weight.dim() >= 4 and weight.shape[-2] == 16 and weight.shape[-1] == _lanes(weight)
 
 
+def experts_round_to_bf16() -> bool:
+    """Whether the native kernels multiply packed bf16 weights by rows rounded to bf16 (the processor's
+    bf16 dot product, AVX512-BF16; ``experts.cpp``: kDotBf16) instead of widening the weights to fp32.
+    Only packed weights take that path (the engine packs on AVX-512); tests use the answer to build
+    their reference."""
+    ops = _module()
+    return bool(ops is not None and ops.experts_round_to_bf16())
+
+
 def cpu_has_bf16_matmul() -> bool:
     """Whether torch's bf16 GEMM runs on bf16 hardware here (AVX512-BF16 dot products or AMX tiles,
     which oneDNN uses). oneDNN's own answer (``mkldnn._is_mkldnn_bf16_supported``) is yes on any

@@ -11,6 +11,7 @@ TORCH_LIBRARY(moetailor, m) {
         "Tensor(a!) experts_read, int layer) -> Tensor");
   m.def("rows_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("softmax_topk(Tensor logits, int k, bool normalise, Tensor? allowed=None) -> (Tensor, Tensor)");
+  m.def("experts_round_to_bf16() -> bool", &experts_round_to_bf16);   // no tensor: one kernel for every key
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor lengths, "

@@ -202,12 +202,28 @@ void rows_times_weight(const float* const* a, int rows, const W* w, int cols, in
 // wait (2026-12-04, the experts op at OLMoE-1B-7B's shapes, alternating builds: 1.05-1.17x at
 // 1-64 tokens; 32 lines into L2 was no better).
 constexpr int kPrefetchLines = 16;
-template <int RB, int CP, typename W>
-inline void panel_tile(const float* const* a, const W* w, int64_t panel_stride, int depth, float* out, int ldo) {
+template <int RB, int CP, typename W, typename A>
+inline void panel_tile(const A* const* a, const W* w, int64_t panel_stride, int depth, float* out, int ldo) {
   __m512 acc[RB][CP];
   for (int r = 0; r < RB; ++r)
     for (int p = 0; p < CP; ++p) acc[r][p] = _mm512_setzero_ps();
-  if constexpr (std::is_same_v<W, float>) {
+  if constexpr (std::is_same_v<A, uint32_t>) {
+#if defined(__AVX512BF16__)
+    // bf16 weights against bf16 activations (kDotBf16): a[r][i] holds row r's depths 2i and 2i + 1 as
+    // a bf16 pair, the layout of a packed weight's 32-bit lane, so one vdpbf16ps adds both depths'
+    // products for 16 columns: half the multiply-adds of the widened form and no widening.
+    for (int d = 0; d < depth; d += 2) {
+      __m512i wv[CP];
+      for (int p = 0; p < CP; ++p)
+        _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (int64_t)(d + 2 * kPrefetchLines) * 16), _MM_HINT_T0);
+      for (int p = 0; p < CP; ++p) wv[p] = _mm512_loadu_si512(w + p * panel_stride + (int64_t)d * 16);
+      for (int r = 0; r < RB; ++r) {
+        const __m512bh b = (__m512bh)_mm512_set1_epi32((int)a[r][d / 2]);
+        for (int p = 0; p < CP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], b, (__m512bh)wv[p]);
+      }
+    }
+#endif
+  } else if constexpr (std::is_same_v<W, float>) {
     for (int d = 0; d < depth; ++d) {
       __m512 wv[CP];
       for (int p = 0; p < CP; ++p)
@@ -241,8 +257,8 @@ inline void panel_tile(const float* const* a, const W* w, int64_t panel_stride, 
 #else
 // Without AVX-512 the engine does not pack (kernels.packed_weights_pay); this plain loop keeps a
 // packed tensor computable, and the same on every processor, for tests and tools.
-template <int RB, int CP, typename W>
-inline void panel_tile(const float* const* a, const W* w, int64_t panel_stride, int depth, float* out, int ldo) {
+template <int RB, int CP, typename W, typename A>
+inline void panel_tile(const A* const* a, const W* w, int64_t panel_stride, int depth, float* out, int ldo) {
   constexpr int P = std::is_same_v<W, float> ? 1 : 2;
   for (int r = 0; r < RB; ++r)
     for (int p = 0; p < CP; ++p)
@@ -255,8 +271,8 @@ inline void panel_tile(const float* const* a, const W* w, int64_t panel_stride, 
 #endif
 
 // RB rows against panels [p0, p1): CP panels a tile, the rest one at a time.
-template <int RB, int CP, typename W>
-inline void panel_rows(const float* const* a, const W* w, int p0, int p1, int64_t panel_stride, int depth, float* out, int ldo) {
+template <int RB, int CP, typename W, typename A>
+inline void panel_rows(const A* const* a, const W* w, int p0, int p1, int64_t panel_stride, int depth, float* out, int ldo) {
   int p = p0;
   for (; p + CP <= p1; p += CP) panel_tile<RB, CP>(a, w + p * panel_stride, panel_stride, depth, out + p * 16, ldo);
   for (; p < p1; ++p) panel_tile<RB, 1>(a, w + p * panel_stride, panel_stride, depth, out + p * 16, ldo);
@@ -268,8 +284,8 @@ inline void panel_rows(const float* const* a, const W* w, int p0, int p1, int64_
 // fit in 768 KB (fp32 at depth 2048: 128 KB a panel), with 3 panels a tile for every block. On an Ice
 // Lake Xeon (2026-12-04, alternating builds) the 6-panel groups ran fp32 experts at 64 tokens 1.05-1.08x
 // faster, and bf16 ones (12 panels fit) 1.0-1.2x slower.
-template <typename W>
-void rows_times_packed(const float* const* a, int rows, const W* w, int cols, int depth, float* out, int ldo) {
+template <typename W, typename A>
+void packed_blocks(const A* const* a, int rows, const W* w, int cols, int depth, float* out, int ldo) {
   const int64_t stride = (int64_t)depth * 16;
   const int panels = cols / 16;
   const bool narrow = 12 * stride * (int64_t)sizeof(W) > 786432;
@@ -277,7 +293,7 @@ void rows_times_packed(const float* const* a, int rows, const W* w, int cols, in
   for (int g0 = 0; g0 < panels; g0 += group) {
     const int g1 = std::min(g0 + group, panels);
     for (int r0 = 0; r0 < rows; r0 += 8) {
-      const float* const* ar = a + r0;
+      const A* const* ar = a + r0;
       float* o = out + (int64_t)r0 * ldo;
       switch (std::min(rows - r0, 8)) {
         case 8: panel_rows<8, 3>(ar, w, g0, g1, stride, depth, o, ldo); break;
@@ -291,6 +307,40 @@ void rows_times_packed(const float* const* a, int rows, const W* w, int cols, in
       }
     }
   }
+}
+
+// Whether bf16 weights meet bf16 activations in the processor's bf16 dot product (AVX512-BF16:
+// vdpbf16ps): each row is rounded to bf16 once (to nearest even) before its products, as llama.cpp's
+// bf16 matmul and oneDNN's bf16 GEMM do. A bf16 model's activations are bf16 already, so for it only
+// the SwiGLU output (fp32 inside the kernel, bf16 in transformers' bf16 experts) is rounded; fp32 rows
+// against bf16 experts (`decode_expert_dtype`) lose their low mantissa bits. MT_NO_DPBF16 builds the
+// widened fp32 form instead (for A/B runs). kernels.experts_round_to_bf16() says which one runs.
+#if defined(__AVX512BF16__) && !defined(MT_NO_DPBF16)
+constexpr bool kDotBf16 = true;
+#else
+constexpr bool kDotBf16 = false;
+#endif
+
+template <typename W>
+void rows_times_packed(const float* const* a, int rows, const W* w, int cols, int depth, float* out, int ldo) {
+#if defined(__AVX512BF16__)
+  if constexpr (kDotBf16 && std::is_same_v<W, at::BFloat16>) {
+    thread_local std::vector<uint32_t> pairs;                 // [rows][depth / 2] bf16 pairs
+    thread_local std::vector<const uint32_t*> rows_of_pairs;
+    const int half = depth / 2;
+    pairs.resize((size_t)rows * half);
+    rows_of_pairs.resize(rows);
+    for (int r = 0; r < rows; ++r) {
+      uint32_t* dst = pairs.data() + (size_t)r * half;
+      for (int d = 0; d < depth; d += 16)                     // 16 fp32 -> 16 bf16, round to nearest even
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a[r] + d)));
+      rows_of_pairs[r] = dst;
+    }
+    packed_blocks(rows_of_pairs.data(), rows, w, cols, depth, out, ldo);
+    return;
+  }
+#endif
+  packed_blocks(a, rows, w, cols, depth, out, ldo);
 }
 
 // Scratch rows on 64-byte boundaries: a 64-byte load across two cache lines costs two (glibc's
@@ -403,6 +453,8 @@ std::tuple<int64_t, int64_t, int64_t> expert_dims(const torch::Tensor& w) {
 }
 
 }  // namespace
+
+bool experts_round_to_bf16() { return kDotBf16; }
 
 // x [T, H] fp32, gate_up [E, 2I, H], down [E, H, I] (fp32 or bf16; both row-major or both packed),
 // index [T, K] int64, weight [T, K] fp32 -> out [T, H] fp32; the number of distinct experts read goes

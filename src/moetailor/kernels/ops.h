@@ -10,6 +10,8 @@
 
 at::Tensor swiglu_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                           const at::Tensor& index, const at::Tensor& weight, at::Tensor& experts_read, int64_t layer);
+// whether bf16 expert / packed weights meet rows rounded to bf16 in the bf16 dot product (experts.cpp: kDotBf16)
+bool experts_round_to_bf16();
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> softmax_topk(const at::Tensor& logits, int64_t k, bool normalise,
                                                 const c10::optional<at::Tensor>& allowed);
