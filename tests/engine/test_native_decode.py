@@ -69,6 +69,25 @@ def test_packed_experts_decode_the_same_tokens_as_the_model_layout(one_thread):
     assert run(LLM(model, max_num_seqs=8)) == expected                         # a later engine on the packed model
 
 
+@pytest.mark.parametrize("gemm_hardware", [False, True])
+def test_bf16_linears_are_packed_exactly_where_that_pays(one_thread, monkeypatch, gemm_hardware):
+    """Without bf16 GEMM hardware torch widens bf16 in software, so the layers are packed for the op;
+    with it (oneDNN on AVX512-BF16 / AMX) they are packed only where the op has the bf16 dot product
+    itself (``kernels.experts_round_to_bf16``), which beats oneDNN at a decode step's rows."""
+    import torch
+
+    from moetailor.engine import native_layers
+
+    monkeypatch.setattr(native_layers, "_BF16_GEMM_FAST", [gemm_hardware])
+    llm = LLM("reference", dtype=torch.bfloat16, max_num_seqs=4, pack_weights=True)
+    q = llm.model.model.layers[0].self_attn.q_proj
+    if llm.runner.native_linear is None:
+        pytest.skip("the native linear op does not pay on this processor")
+    want = not gemm_hardware or kernels.experts_round_to_bf16()
+    assert native_layers.packed_bf16_linears_pay() == want
+    assert kernels.is_packed(q.weight) == want
+
+
 def test_bf16_linears_whose_rows_all_run_the_op_are_packed_too(one_thread, monkeypatch):
     """Without bf16 GEMM hardware every row of a bf16 linear layer runs the native op (decode), so the
     engine packs those layers with the experts; prefill then runs them on the op too, and outside the

@@ -18,7 +18,8 @@ from ..routing import experts
 from ..routing.controller import RoutingController, native_router
 from .config import EngineConfig
 from .decode_forward import LeanDecoder
-from .native_layers import bf16_gemm_is_fast, install_native_linears, install_native_norms, pack_linears
+from .native_layers import bf16_gemm_is_fast, install_native_linears, install_native_norms, pack_linears, \
+    packed_bf16_linears_pay
 from .sequence import Sequence
 
 DEFAULT_KV_CAP_BYTES = 512 * 2**20   # default pool cap when neither num_kv_blocks nor memory_budget is given
@@ -128,8 +129,8 @@ class ModelRunner:
                 packed[l.index] = (m.gate_up_proj, m.down_proj)
         if decode is not None:
             decode = {i: tuple(map(kernels.pack_weight, decode[i])) if i in packed else decode[i] for i in decode}
-        if self.native_linear is not None and not bf16_gemm_is_fast():
-            pack_linears(self.model, keep=tuple(l.router for l in self.controller.layers))   # rows all run the op anyway
+        if self.native_linear is not None and packed_bf16_linears_pay():
+            pack_linears(self.model, keep=tuple(l.router for l in self.controller.layers))
         return {True: packed, False: packed if decode is None else decode}
 
     @property

@@ -200,8 +200,21 @@ void rows_times_weight(const float* const* a, int rows, const W* w, int cols, in
 // Each panel's stream is prefetched 16 lines ahead: a panel is contiguous across 4 KB pages, where
 // the hardware prefetcher stops, so without it a core's loads stall at every page while its FMAs
 // wait (2026-12-04, the experts op at OLMoE-1B-7B's shapes, alternating builds: 1.05-1.17x at
-// 1-64 tokens; 32 lines into L2 was no better).
-constexpr int kPrefetchLines = 16;
+// 1-64 tokens; 32 lines into L2 instead was no better). On a Zen 4 EPYC (2026-12-04, twentieth
+// session) a second prefetch 64 lines (4 KB) ahead into L2 on top ran fp32 experts 1.05-1.10x faster
+// at 8-16 rows an expert and bf16 ones 1.0-1.06x (scripts/kernel_variants_ab.py; 192 lines ahead was
+// slower in bf16): the loads of the next page are under way while the FMAs work on this one.
+constexpr int kPrefetchLines = 16, kPrefetchFarLines = 64;
+
+// prefetch line `d` of the CP panels' streams into L1 (T0) and line d + kPrefetchFarLines into L2 (T1)
+template <int CP, typename W>
+inline void prefetch_panels(const W* w, int64_t panel_stride, int64_t line_elems, int64_t near_line) {
+  for (int p = 0; p < CP; ++p) {
+    const W* stream = w + p * panel_stride;
+    _mm_prefetch(reinterpret_cast<const char*>(stream + near_line * line_elems), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(stream + (near_line + kPrefetchFarLines - kPrefetchLines) * line_elems), _MM_HINT_T1);
+  }
+}
 template <int RB, int CP, typename W, typename A>
 inline void panel_tile(const A* const* a, const W* w, int64_t panel_stride, int depth, float* out, int ldo) {
   __m512 acc[RB][CP];
@@ -214,8 +227,7 @@ inline void panel_tile(const A* const* a, const W* w, int64_t panel_stride, int 
     // products for 16 columns: half the multiply-adds of the widened form and no widening.
     for (int d = 0; d < depth; d += 2) {
       __m512i wv[CP];
-      for (int p = 0; p < CP; ++p)
-        _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (int64_t)(d + 2 * kPrefetchLines) * 16), _MM_HINT_T0);
+      prefetch_panels<CP>(w, panel_stride, 32, d / 2 + kPrefetchLines);   // a line: 16 columns x 2 depths
       for (int p = 0; p < CP; ++p) wv[p] = _mm512_loadu_si512(w + p * panel_stride + (int64_t)d * 16);
       for (int r = 0; r < RB; ++r) {
         const __m512bh b = (__m512bh)_mm512_set1_epi32((int)a[r][d / 2]);
@@ -226,8 +238,7 @@ inline void panel_tile(const A* const* a, const W* w, int64_t panel_stride, int 
   } else if constexpr (std::is_same_v<W, float>) {
     for (int d = 0; d < depth; ++d) {
       __m512 wv[CP];
-      for (int p = 0; p < CP; ++p)
-        _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (int64_t)(d + kPrefetchLines) * 16), _MM_HINT_T0);
+      prefetch_panels<CP>(w, panel_stride, 16, d + kPrefetchLines);       // a line: 16 columns x 1 depth
       for (int p = 0; p < CP; ++p) wv[p] = _mm512_loadu_ps(w + p * panel_stride + (int64_t)d * 16);
       for (int r = 0; r < RB; ++r) {
         const __m512 b = _mm512_set1_ps(a[r][d]);
@@ -238,8 +249,7 @@ inline void panel_tile(const A* const* a, const W* w, int64_t panel_stride, int 
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int d = 0; d < depth; d += 2) {
       __m512 even[CP], odd[CP];
-      for (int p = 0; p < CP; ++p)
-        _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (int64_t)(d + 2 * kPrefetchLines) * 16), _MM_HINT_T0);
+      prefetch_panels<CP>(w, panel_stride, 32, d / 2 + kPrefetchLines);   // a line: 16 columns x 2 depths
       for (int p = 0; p < CP; ++p) {
         const __m512i both = _mm512_loadu_si512(w + p * panel_stride + (int64_t)d * 16);
         even[p] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
