@@ -7,7 +7,9 @@ Stock: softmax over the router logits, top-k, renormalise (vLLM's ``fused_topk``
 moetailor: ``integrations.vllm.routing.step_routes`` (the body of ``torch.ops.moetailor.step_routes``)
 with one policy in decode and the full router in prefill, on a step of decode tokens with budgets.
 Shapes are router logits [T, E] at a model's E and k; fold tables random (their values do not
-change the work). Prints µs per layer per call and the ratio to stock.
+change the work). Prints µs per layer per call and the ratio to stock. ``--compiled`` also times the
+same body through ``torch.compile`` (Inductor fuses its elementwise ops; the plugin does not do this
+yet: it measures what fusing would give).
 """
 from __future__ import annotations
 
@@ -62,9 +64,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--out", default="build/cuda-routing.json")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--compiled", action="store_true", help="also the body under torch.compile (a compile per case)")
     args = ap.parse_args()
+    if args.compiled:
+        import torch._dynamo
+        torch._dynamo.config.cache_size_limit = 256   # one graph per (policy, T): this script only
     dev, rows = "cuda", []
-    for shape, (E, k) in SHAPES.items():
+    for shape in args.shapes:
+        E, k = SHAPES[shape]
         sem = RouterSemantics(num_experts=E, top_k=k, scoring="softmax", normalise=True)
         g = torch.Generator(device=dev).manual_seed(0)
         tables = FoldTables(torch.rand(E, E, device=dev, generator=g) * 1.5, torch.rand(E, E, device=dev, generator=g),
@@ -84,7 +92,13 @@ def main() -> None:
                 lr = LayerRouting(sem, full, CompiledPolicy.build(policy, sem, dev, tables), k)
                 us = timed(lambda: step_routes(logits, lr, live, decode, token_k), args.reps)
                 rows.append(dict(shape=shape, tokens=T, policy=name, us=us, ratio=us / base))
-            for r in rows[-len(policies(E, k)) - 1:]:
+                if args.compiled:
+                    fused = torch.compile(step_routes, fullgraph=True, dynamic=False)
+                    torch.testing.assert_close(fused(logits, lr, live, decode, token_k)[0],
+                                               step_routes(logits, lr, live, decode, token_k)[0])
+                    us = timed(lambda: fused(logits, lr, live, decode, token_k), args.reps)
+                    rows.append(dict(shape=shape, tokens=T, policy=name + " (compiled)", us=us, ratio=us / base))
+            for r in rows[-len(policies(E, k)) * (2 if args.compiled else 1) - 1:]:
                 print(f"{r['shape']:>14} T={r['tokens']:>4} {r['policy']:>24}: {r['us']:7.1f} µs  {r['ratio']:5.2f}x stock",
                       flush=True)
     device = torch.cuda.get_device_name()
