@@ -113,3 +113,33 @@ def test_bf16_linears_whose_rows_all_run_the_op_are_packed_too(one_thread, monke
     assert current() is None
     torch.testing.assert_close(q(x), torch.nn.functional.linear(x, kernels.unpack_weight(q.weight), q.bias),
                                atol=0.02, rtol=0.02)
+
+
+def test_fp32_linears_are_packed_where_no_lean_decoder_reads_them(one_thread):
+    """An engine that packs (AVX-512) packs an fp32 model's linear layers too, unless its lean decoder
+    (fp32 Qwen MoE) holds them; greedy outputs equal the checkpoint layout's, and the model still
+    computes outside the engine's steps."""
+    import copy
+
+    import torch
+
+    from moetailor.models.tiny import tiny_model
+
+    model = tiny_model("olmoe", seed=5)
+    reference = copy.deepcopy(model)
+    prompts = random_prompts([5, 17, 9], seed=5)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    packs = LLM(model, block_size=4, pack_weights=True)
+    plain = LLM(reference, block_size=4, pack_weights=False)
+    q = model.model.layers[0].self_attn.q_proj
+    if packs.runner.native_linear is None or packs.runner.expert_weights[True] is None:
+        pytest.skip("this processor's engine does not pack")
+    assert packs.runner.lean is None and kernels.is_packed(q.weight)
+    assert not kernels.is_packed(model.model.layers[0].mlp.gate.weight)          # the router stays
+    assert [o.token_ids for o in packs.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    ids = torch.tensor([prompts[1]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    lean = LLM("reference", max_num_seqs=4)                                       # owned: packs, lean decoder on
+    layer = lean.model.model.layers[0].self_attn
+    assert lean.runner.lean is not None and not kernels.is_packed(layer.o_proj.weight)

@@ -109,10 +109,11 @@ def install_native_linears(model) -> int:
     return swapped
 
 
-def pack_linears(model, keep: tuple = ()) -> int:
-    """Pack, in place, the bf16 native linear layers (where that pays: ``packed_bf16_linears_pay``): the
-    op's panel tile then reads them (``kernels.pack_weight``), in decode steps and prefill steps alike
-    (at prefill's rows it is GEMM-shaped). A weight another module also holds (tied
+def pack_linears(model, keep: tuple = (), dtypes: tuple = (torch.bfloat16,)) -> int:
+    """Pack, in place, the native linear layers whose weights are of ``dtypes`` (bf16 where that pays:
+    ``packed_bf16_linears_pay``; fp32 where the engine packs and no lean decoder reads the layers, see
+    ``ModelRunner``): the op's panel tile then reads them (``kernels.pack_weight``), in decode steps and
+    prefill steps alike (at prefill's rows it is GEMM-shaped). A weight another module also holds (tied
     embeddings) stays as it is, as do the modules in ``keep`` (routers: routing reads their weight).
     Returns the number of layers packed."""
     holders: dict[int, int] = {}
@@ -123,7 +124,7 @@ def pack_linears(model, keep: tuple = ()) -> int:
     for module in model.modules():
         w = getattr(module, "weight", None)
         if type(module) is NativeLinear and all(module is not k for k in keep) and not kernels.is_packed(w) and \
-                w.dtype == torch.bfloat16 and w.is_contiguous() and w.shape[0] % 16 == 0 and holders[w.data_ptr()] == 1:
+                w.dtype in dtypes and w.is_contiguous() and w.shape[0] % 16 == 0 and holders[w.data_ptr()] == 1:
             module.weight = torch.nn.Parameter(kernels.pack_weight(w.detach()), requires_grad=False)
             packed += 1
     return packed
