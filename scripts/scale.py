@@ -16,7 +16,9 @@ full one serving the plan's pool in decode (full router in prefill), one model i
 in its own process, bf16 as stored: no fp32 copy), each next to its read-bandwidth floor: the bytes a
 step reads (distinct routed experts, counted by the engine, + every other weight except the embedding
 + the KV cache) divided by the read bandwidth (measured in each process before its model loads; the table
-uses the best of the run).
+uses the best of the run). ``decode-one`` also reads the bandwidth right before and after each batch and
+reports ``of_adjacent_floor`` against their mean: on a machine whose bandwidth drifts within minutes, that
+is the floor the row actually ran beside.
 """
 from __future__ import annotations
 
@@ -224,13 +226,18 @@ def decode_one(args) -> None:
         engine_decode(llm, 2, args.prompt_len, 2, prompt_ids=prompts[:2])
     res["rows"] = []
     for b in args.batches:
+        # the yardstick again right before and after this batch: this machine's bandwidth moves by 2x within
+        # minutes, so the floor beside each row is the mean of the two reads around it (the start-up one kept)
+        before = read_bandwidth()
         r = engine_decode(llm, b, args.prompt_len, args.new_tokens, prompt_ids=prompts[:b])
+        adjacent = (before + read_bandwidth()) / 2
         floor_s = r.total_bytes / read_bw
         row = {"batch": b, "step_ms": round(1e3 * r.step_s, 1), "tok_s": round(r.tokens_per_s, 2),
                "steps": r.steps, "distinct_per_layer": round(r.distinct, 1),
                "expert_gb_per_step": round(r.expert_bytes / 1e9, 3), "gb_per_step": round(r.total_bytes / 1e9, 3),
                "floor_ms": round(1e3 * floor_s, 1), "floor_tok_s": round(b / floor_s, 2),
-               "of_floor": round(floor_s / r.step_s, 3)}
+               "of_floor": round(floor_s / r.step_s, 3), "adjacent_read_gb_s": round(adjacent / 1e9, 2),
+               "of_adjacent_floor": round(r.total_bytes / adjacent / r.step_s, 3)}
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
     res["peak_rss_gib"] = round(peak_rss_gib(), 2)

@@ -204,7 +204,14 @@ void rows_times_weight(const float* const* a, int rows, const W* w, int cols, in
 // session) a second prefetch 64 lines (4 KB) ahead into L2 on top ran fp32 experts 1.05-1.10x faster
 // at 8-16 rows an expert and bf16 ones 1.0-1.06x (scripts/kernel_variants_ab.py; 192 lines ahead was
 // slower in bf16): the loads of the next page are under way while the FMAs work on this one.
-constexpr int kPrefetchLines = 16, kPrefetchFarLines = 64;
+// MT_PREFETCH_NEAR / MT_PREFETCH_FAR set them for A/B builds (scripts/kernel_variants_ab.py)
+#ifndef MT_PREFETCH_NEAR
+#define MT_PREFETCH_NEAR 16
+#endif
+#ifndef MT_PREFETCH_FAR
+#define MT_PREFETCH_FAR 64
+#endif
+constexpr int kPrefetchLines = MT_PREFETCH_NEAR, kPrefetchFarLines = MT_PREFETCH_FAR;
 
 // prefetch line `d` of the CP panels' streams into L1 (T0) and line d + kPrefetchFarLines into L2 (T1)
 template <int CP, typename W>
