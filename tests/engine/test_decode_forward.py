@@ -17,8 +17,8 @@ from moetailor.routing import LayerPolicy
 from engine_helpers import random_prompts
 
 
-def run(model, plan, lean: bool, prompts, params):
-    llm = LLM(model, plan, lean_decode=lean)
+def run(model, plan, lean: bool, prompts, params, **engine):
+    llm = LLM(model, plan, lean_decode=lean, **engine)
     assert (llm.runner.lean is not None) == lean
     assert llm.runner.native_norm is not None and type(model.model.norm).__name__.startswith("Native")
     outs = llm.generate(prompts, params)
@@ -26,20 +26,28 @@ def run(model, plan, lean: bool, prompts, params):
     return [(o.token_ids, o.logprobs) for o in outs], reads
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
-def test_lean_decode_equals_the_module_path(one_thread, arch):
+@pytest.mark.parametrize("arch,dtype,packed", [("qwen2_moe", torch.float32, False), ("qwen3_moe", torch.float32, False),
+                                                ("qwen2_moe", torch.bfloat16, False), ("qwen3_moe", torch.bfloat16, True),
+                                                ("olmoe", torch.bfloat16, False), ("olmoe", torch.bfloat16, True)])
+def test_lean_decode_equals_the_module_path(one_thread, arch, dtype, packed):
+    """bf16 (what real checkpoints ship) rounds where transformers' modules round, with the linear
+    layers as the user's model holds them or packed by the engine for its op."""
+    if packed and not kernels.packed_weights_pay():
+        pytest.skip("the engine packs only where the packed tile is compiled (AVX-512)")
     model = tiny_model(arch, seed=3)
     with torch.no_grad():              # qwen2_moe's q/k/v biases start at zero: give them values to get wrong
         for name, p in model.named_parameters():
             if name.endswith("_proj.bias"):
                 p.normal_(0.0, 0.1)
+    model = model.to(dtype)
     plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 1, 2, 3, 5), skip_beta=0.2))
     prompts = random_prompts([5, 17, 9, 12, 3, 8, 21, 4, 6, 11, 2, 14], seed=3)   # steps above and below 8 rows
     params = [SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2, expert_top_k=(None, 1, 2)[i % 3])
               for i in range(len(prompts))]
-    lean, modules = run(model, plan, True, prompts, params), run(model, plan, False, prompts, params)
+    engine = {"pack_weights": packed}
+    lean, modules = run(model, plan, True, prompts, params, **engine), run(model, plan, False, prompts, params, **engine)
     assert lean == modules
-    full = run(model, None, True, prompts, params)
+    full = run(model, None, True, prompts, params, **engine)
     assert full[0] != lean[0]          # the plan changes outputs, so the equality above can fail
 
 

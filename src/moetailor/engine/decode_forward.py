@@ -14,11 +14,16 @@ the same order, ``kernels/decode_layer.cpp``): a whole full-router step is one c
 budgets or observers ``attention_block`` + the controller's routing + ``moe_block``.
 
 Covered (``LeanDecoder.build`` returns None otherwise, and the engine keeps the module path):
-``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 with the native experts and attention kernels (projections through `rows_linear`
-where `kernels.rows_linear_pays()`, else torch's GEMV), every layer a
-full-attention layer. The stacked projection weights are copies of the dense (non-expert) weights
-(attention and shared expert), a few percent of a MoE checkpoint's bytes. A model with forward
-hooks on any module (``hooked``) runs the module path, so the hooks see every step.
+``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 or bf16 and ``olmoe`` ones in bf16 (the weights real
+checkpoints ship; an fp32 OLMoE keeps the module path, whose fp32 projections the engine packs for
+every row count), with the native experts and attention kernels, every layer a full-attention layer.
+Each projection runs as the module path's layer would (``module_linear``: the packed op, or
+``native_linear``'s choice of the op or torch's GEMM), so bf16 rounds where transformers rounds, bit
+for bit; the native layer ops and the bound graph are fp32 only, so a bf16 step is the Python loop:
+~0.2 ms a layer less than transformers' modules at batch 1 (4-layer tiny model, 2026-12-04). The
+stacked projection weights are copies of the dense (non-expert) weights (attention and shared
+expert; packed where the module path's are), a few percent of a MoE checkpoint's bytes. A model
+with forward hooks on any module (``hooked``) runs the module path, so the hooks see every step.
 """
 from __future__ import annotations
 
@@ -28,15 +33,26 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from ..models.step import Step
 from ..routing.experts import native_experts_forward, step_weights
-from .native_layers import NATIVE_LINEAR_ROWS, rms_norm
+from .native_layers import NATIVE_LINEAR_ROWS, native_linear, rms_norm
 
-FAMILIES = ("qwen2_moe", "qwen3_moe")
+FAMILIES = {"qwen2_moe": (torch.float32, torch.bfloat16), "qwen3_moe": (torch.float32, torch.bfloat16),
+            "olmoe": (torch.bfloat16,)}   # model type -> the weight dtypes the lean decoder covers
 
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # rope types whose cos/sin depend on the position only
+
+
+def module_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` as the module path's ``NativeLinear`` runs it, so the lean loop rounds where
+    it does: a weight the engine packed on the native op (rows in the weight's dtype, the result in
+    ``x``'s), any other through ``native_linear`` (the op up to ``NATIVE_LINEAR_ROWS`` rows, else torch)."""
+    if kernels.is_packed(weight):
+        return torch.ops.moetailor.rows_linear(x.to(weight.dtype).contiguous(), weight, bias).to(x.dtype)
+    return native_linear(x, weight, bias)
 
 
 def rotary_table(rotary: torch.nn.Module, like: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -64,6 +80,13 @@ class Norm:
         """The RMSNorm the module path runs (``native_layers``): the step's native op, else torch's ops."""
         return rms_norm(x, self.weight, self.eps, kernel)
 
+    def heads(self, t: torch.Tensor, kernel) -> torch.Tensor:
+        """q or k [B, n, D] through a q/k norm: per head where it holds D weights (qwen3_moe), else over
+        each token's whole n x D projection (olmoe, which norms before splitting heads)."""
+        if self.weight.numel() == t.shape[-1]:
+            return self(t, kernel)
+        return self(t.reshape(t.shape[0], -1), kernel).view(t.shape)
+
     def after_add(self, x: torch.Tensor, residual: torch.Tensor, kernel, add_kernel) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, its norm): the module path's residual add and next norm, in one native call
         where the step has the norm op (the same bits: ``add_rms_norm``)."""
@@ -78,15 +101,16 @@ class LeanLayer:
     index: int
     input_norm: Norm
     post_norm: Norm
-    qkv: torch.Tensor                 # [(nH + 2 nKV) D, H]: q, k, v projections stacked
+    qkv: torch.Tensor                 # [(nH + 2 nKV) D, H]: q, k, v projections stacked (packed where theirs are)
     qkv_bias: torch.Tensor | None     # [(nH + 2 nKV) D]
-    q_norm: Norm | None               # qwen3_moe: per-head RMSNorm of q and k
+    q_norm: Norm | None               # qwen3_moe: per-head RMSNorm of q and k; olmoe: over all heads
     k_norm: Norm | None
     o: torch.Tensor                   # [H, nH D]
     moe: MoeLayer
-    moe_in: torch.Tensor              # [E (+ 2 I + 1), H]: router | shared expert gate, up | its sigmoid gate, stacked
-    shared: torch.Tensor | None       # [2 I, H]: shared expert gate and up projections (a view of moe_in)
-    shared_gate: torch.Tensor | None  # [1, H]: the shared expert's sigmoid gate (a view of moe_in)
+    moe_in: torch.Tensor              # [E (+ 2 I + 1), H]: router | shared expert gate, up | its sigmoid gate,
+                                      # stacked (fp32: the native layer ops read it; bf16: the router's weight)
+    shared: torch.Tensor | None       # [2 I, H]: shared expert gate and up projections (fp32: a view of moe_in)
+    shared_gate: torch.Tensor | None  # [1, H]: the shared expert's sigmoid gate (fp32: a view of moe_in)
     shared_down: torch.Tensor | None  # [H, I]
 
 
@@ -150,14 +174,17 @@ class LeanDecoder:
               expert_weights: dict | None = None) -> "LeanDecoder | None":
         """The lean decoder of ``model``, or None where it does not apply (see the module doc)."""
         cfg = model.config
-        if cfg.model_type not in FAMILIES or attention_kernel is None:
+        if cfg.model_type not in FAMILIES or attention_kernel is None or getattr(cfg, "clip_qkv", None) is not None:
             return None
         inner = model.model
         head = model.get_output_embeddings()
-        if head.weight.dtype != torch.float32 or getattr(head, "bias", None) is not None:
+        dtype = head.weight.dtype
+        if dtype not in FAMILIES[cfg.model_type] or getattr(head, "bias", None) is not None:
             return None
         if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
             return None
+        if dtype != torch.float32:    # the native layer ops and the bound graph compute in fp32: the Python loop
+            rotary_kernel = add_norm_kernel = layer_ops = None
         moe = {layer.index: layer for layer in moe_layers(model)}
         layers = []
         for index, block in enumerate(decoder_layers(model)):
@@ -166,6 +193,8 @@ class LeanDecoder:
                 return None                                                   # dense layers: module path
             projections = (attn.q_proj, attn.k_proj, attn.v_proj)
             biases = [p.bias for p in projections]
+            if len({kernels.is_packed(p.weight) for p in projections}) > 1:
+                return None                                                   # stacked: one layout for all three
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             layer = moe[index]
             shared = shared_gate = shared_down = None
@@ -173,8 +202,14 @@ class LeanDecoder:
             if layer.shared_expert is not None:
                 mlp = layer.shared_expert
                 E, I = moe_in.shape[0], mlp.gate_proj.out_features
-                moe_in = torch.cat([moe_in, mlp.gate_proj.weight, mlp.up_proj.weight, layer.shared_gate.weight]).detach()
-                shared, shared_gate = moe_in[E:E + 2 * I], moe_in[E + 2 * I:]   # row ranges: contiguous views
+                if dtype == torch.float32:
+                    moe_in = torch.cat([moe_in, mlp.gate_proj.weight, mlp.up_proj.weight, layer.shared_gate.weight]).detach()
+                    shared, shared_gate = moe_in[E:E + 2 * I], moe_in[E + 2 * I:]   # row ranges: contiguous views
+                elif kernels.is_packed(mlp.gate_proj.weight) == kernels.is_packed(mlp.up_proj.weight):
+                    shared, shared_gate = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), \
+                        layer.shared_gate.weight.detach()
+                else:
+                    return None
                 shared_down = mlp.down_proj.weight.detach()
             layers.append(LeanLayer(
                 index, Norm.of(block.input_layernorm), Norm.of(block.post_attention_layernorm),
@@ -182,11 +217,12 @@ class LeanDecoder:
                 torch.cat(biases).detach() if all(b is not None for b in biases) else None,
                 Norm.of(q_norm) if q_norm is not None else None, Norm.of(k_norm) if k_norm is not None else None,
                 attn.o_proj.weight.detach(), layer, moe_in, shared, shared_gate, shared_down))
-        if any(t.dtype != torch.float32 for l in layers for t in (l.qkv, l.o, l.moe_in)):
+        if any(t.dtype != dtype for l in layers for t in (l.qkv, l.o, l.moe_in)):
             return None
-        fusable = all(l.qkv.is_contiguous() and l.o.is_contiguous() and (l.q_norm is None or l.q_norm.eps == l.k_norm.eps)
-                      and (l.shared_down is None or l.shared_down.is_contiguous()) for l in layers)
         attn = decoder_layers(model)[0].self_attn
+        fusable = all(l.qkv.is_contiguous() and l.o.is_contiguous() and (l.q_norm is None or l.q_norm.eps == l.k_norm.eps)
+                      and (l.q_norm is None or l.q_norm.weight.numel() == attn.head_dim)
+                      and (l.shared_down is None or l.shared_down.is_contiguous()) for l in layers)
         decoder = cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), head.weight, inner.rotary_emb,
                       rotary_table(inner.rotary_emb, inner.embed_tokens.weight, max_model_len),
                       sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
@@ -211,12 +247,13 @@ class LeanDecoder:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, step: Step, controller) -> torch.Tensor:
         """One decode step: ids [B], positions [B] -> logits [B, V]. Runs inside ``running(step)``
         (the router and experts read it); writes each layer's new k/v at ``step.kv.slot_mapping``.
-        Up to ``NATIVE_LINEAR_ROWS`` rows the projections run the native op, above it torch's GEMM,
-        as the module path's linear layers do (stacking rows of a weight changes no column of either).
-        Each residual add is fused with the norm after it (the next layer's, or the final one)."""
+        Each projection runs as the module path's layer does (``module_linear``: up to
+        ``NATIVE_LINEAR_ROWS`` rows or packed the native op, else torch's GEMM; stacking rows of a
+        weight changes no column of either). Each residual add is fused with the norm after it (the
+        next layer's, or the final one)."""
         kernel, norm, kv = step.linear_kernel, step.norm_kernel, step.kv
-        linear = kernel if kernel is not None and ids.shape[0] <= NATIVE_LINEAR_ROWS else F.linear
-        if self.graph is not None and linear is kernel and norm is not None and self.graph.runs(step, controller):
+        native_rows = kernel is not None and ids.shape[0] <= NATIVE_LINEAR_ROWS   # the fp32 layer ops' condition
+        if self.graph is not None and native_rows and norm is not None and self.graph.runs(step, controller):
             return self.graph.op.forward(ids, positions, kv.slot_mapping, kv.block_table, kv.context_lens,
                                          step.experts_read)                  # [B, V]: what follows, in one call
         B, nH, nKV, D = ids.shape[0], self.heads, self.kv_heads, self.head_dim
@@ -227,15 +264,15 @@ class LeanDecoder:
             cos, sin = self.rotary(x, positions[None])                        # [1, B, D] each
         h = self.layers[0].input_norm(x, norm)                                # [B, H]
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-        if self.layer_ops is not None and linear is kernel and norm is not None:   # a native call or three a layer
+        if self.layer_ops is not None and native_rows and norm is not None:   # a native call or three a layer
             for layer, next_norm in zip(self.layers, next_norms):
                 x, h = self.native_layer(layer, next_norm, x, h, cos[0], sin[0], step, controller)  # [B, H] each
-            return linear(h, self.lm_head)                                    # [B, V]
+            return module_linear(h, self.lm_head)                             # [B, V]
         for layer, next_norm in zip(self.layers, next_norms):
-            qkv = linear(h, layer.qkv, layer.qkv_bias).view(B, nH + 2 * nKV, D)  # [B, nH + 2 nKV, D]
+            qkv = module_linear(h, layer.qkv, layer.qkv_bias).view(B, nH + 2 * nKV, D)   # [B, nH + 2 nKV, D]
             q, k, v = torch.split_with_sizes(qkv, (nH, nKV, nKV), dim=1)      # [B, nH | nKV | nKV, D] views
             if layer.q_norm is not None:
-                q, k = layer.q_norm(q, norm), layer.k_norm(k, norm)
+                q, k = layer.q_norm.heads(q, norm), layer.k_norm.heads(k, norm)
             k_cache, v_cache = kv.cache[layer.index]                          # [slots, nKV, D]
             if self.rotary_kv is not None:                                    # one op: rotary, k/v written
                 q = self.rotary_kv(q, k, v, cos[0], sin[0], k_cache, v_cache, kv.slot_mapping)  # [B, nH, D]
@@ -244,10 +281,12 @@ class LeanDecoder:
                 k_cache.index_copy_(0, kv.slot_mapping, k[0].transpose(0, 1).to(k_cache.dtype))
                 v_cache.index_copy_(0, kv.slot_mapping, v.to(v_cache.dtype))
                 q = q[0].transpose(0, 1).contiguous()                         # [B, nH, D]
-            o = kv.native(q, k_cache, v_cache, kv.block_table, kv.context_lens, kv.block_size, self.scaling)  # [B, nH, D]
-            x, h = layer.post_norm.after_add(x, linear(o.reshape(B, nH * D), layer.o), norm, self.add_norm)  # [B, H] each
-            x, h = next_norm.after_add(x, self.moe(layer, h, linear, controller, step), norm, self.add_norm)
-        return linear(h, self.lm_head)                                        # [B, V]
+            o = kv.native(q.float(), k_cache, v_cache, kv.block_table, kv.context_lens, kv.block_size,
+                          self.scaling).to(x.dtype)                          # [B, nH, D]: fp32 inside, as the module path
+            x, h = layer.post_norm.after_add(x, module_linear(o.reshape(B, nH * D), layer.o), norm,
+                                             self.add_norm)                         # [B, H] each
+            x, h = next_norm.after_add(x, self.moe(layer, h, controller, step), norm, self.add_norm)
+        return module_linear(h, self.lm_head)                                 # [B, V]
 
     def native_layer(self, layer: LeanLayer, next_norm: Norm, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, step: Step, controller) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,13 +313,13 @@ class LeanDecoder:
                              next_norm.eps)
 
     @staticmethod
-    def moe(layer: LeanLayer, h: torch.Tensor, linear, controller, step: Step) -> torch.Tensor:
+    def moe(layer: LeanLayer, h: torch.Tensor, controller, step: Step) -> torch.Tensor:
         """The sparse MoE block: routed experts (+ the sigmoid-gated shared expert). The experts run
         the module path's native call directly (not through the module and transformers' dispatch)."""
         _, weights, index = controller._route(layer.moe, h)                   # [B, K] each
         out = native_experts_forward(layer.moe.experts, h, index, weights, step)   # [B, H]
         if layer.shared is None:
             return out
-        gate, up = linear(h, layer.shared).chunk(2, dim=-1)                   # [B, I] each
-        shared = linear(F.silu(gate) * up, layer.shared_down)                 # [B, H]
-        return out + torch.sigmoid(linear(h, layer.shared_gate)) * shared
+        gate, up = module_linear(h, layer.shared).chunk(2, dim=-1)            # [B, I] each
+        shared = module_linear(F.silu(gate) * up, layer.shared_down)          # [B, H]
+        return out + torch.sigmoid(module_linear(h, layer.shared_gate)) * shared
