@@ -28,7 +28,8 @@ def run(model, plan, lean: bool, prompts, params, **engine):
 
 @pytest.mark.parametrize("arch,dtype,packed", [("qwen2_moe", torch.float32, False), ("qwen3_moe", torch.float32, False),
                                                 ("qwen2_moe", torch.bfloat16, False), ("qwen3_moe", torch.bfloat16, True),
-                                                ("olmoe", torch.bfloat16, False), ("olmoe", torch.bfloat16, True)])
+                                                ("olmoe", torch.bfloat16, False), ("olmoe", torch.bfloat16, True),
+                                                ("mixtral", torch.bfloat16, True)])
 def test_lean_decode_equals_the_module_path(one_thread, arch, dtype, packed):
     """bf16 (what real checkpoints ship) rounds where transformers' modules round, with the linear
     layers as the user's model holds them or packed by the engine for its op."""
@@ -121,9 +122,10 @@ def test_the_bundled_model_decodes_through_the_lean_forward():
     assert (llm.runner.native_linear is not None) == kernels.rows_linear_pays()   # torch's GEMV where it is faster
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "mixtral"])
-def test_other_architectures_keep_the_module_path(arch):
-    assert LLM(tiny_model(arch)).runner.lean is None
+@pytest.mark.parametrize("arch,dtype", [("olmoe", torch.float32), ("mixtral", torch.float32),
+                                        ("deepseek_v3", torch.bfloat16)])
+def test_other_architectures_keep_the_module_path(arch, dtype):
+    assert LLM(tiny_model(arch).to(dtype)).runner.lean is None
 
 
 def test_a_forward_hook_sends_the_step_through_the_modules(one_thread):

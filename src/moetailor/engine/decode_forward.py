@@ -14,9 +14,9 @@ the same order, ``kernels/decode_layer.cpp``): a whole full-router step is one c
 budgets or observers ``attention_block`` + the controller's routing + ``moe_block``.
 
 Covered (``LeanDecoder.build`` returns None otherwise, and the engine keeps the module path):
-``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 or bf16 and ``olmoe`` ones in bf16 (the weights real
-checkpoints ship; an fp32 OLMoE keeps the module path, whose fp32 projections the engine packs for
-every row count), with the native experts and attention kernels, every layer a full-attention layer.
+``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 or bf16 and ``olmoe`` and ``mixtral`` ones in bf16
+(the weights real checkpoints ship; in fp32 those keep the module path, whose fp32 projections the
+engine packs for every row count), with the native experts and attention kernels, every layer a full-attention layer.
 Each projection runs as the module path's layer would (``module_linear``: the packed op, or
 ``native_linear``'s choice of the op or torch's GEMM), so bf16 rounds where transformers rounds, bit
 for bit; the native layer ops and the bound graph are fp32 only, so a bf16 step is the Python loop:
@@ -40,7 +40,7 @@ from ..routing.experts import native_experts_forward, step_weights
 from .native_layers import NATIVE_LINEAR_ROWS, native_linear, rms_norm
 
 FAMILIES = {"qwen2_moe": (torch.float32, torch.bfloat16), "qwen3_moe": (torch.float32, torch.bfloat16),
-            "olmoe": (torch.bfloat16,)}   # model type -> the weight dtypes the lean decoder covers
+            "olmoe": (torch.bfloat16,), "mixtral": (torch.bfloat16,)}   # model type -> the weight dtypes covered
 
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # rope types whose cos/sin depend on the position only
