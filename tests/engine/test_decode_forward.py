@@ -186,6 +186,9 @@ def test_a_bf16_models_norm_runs_the_native_op_in_a_decode_step_and_rounds_as_tr
     assert (y == stock(x)).float().mean() > 0.99                    # the variance's order: rare last-bit flips
     torch.testing.assert_close(y.float(), stock(x).float(), rtol=2 ** -7, atol=1e-6)
     assert torch.equal(norm(x), stock(x))
+    # the lean decoder's norm without the op (``native_layers.rms_norm``) is transformers' bf16 norm, bit for bit
+    from moetailor.engine.native_layers import rms_norm
+    assert torch.equal(rms_norm(x, stock.weight, stock.variance_epsilon, None), stock(x))
 
 
 @pytest.mark.parametrize("flags, onednn, fast", [

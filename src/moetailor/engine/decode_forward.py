@@ -16,7 +16,8 @@ budgets or observers ``attention_block`` + the controller's routing + ``moe_bloc
 Covered (``LeanDecoder.build`` returns None otherwise, and the engine keeps the module path):
 ``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 or bf16 and ``olmoe`` and ``mixtral`` ones in bf16
 (the weights real checkpoints ship; in fp32 those keep the module path, whose fp32 projections the
-engine packs for every row count), with the native experts and attention kernels, every layer a full-attention layer.
+engine packs for every row count), with the native experts and attention kernels, every layer a
+full-attention layer.
 Each projection runs as the module path's layer would (``module_linear``: the packed op, or
 ``native_linear``'s choice of the op or torch's GEMM), so bf16 rounds where transformers rounds, bit
 for bit; the native layer ops and the bound graph are fp32 only, so a bf16 step is the Python loop:

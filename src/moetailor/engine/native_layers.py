@@ -65,9 +65,11 @@ def packed_bf16_linears_pay() -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel) -> torch.Tensor:
-    """transformers' RMSNorm of fp32 ``x``: one call of the native ``kernel``, or op for op without one."""
+    """transformers' RMSNorm of ``x`` (fp32, or bf16 with fp32 inside): one call of the native
+    ``kernel``, or op for op without one."""
     if kernel is None:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        f = x.float()
+        return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
 
 
