@@ -1,5 +1,10 @@
+"""A bf16 checkpoint's greedy tokens and logprobs through the lean decoder and through transformers' modules.
+
+    flock /tmp/moetailor-heavy.lock .venv/bin/python docs/bench/2026-12-04-s21/lean_equals_modules_real_size.py build/olmoe4
+"""
 import sys, torch
-sys.path.insert(0, "/work/main/scripts")
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))   # engine_vs_hf (the repo's scripts/)
 from engine_vs_hf import heldout_prompts
 from moetailor.engine import LLM, SamplingParams
 torch.set_num_threads(2)

@@ -1,5 +1,11 @@
+"""The lean decoder beside transformers' modules, batch-1 decode step time, one process, rounds alternating.
+
+    flock /tmp/moetailor-heavy.lock .venv/bin/python docs/bench/2026-12-04-s21/lean_vs_modules_ab.py tiny
+    flock /tmp/moetailor-heavy.lock .venv/bin/python docs/bench/2026-12-04-s21/lean_vs_modules_ab.py build/olmoe4
+"""
 import sys, time, torch
-sys.path.insert(0, "/work/main/scripts")
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))   # engine_vs_hf (the repo's scripts/)
 from moetailor.engine import LLM, SamplingParams
 from moetailor.models.tiny import tiny_model
 torch.set_num_threads(2)
