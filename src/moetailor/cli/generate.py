@@ -49,10 +49,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
                    help="decode with torch's ops only, not moetailor's compiled CPU kernels (experts, paged attention)")
     p.add_argument("--compile-decode", action="store_true",
-                   help="decode steps through torch.compile (about 30 s of compiling at the first steps): pays on "
-                        "checkpoints the engine's lean forward does not cover, e.g. bf16 or OLMoE / Mixtral / DeepSeek "
-                        "ones (1.13-1.17x at batch 1, 8 and 32 on a real-size bf16 OLMoE shape, docs/benchmarks.md), "
-                        "not on fp32 Qwen-MoE ones")
+                   help="decode steps through torch.compile (about 30 s of compiling at the first steps) instead of "
+                        "the engine's lean forward: may pay on checkpoints the lean forward does not cover (DeepSeek, "
+                        "fp32 OLMoE / Mixtral); beside it, on bf16 Qwen-MoE / OLMoE / Mixtral and fp32 Qwen-MoE, it "
+                        "measured 0.87-1.03x (docs/benchmarks.md)")
     p.add_argument("--k-schedule", choices=("mixed", "max", "lanes", "tiers"), default="mixed",
                    help="how requests with different expert_top_k budgets share steps: mixed (one step, each "
                         "token at its own k), max (each step at its largest k), lanes (online low/high-k "
