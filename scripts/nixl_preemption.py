@@ -32,10 +32,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blocks", type=int, default=7, help="the decode instance's KV blocks of 32 tokens")
     ap.add_argument("--new-tokens", type=int, default=120)
+    ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN, help="both instances' max_model_len")
     args = ap.parse_args()
-    if args.blocks * BLOCK_SIZE < MAX_MODEL_LEN + BLOCK_SIZE:
-        ap.error(f"--blocks must be at least {MAX_MODEL_LEN // BLOCK_SIZE + 1}: vLLM refuses a cache that cannot hold one "
-                 f"request of {MAX_MODEL_LEN} tokens")
+    if args.blocks * BLOCK_SIZE < args.max_model_len + BLOCK_SIZE:
+        ap.error(f"--blocks must be at least {args.max_model_len // BLOCK_SIZE + 1}: vLLM refuses a cache that cannot "
+                 f"hold one request of {args.max_model_len} tokens")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations" / "vllm"))
     from vllm import SamplingParams
     from vllm_helpers import BUNDLED_PLAN, engine_token_ids, task_prompts, vllm_engine
@@ -56,7 +57,7 @@ def main() -> None:
     expected = engine_token_ids(Plan.load(tmp / "quarter.json").phase_aware(), ids, max_tokens=args.new_tokens)
 
     prefill_kw, decode_kw = nixl.pair_kwargs("reference", pruned, kv_cache_mib=None, max_num_seqs=8,
-                                             block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN)
+                                             block_size=BLOCK_SIZE, max_model_len=args.max_model_len)
     prefill_kw.update(kv_cache_memory_bytes=64 << 20)
     decode_kw.update(kv_cache_memory_bytes=64 << 20, num_gpu_blocks_override=args.blocks, disable_log_stats=False)
     print(f"{len(ids)} prompts of {min(map(len, ids))}-{max(map(len, ids))} tokens, {args.new_tokens} new tokens, "
