@@ -128,6 +128,22 @@ def test_other_architectures_keep_the_module_path(arch, dtype):
     assert LLM(tiny_model(arch).to(dtype)).runner.lean is None
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])
+def test_a_projection_the_engine_did_not_swap_keeps_the_module_path(one_thread, arch):
+    """A linear layer the engine leaves to torch (here a non-contiguous weight) runs torch's op in the
+    modules; the lean loop would run the native op on it, so the engine keeps the modules."""
+    model = tiny_model(arch, seed=1).to(torch.bfloat16)
+    o = model.model.layers[1].self_attn.o_proj
+    o.weight = torch.nn.Parameter(o.weight.detach().t().contiguous().t(), requires_grad=False)   # same values
+    llm = LLM(model)
+    assert llm.runner.native_linear is None or type(o) is torch.nn.Linear
+    assert llm.runner.lean is None or llm.runner.native_linear is None
+    prompts = random_prompts([5, 9, 3], seed=1)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == \
+        [o.token_ids for o in LLM(model, lean_decode=False).generate(prompts, params)]
+
+
 def test_a_forward_hook_sends_the_step_through_the_modules(one_thread):
     model = tiny_model("qwen2_moe", seed=4)
     llm = LLM(model)

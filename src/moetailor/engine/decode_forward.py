@@ -196,6 +196,8 @@ class LeanDecoder:
             biases = [p.bias for p in projections]
             if len({kernels.is_packed(p.weight) for p in projections}) > 1:
                 return None                                                   # stacked: one layout for all three
+            if len({type(m) for m in (*projections, attn.o_proj, head)}) > 1:
+                return None         # a layer the engine did not swap (its sizes) runs torch's op in the modules
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             layer = moe[index]
             shared = shared_gate = shared_down = None
@@ -203,6 +205,8 @@ class LeanDecoder:
             if layer.shared_expert is not None:
                 mlp = layer.shared_expert
                 E, I = moe_in.shape[0], mlp.gate_proj.out_features
+                if len({type(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj, layer.shared_gate, head)}) > 1:
+                    return None
                 if dtype == torch.float32:
                     moe_in = torch.cat([moe_in, mlp.gate_proj.weight, mlp.up_proj.weight, layer.shared_gate.weight]).detach()
                     shared, shared_gate = moe_in[E:E + 2 * I], moe_in[E + 2 * I:]   # row ranges: contiguous views
