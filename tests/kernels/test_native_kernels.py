@@ -284,20 +284,22 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     assert not (tmp_path / "stale" / "lock").exists() and (tmp_path / "fresh" / "lock").exists()
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                               (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("batch,heads,kv_heads,dim", [(1, 4, 2, 64), (5, 8, 8, 32)])
-def test_rotary_kv_write_equals_transformers_bit_for_bit(batch, heads, kv_heads, dim, cache_dtype):
+def test_rotary_kv_write_equals_transformers_bit_for_bit(batch, heads, kv_heads, dim, dtype, cache_dtype):
     """The lean decode forward's rotary + cache write: q, k, v as the strided views of one stacked
     projection (as the step has them), against transformers' apply_rotary_pos_emb and two index
-    copies. Equal, not close: the lean forward and the module path must write the same cache."""
+    copies. Equal, not close: the lean forward and the module path must write the same cache (a bf16
+    model: each product and the sum rounded to bf16, as torch's bf16 ops do)."""
     from transformers.models.qwen2_moe.modeling_qwen2_moe import apply_rotary_pos_emb
 
     torch.manual_seed(batch)
-    qkv = 4 * torch.randn(batch, (heads + 2 * kv_heads) * dim)
+    qkv = (4 * torch.randn(batch, (heads + 2 * kv_heads) * dim)).to(dtype)
     q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
     q, k, v = q.view(batch, heads, dim), k.view(batch, kv_heads, dim), v.view(batch, kv_heads, dim)
     angles = torch.rand(batch, dim // 2) * 300
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)   # [B, D]
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))   # [B, D]
     slots = torch.randperm(64)[:batch]
     k_cache, v_cache = (torch.zeros(64, kv_heads, dim, dtype=cache_dtype) for _ in range(2))
     out = kernels.rotary_kv_write()(q, k, v, cos, sin, k_cache, v_cache, slots)

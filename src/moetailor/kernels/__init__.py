@@ -108,7 +108,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("moetailor::rotary_kv_write")
     def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
-        return q.new_empty(q.shape)                                         # [B, nH, D] fp32
+        return q.new_empty(q.shape)                                         # [B, nH, D], q's dtype
 
     @torch.library.register_fake("moetailor::paged_decode_attention")
     def _(q, k_cache, v_cache, block_table, lengths, block_size, scale):
@@ -252,6 +252,7 @@ def paged_decode_attention():
 def rotary_kv_write():
     """The op ``rotary_kv_write(q [B, nH, D], k [B, nKV, D], v [B, nKV, Dv], cos [B, D], sin [B, D],
     k_cache, v_cache (written), slot_mapping [B]) -> rotated q [B, nH, D]``: rotate_half rotary
-    embedding of q and k, equal to transformers' bit for bit, with k and v written at their slots, or None."""
+    embedding of q and k (fp32, or bf16 rounded where torch's bf16 ops round), equal to transformers'
+    bit for bit, with k and v written at their slots, or None."""
     ops = _module()
     return None if ops is None else ops.rotary_kv_write
