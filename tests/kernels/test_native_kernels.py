@@ -217,15 +217,17 @@ def test_rows_linear_on_bf16_rows_rounds_the_fp32_result_once(rows, cols, bias):
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,width", [(1, 256), (3, 40)])
-def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(rows, width):
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(rows, width, dtype):
     """The lean decode forward fuses each residual add with the next norm; the module path adds, then
-    norms: the two must agree to the bit."""
+    norms: the two must agree to the bit (a bf16 model: the sum rounded to bf16, as its add does)."""
     torch.manual_seed(rows)
-    x, r, w = torch.randn(rows, width), torch.randn(rows, width), torch.randn(width)
+    x, r, w = (t.to(dtype) for t in (4 * torch.randn(rows, width), torch.randn(rows, width), torch.randn(width)))
     total, normed = kernels.add_rms_norm()(x, r, w, 1e-6)
+    assert total.dtype == normed.dtype == dtype
     assert torch.equal(total, r + x) and torch.equal(normed, kernels.rms_norm()(r + x, w, 1e-6))
-    with pytest.raises(RuntimeError, match="residual: contiguous fp32"):
+    with pytest.raises(RuntimeError, match="residual: contiguous"):
         kernels.add_rms_norm()(x, r[:, :-1], w, 1e-6)
 
 

@@ -21,8 +21,8 @@ full-attention layer.
 Each projection runs as the module path's layer would (``module_linear``: the packed op, or
 ``native_linear``'s choice of the op or torch's GEMM), so bf16 rounds where transformers rounds, bit
 for bit; the native layer ops and the bound graph are fp32 only, so a bf16 step is the Python loop
-(with ``rotary_kv_write``, which rounds as torch's bf16 ops): ~0.2 ms a layer less than transformers'
-modules at batch 1 (4-layer tiny model, 2026-12-04). The
+(with ``rotary_kv_write`` and ``add_rms_norm``, which round as torch's bf16 ops): 2.2-2.5x transformers'
+modules' batch-1 step on 4-layer tiny models (2026-12-04). The
 stacked projection weights are copies of the dense (non-expert) weights (attention and shared
 expert; packed where the module path's are), a few percent of a MoE checkpoint's bytes. A model
 with forward hooks on any module (``hooked``) runs the module path, so the hooks see every step.
@@ -186,7 +186,7 @@ class LeanDecoder:
         if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
             return None
         if dtype != torch.float32:    # the native layer ops and the bound graph compute in fp32: the Python loop
-            add_norm_kernel = layer_ops = None                                # (with the bf16 rotary + cache write op)
+            layer_ops = None          # (with the rotary + cache write and add + norm ops, which round as torch's bf16)
         moe = {layer.index: layer for layer in moe_layers(model)}
         layers = []
         for index, block in enumerate(decoder_layers(model)):

@@ -164,9 +164,9 @@ def rms_norm():
 
 
 def add_rms_norm():
-    """The op ``add_rms_norm(x [T, H] fp32, residual [T, H] fp32, weight [H], eps) -> (x + residual,
-    rms_norm(x + residual))``: a pre-norm layer's residual add and next norm in one call, equal to
-    the add followed by ``rms_norm`` bit for bit, or None."""
+    """The op ``add_rms_norm(x [T, H], residual [T, H], weight [H], eps) -> (x + residual,
+    rms_norm(x + residual))`` (fp32, or bf16 throughout): a pre-norm layer's residual add and next
+    norm in one call, equal to the add followed by ``rms_norm`` bit for bit, or None."""
     ops = _module()
     return None if ops is None else ops.add_rms_norm
 

@@ -74,8 +74,16 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 }
 
 // (x + residual, rms_norm(x + residual)): the residual stream and the next block's input in one call.
+// In a bf16 model the sum is rounded to bf16 (torch's bf16 add: the fp32 sum, rounded to nearest even)
+// and normed as rms_norm norms a bf16 row, so the fused op is bit for bit the add followed by the norm.
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
                                                       const torch::Tensor& weight, double eps) {
+  if (x.scalar_type() == torch::kBFloat16) {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.sizes() == x.sizes() && residual.is_contiguous() &&
+                    residual.scalar_type() == torch::kBFloat16, "bf16 x and residual: contiguous [T, H]");
+    auto sum = (x + residual).contiguous();   // ATen's bf16 add: the module path's own residual add
+    return {sum, rms_norm(sum, weight, eps)};
+  }
   check(x, weight);
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == torch::kFloat32 && residual.is_contiguous(),
               "residual: contiguous fp32 with x's shape");
