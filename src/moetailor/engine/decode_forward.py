@@ -14,18 +14,18 @@ the same order, ``kernels/decode_layer.cpp``): a whole full-router step is one c
 budgets or observers ``attention_block`` + the controller's routing + ``moe_block``.
 
 Covered (``LeanDecoder.build`` returns None otherwise, and the engine keeps the module path):
-``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 or bf16 and ``olmoe`` and ``mixtral`` ones in bf16
-(the weights real checkpoints ship; in fp32 those keep the module path, whose fp32 projections the
-engine packs for every row count), with the native experts and attention kernels, every layer a
-full-attention layer.
-Each projection runs as the module path's layer would (``module_linear``: the packed op, or
-``native_linear``'s choice of the op or torch's GEMM), so bf16 rounds where transformers rounds, bit
-for bit; the native layer ops and the bound graph are fp32 only, so a bf16 step is the Python loop
-(with ``rotary_kv_write`` and ``add_rms_norm``, which round as torch's bf16 ops): 2.2-2.5x transformers'
-modules' batch-1 step on 4-layer tiny models (2026-12-04). The
-stacked projection weights are copies of the dense (non-expert) weights (attention and shared
-expert; packed where the module path's are), a few percent of a MoE checkpoint's bytes. A model
-with forward hooks on any module (``hooked``) runs the module path, so the hooks see every step.
+``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 or bf16, ``olmoe`` and ``mixtral`` ones in bf16 (the
+weights real checkpoints ship; in fp32 those keep the module path, whose fp32 projections the engine
+packs for every row count), with the native experts and attention kernels, every layer a
+full-attention layer, every projection the engine's own layer. Each projection runs as the module
+path's layer would (``module_linear``: packed, the op; else ``native_linear``'s choice of the op or
+torch's GEMM), so bf16 rounds where transformers rounds, bit for bit. The native layer ops and the
+bound graph are fp32 only, so a bf16 step is the Python loop, with ``rotary_kv_write`` and
+``add_rms_norm`` (which round as torch's bf16 ops): 2.2-2.5x transformers' modules' batch-1 step on
+4-layer tiny models (2026-12-04). The stacked projection weights are copies of the dense
+(non-expert) weights (attention and shared expert; packed where the module path's are), a few
+percent of a MoE checkpoint's bytes. A model with forward hooks on any module (``hooked``) runs the
+module path, so the hooks see every step.
 """
 from __future__ import annotations
 
