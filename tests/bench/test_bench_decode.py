@@ -89,3 +89,12 @@ def test_throughput_at_slo_interpolates():
     noisy = [(133.7, 134.0), (95.4, 191.0), (87.1, 349.0), (88.3, 707.0), (75.0, 1200.0)]
     u, t = throughput_at_slo(noisy, 85.7)
     assert u == 85.7 and t == pytest.approx(707.0 + (1200.0 - 707.0) * (88.3 - 85.7) / (88.3 - 75.0))
+
+
+def test_bench_models_load_in_the_dtype_asked(tmp_path):
+    """`bench decode --dtype bfloat16` measures the weights as real checkpoints ship them."""
+    from moetailor.bench.decode import load_bench_model
+
+    tiny_model("olmoe", num_experts=8, top_k=2).save_pretrained(tmp_path)
+    assert {p.dtype for p in load_bench_model(str(tmp_path), dtype="bfloat16").parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in load_bench_model(str(tmp_path)).parameters()} == {torch.float32}

@@ -122,6 +122,34 @@ def test_the_bundled_model_decodes_through_the_lean_forward():
     assert (llm.runner.native_linear is not None) == kernels.rows_linear_pays()   # torch's GEMV where it is faster
 
 
+@pytest.mark.parametrize("arch,masked", [("olmoe", False), ("mixtral", False), ("qwen2_moe", True)])
+def test_bf16_decode_steps_route_natively_with_the_stock_routes(one_thread, arch, masked):
+    """A bf16 model's decode steps route through the native selection too (the bf16 logits widened,
+    as the stock router widens them; the weights cast back to bf16 where it casts them, Mixtral's
+    kept in fp32): the lean loop (bf16) and the module path both, and the routes are the stock
+    router's: the same tokens, logprobs as close as bf16 allows."""
+    model = tiny_model(arch, seed=5).to(torch.bfloat16)
+    plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 2, 3, 5), pool_mode="mask")) if masked else None
+    prompts = random_prompts([5, 17, 9], seed=5)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
+    native = LLM(model, plan)
+    assert native.runner.native_router is not None
+    calls, routed = [], []
+    op = native.runner.native_router
+    native.runner.native_router = lambda *args: calls.append(args[0].dtype) or op(*args)
+    observe = native.controller.observing(lambda layer, hidden, logits, weights, index: routed.append(weights.dtype))
+    with observe:
+        got = native.generate(prompts, params)
+    assert calls == [torch.float32] * (3 * len(model.model.layers))   # every decode step's layers, fp32 logits
+    assert set(routed) == {torch.float32 if arch == "mixtral" else torch.bfloat16}
+    stock = LLM(model, plan)
+    stock.runner.native_router = None
+    for a, b in zip(got, stock.generate(prompts, params)):
+        assert a.token_ids[:2] == b.token_ids[:2]
+        torch.testing.assert_close(torch.tensor([e.logprob for e in a.logprobs[:2]]),
+                                   torch.tensor([e.logprob for e in b.logprobs[:2]]), atol=0.05, rtol=0)
+
+
 @pytest.mark.parametrize("arch,dtype", [("olmoe", torch.float32), ("mixtral", torch.float32),
                                         ("deepseek_v3", torch.bfloat16)])
 def test_other_architectures_keep_the_module_path(arch, dtype):

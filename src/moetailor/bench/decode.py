@@ -12,6 +12,8 @@ import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from .. import kernels
 from .bandwidth import gemv_bandwidth, read_bandwidth
 from .measure import DecodeResult, engine_decode, hf_decode, make_llm
@@ -37,12 +39,13 @@ class DecodeConfig:
             batches = [b for b in self.batches if b in (1, 8, 64)] or self.batches[:3]
             keeps = [0.5] if 0.5 in self.keeps or not self.keeps else self.keeps[:1]
             return DecodeConfig(self.model, batches, keeps, self.top_ks, self.steps or 4, True,
-                                self.synthetic_layers, self.hf, self.pruned, self.plans, self.prompt_len)
+                                self.synthetic_layers, self.hf, self.pruned, self.plans, self.prompt_len, self.dtype)
         return DecodeConfig(self.model, self.batches, self.keeps, self.top_ks, self.steps or 12, False,
-                            self.synthetic_layers, self.hf, self.pruned, self.plans, self.prompt_len)
+                            self.synthetic_layers, self.hf, self.pruned, self.plans, self.prompt_len, self.dtype)
 
     plans: list[str] = field(default_factory=list)   # extra decode pools from plan files (e.g. folding)
     prompt_len: int = 16
+    dtype: str = "float32"   # the weights as measured: float32, or bfloat16 (what real checkpoints ship)
 
 
 HF_STEP_LIMIT_S = 3.0   # transformers steps slower than this end the transformers sweep
@@ -55,13 +58,13 @@ class Measured:
     result: DecodeResult
 
 
-def load_bench_model(name: str, synthetic_layers: int = 2):
-    """'synthetic' (built in memory), 'reference' or a local checkpoint path."""
+def load_bench_model(name: str, synthetic_layers: int = 2, dtype: str = "float32"):
+    """'synthetic' (built in memory), 'reference' or a local checkpoint path, its weights in ``dtype``."""
     if name == "synthetic":
         from .synthetic import synthetic_model
-        return synthetic_model(synthetic_layers)
+        return synthetic_model(synthetic_layers).to(getattr(torch, dtype))
     from ..models.loading import load_model
-    return load_model(name)
+    return load_model(name, dtype=getattr(torch, dtype))
 
 
 def model_names(spec: str) -> list[str]:
@@ -79,7 +82,7 @@ def measure_model(name: str, cfg: DecodeConfig, progress_desc: str = "decode", m
     from tqdm import tqdm
 
     if model is None:
-        model = load_bench_model(name, cfg.synthetic_layers)
+        model = load_bench_model(name, cfg.synthetic_layers, cfg.dtype)
     hf: dict[int, float] = {}
     if cfg.hf:  # stock transformers first, before the engine installs its routing control
         for b in tqdm(cfg.batches, desc=f"{name}: transformers generate", unit="batch"):
@@ -121,7 +124,8 @@ def run_decode(cfg: DecodeConfig, out: Path, command: str = "") -> Report:
     rep.note(f"Machine read bandwidth (torch.sum over {'512 MiB' if cfg.quick else '1 GiB'} fp32, best of 5): "
              f"**{read_bw / 1e9:.1f} GB/s**; fp32 GEMV over expert weights (one token through "
              f"{20 if cfg.quick else 40} experts of 2048x1024): **{gemv_bw / 1e9:.1f} GB/s**. "
-             f"{cfg.steps} timed decode steps per cell (median), prompts of {cfg.prompt_len} tokens.")
+             f"{cfg.steps} timed decode steps per cell (median), prompts of {cfg.prompt_len} tokens, "
+             f"weights in {cfg.dtype}.")
     rep.data = {"read_bandwidth": read_bw, "gemv_bandwidth": gemv_bw, "models": {}}
     goals = []
     for name in model_names(cfg.model):

@@ -65,6 +65,9 @@ def register(sub) -> None:
     d.add_argument("--synthetic-layers", type=int, default=2, help="MoE layers of the synthetic model (1.6 GB each)")
     d.add_argument("--no-hf", action="store_true", help="skip the transformers generate comparison")
     d.add_argument("--no-pruned", action="store_true", help="skip pruned-checkpoint pools (masking only)")
+    d.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the weights as measured (bfloat16: as real checkpoints ship them; the synthetic model is "
+                        "converted, a checkpoint loaded so)")
     d.add_argument("--plan", action="append", default=[], metavar="PLAN",
                    help="also time the decode pool of this plan file (repeatable; e.g. fold vs mask plans)")
     common(d, "build/bench/decode")
@@ -138,7 +141,7 @@ def run_decode(args) -> int:
     cfg = DecodeConfig(model=args.model, batches=_ints(args.batches), keeps=_floats(args.keep),
                        top_ks=_ints(args.top_k) if args.top_k else [], steps=args.steps, quick=args.quick,
                        synthetic_layers=args.synthetic_layers, hf=not args.no_hf, pruned=not args.no_pruned,
-                       plans=args.plan)
+                       plans=args.plan, dtype=args.dtype)
     decode(cfg, args.out, _command()).write()
     return 0
 

@@ -62,9 +62,10 @@ def select(logits: torch.Tensor, sem: RouterSemantics, k: int, allowed: torch.Te
            bias: torch.Tensor | None = None, kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock top-k routing restricted to ``allowed`` experts. Returns float weights, index [T, k].
     ``kernel``: the native ``softmax_topk`` op, which does a softmax router's selection in one call
-    (engine decode steps; equal to the torch ops below up to float rounding)."""
-    if sem.scoring == "softmax" and kernel is not None and logits.dtype == torch.float32:
-        return kernel(logits.contiguous(), k, sem.normalise, allowed)
+    (engine decode steps; equal to the torch ops below up to float rounding; bf16 logits widened first,
+    as below)."""
+    if sem.scoring == "softmax" and kernel is not None:
+        return kernel(logits.float().contiguous(), k, sem.normalise, allowed)
     if sem.scoring == "softmax":
         z = logits.float()                                                  # [T, E]
         if allowed is not None:
