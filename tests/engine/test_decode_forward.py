@@ -64,26 +64,32 @@ class CountingOps:
         return call
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
-def test_decode_layers_run_in_one_native_call_under_the_full_router(one_thread, arch):
+@pytest.mark.parametrize("arch,dtype,packed", [("qwen2_moe", torch.float32, None), ("qwen3_moe", torch.float32, None),
+                                                ("qwen3_moe", torch.bfloat16, False), ("olmoe", torch.bfloat16, True),
+                                                ("mixtral", torch.bfloat16, True)])
+def test_decode_layers_run_in_one_native_call_under_the_full_router(one_thread, arch, dtype, packed):
     """Steps of at most 8 rows: the whole step in one native call (the bound ``DecodeGraph``) under
     the full router, else one ``decode_layer`` call a layer, and ``attention_block`` + the controller
-    + ``moe_block`` under a plan; each equals the module path."""
-    model = tiny_model(arch, seed=4)
+    + ``moe_block`` under a plan; each equals the module path (bf16: converted and rounded where the
+    Python loop converts and rounds, OLMoE's q/k norm over the whole projection, Mixtral's routing
+    weights kept in fp32; packed projections as real-size bf16 checkpoints have them)."""
+    if packed and not kernels.packed_weights_pay():
+        pytest.skip("the engine packs only where the packed tile is compiled (AVX-512)")
+    model = tiny_model(arch, seed=4).to(dtype)
     prompts = random_prompts([5, 17, 9, 3], seed=4)
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
     layers, steps = len(model.model.layers), 5
     plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 2, 5)))
     for plan, graph, calls in ((None, True, {}), (None, False, {"decode_layer": steps * layers}),
                                (plan, True, {"attention_block": steps * layers, "moe_block": steps * layers})):
-        llm = LLM(model, plan)
-        assert llm.runner.lean.graph is not None
+        llm = LLM(model, plan, pack_weights=packed)
+        assert llm.runner.lean.graph is not None and (not packed or kernels.is_packed(llm.runner.lean.layers[0].qkv))
         counting = CountingOps(llm.runner.lean.layer_ops)
         llm.runner.lean = dataclasses.replace(llm.runner.lean, layer_ops=counting,
                                               graph=llm.runner.lean.graph if graph else None)
         got = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
         assert counting.calls == calls
-        assert got == run(model, plan, False, prompts, params)[0]
+        assert got == run(model, plan, False, prompts, params, pack_weights=packed)[0]
 
 
 @pytest.mark.parametrize("arch,masked", [("qwen2_moe", False), ("qwen3_moe", False), ("olmoe", False),

@@ -19,10 +19,11 @@ weights real checkpoints ship; in fp32 those keep the module path, whose fp32 pr
 packs for every row count), with the native experts and attention kernels, every layer a
 full-attention layer, every projection the engine's own layer. Each projection runs as the module
 path's layer would (``module_linear``: packed, the op; else ``native_linear``'s choice of the op or
-torch's GEMM), so bf16 rounds where transformers rounds, bit for bit. The native layer ops and the
-bound graph are fp32 only, so a bf16 step is the Python loop, with ``rotary_kv_write`` and
-``add_rms_norm`` (which round as torch's bf16 ops): 2.2-2.5x transformers' modules' batch-1 step on
-4-layer tiny models (2026-12-04). The stacked projection weights are copies of the dense
+torch's GEMM), so bf16 rounds where transformers rounds, bit for bit (``rotary_kv_write``,
+``add_rms_norm`` and ``rms_norm`` round as torch's bf16 ops). The native layer ops and the bound graph
+take bf16 too, converting where the Python loop converts, except with a shared expert (Qwen2-MoE: its
+bf16 projections are not stacked into ``moe_in``), which keeps the Python loop: on tiny bf16 models a
+batch-1 step is half the Python loop's, on a real-size OLMoE ~1 ms (4%) less (2026-12-05). The stacked projection weights are copies of the dense
 (non-expert) weights (attention and shared expert; packed where the module path's are), a few
 percent of a MoE checkpoint's bytes. A model with forward hooks on any module (``hooked``) runs the
 module path, so the hooks see every step.
@@ -110,7 +111,7 @@ class LeanLayer:
     o: torch.Tensor                   # [H, nH D]
     moe: MoeLayer
     moe_in: torch.Tensor              # [E (+ 2 I + 1), H]: router | shared expert gate, up | its sigmoid gate,
-                                      # stacked (fp32: the native layer ops read it; bf16: the router's weight)
+                                      # stacked (fp32; bf16: the router's weight alone), the native layer ops read it
     shared: torch.Tensor | None       # [2 I, H]: shared expert gate and up projections (fp32: a view of moe_in)
     shared_gate: torch.Tensor | None  # [1, H]: the shared expert's sigmoid gate (fp32: a view of moe_in)
     shared_down: torch.Tensor | None  # [H, I]
@@ -140,7 +141,7 @@ class BoundGraph:
             op.add_layer(layer.qkv, layer.qkv_bias, *qk, *kv_cache[layer.index], layer.o, layer.post_norm.weight,
                          layer.post_norm.eps, layer.moe_in, moe.top_k, moe.semantics.normalise, gate_up, down,
                          getattr(moe.experts, "_moetailor_layer", -1), moe.num_experts, layer.shared_down,
-                         next_norm.weight, next_norm.eps)
+                         next_norm.weight, next_norm.eps, lean.round_weights)
         return cls(op, kv_cache, block_size, expert_weights)
 
     def runs(self, step: Step, controller) -> bool:
@@ -169,6 +170,7 @@ class LeanDecoder:
     add_norm: object = None                # the native residual add + RMSNorm op, else an add and the norm
     layer_ops: object = None               # the native decode-layer ops (kernels/decode_layer.cpp), or None
     graph: "BoundGraph | None" = None      # the whole step under the full router in one native call, or None
+    round_weights: bool = False            # the stock router returns bf16 weights (all but Mixtral): the native ops too
 
     @classmethod
     def build(cls, model, controller, attention_kernel, rotary_kernel=None, add_norm_kernel=None,
@@ -185,8 +187,6 @@ class LeanDecoder:
             return None
         if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
             return None
-        if dtype != torch.float32:    # the native layer ops and the bound graph compute in fp32: the Python loop
-            layer_ops = None          # (with the rotary + cache write and add + norm ops, which round as torch's bf16)
         moe = {layer.index: layer for layer in moe_layers(model)}
         layers = []
         for index, block in enumerate(decoder_layers(model)):
@@ -227,15 +227,16 @@ class LeanDecoder:
             return None
         attn = decoder_layers(model)[0].self_attn
         fusable = all(l.qkv.is_contiguous() and l.o.is_contiguous() and (l.q_norm is None or l.q_norm.eps == l.k_norm.eps)
-                      and (l.q_norm is None or l.q_norm.weight.numel() == attn.head_dim)
-                      and (l.shared_down is None or l.shared_down.is_contiguous()) for l in layers)
+                      and (l.shared_down is None or l.shared_down.is_contiguous() and dtype == torch.float32)
+                      for l in layers)   # a bf16 shared expert is not stacked into moe_in: the Python loop
         decoder = cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), head.weight, inner.rotary_emb,
                       rotary_table(inner.rotary_emb, inner.embed_tokens.weight, max_model_len),
                       sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
                       cfg.num_key_value_heads, attn.head_dim, float(attn.scaling),
                       tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)),
                       rotary_kernel, add_norm_kernel,
-                      layer_ops if fusable and rotary_kernel is not None and add_norm_kernel is not None else None)
+                      layer_ops if fusable and rotary_kernel is not None and add_norm_kernel is not None else None,
+                      round_weights=controller.spec.cast_weights_to_logits_dtype)
         if decoder.layer_ops is None or decoder.rotary_table is None or kv_cache is None or \
                 not all(getattr(l.moe.router, "_moetailor_native", False) for l in layers):
             return decoder
@@ -258,7 +259,7 @@ class LeanDecoder:
         weight changes no column of either). Each residual add is fused with the norm after it (the
         next layer's, or the final one)."""
         kernel, norm, kv = step.linear_kernel, step.norm_kernel, step.kv
-        native_rows = kernel is not None and ids.shape[0] <= NATIVE_LINEAR_ROWS   # the fp32 layer ops' condition
+        native_rows = kernel is not None and ids.shape[0] <= NATIVE_LINEAR_ROWS   # the native layer ops' condition
         if self.graph is not None and native_rows and norm is not None and self.graph.runs(step, controller):
             return self.graph.op.forward(ids, positions, kv.slot_mapping, kv.block_table, kv.context_lens,
                                          step.experts_read)                  # [B, V]: what follows, in one call
@@ -311,7 +312,7 @@ class LeanDecoder:
         if controller.selects_natively(moe, step) and not controller.observers:
             return ops.decode_layer(x, h, *attention, moe.top_k, moe.semantics.normalise, gate_up, down,
                                     step.experts_read, experts_layer, E, layer.shared_down, next_norm.weight,
-                                    next_norm.eps)
+                                    next_norm.eps, self.round_weights)
         x, h, moe_in_out = ops.attention_block(x, h, *attention)             # [B, H] x2, [B, E (+ 2I + 1)]
         _, weights, index = controller._route(moe, h, logits=moe_in_out[:, :E])   # [B, K] each
         return ops.moe_block(x, h, index.long().contiguous(), weights.float().contiguous(), gate_up, down,

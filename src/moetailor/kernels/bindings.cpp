@@ -30,7 +30,7 @@ TORCH_LIBRARY(moetailor, m) {
         "Tensor block_table, Tensor context_lens, int block_size, float scaling, Tensor o, Tensor post_norm, "
         "float post_eps, Tensor moe_in, int heads, int kv_heads, int top_k, bool normalise, Tensor gate_up, "
         "Tensor down, Tensor(c!) experts_read, int layer, int num_experts, Tensor? shared_down, Tensor next_norm, "
-        "float next_eps) -> (Tensor, Tensor)");
+        "float next_eps, bool round_weights) -> (Tensor, Tensor)");
   m.class_<DecodeGraph>("DecodeGraph")
       .def(torch::init<at::Tensor, at::Tensor, double, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t,
                        double>())

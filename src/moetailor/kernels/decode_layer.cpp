@@ -4,6 +4,9 @@
 // graph without returning to a host language. These compose the existing ops (ops.h) in the order
 // engine/decode_forward.py calls them one by one, and the elementwise steps of the shared expert
 // through ATen's own kernels (at::silu, at::sigmoid), so the result is the same, bit for bit.
+// fp32 or bf16 (without a shared expert): a bf16 layer converts where the Python loop converts (the
+// attention and the experts take fp32 rows and give back the layer's dtype; the router's logits are
+// selected over in fp32 and its weights rounded to bf16 where the stock router rounds them).
 //
 //   attention_block: (x, h) -> q|k|v, rotary + k/v write, paged attention, o, residual add + norm -> (x, h),
 //                    and h through `moe_in` [E + 2I + 1, H] (router | shared gate, up | shared gate logit).
@@ -16,8 +19,10 @@
 namespace {
 
 at::Tensor head_norm(const at::Tensor& t, const at::Tensor& weight, double eps) {
-  // decode_forward's Norm on [B, heads, D]: rows of D through rms_norm, back to the view's shape
-  return rms_norm(t.reshape({-1, t.size(-1)}).contiguous(), weight, eps).view(t.sizes());
+  // decode_forward's Norm.heads on [B, heads, D]: per head where the weight holds D values (Qwen3-MoE),
+  // else over each token's whole projection (OLMoE), back to the view's shape
+  const int64_t width = weight.numel() == t.size(-1) ? t.size(-1) : t.size(1) * t.size(2);
+  return rms_norm(t.reshape({-1, width}).contiguous(), weight, eps).view(t.sizes());
 }
 
 }  // namespace
@@ -30,16 +35,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_block(
     int64_t block_size, double scaling, const at::Tensor& o, const at::Tensor& post_norm, double post_eps,
     const at::Tensor& moe_in, int64_t heads, int64_t kv_heads) {
   const int64_t B = h.size(0);
-  TORCH_CHECK(qkv.size(0) % (heads + 2 * kv_heads) == 0, "qkv rows must be (heads + 2 kv_heads) x head size");
-  const int64_t D = qkv.size(0) / (heads + 2 * kv_heads);
-  auto all = rows_linear(h, qkv, qkv_bias).view({B, heads + 2 * kv_heads, D});   // [B, nH + 2 nKV, D]
+  auto all = rows_linear(h, qkv, qkv_bias);                                       // [B, (nH + 2 nKV) D]
+  TORCH_CHECK(all.size(1) % (heads + 2 * kv_heads) == 0, "qkv rows must be (heads + 2 kv_heads) x head size");
+  const int64_t D = all.size(1) / (heads + 2 * kv_heads);                         // (qkv may be packed: [N/16, ...])
+  all = all.view({B, heads + 2 * kv_heads, D});                                   // [B, nH + 2 nKV, D]
   auto q = all.narrow(1, 0, heads), k = all.narrow(1, heads, kv_heads), v = all.narrow(1, heads + kv_heads, kv_heads);
   if (q_norm.has_value()) {
     q = head_norm(q, *q_norm, qk_eps);
     k = head_norm(k, *k_norm, qk_eps);
   }
   q = rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);                 // [B, nH, D]
-  auto attn = paged_decode_attention(q, k_cache, v_cache, block_table, context_lens, block_size, scaling);
+  auto attn = paged_decode_attention(q.to(at::kFloat), k_cache, v_cache, block_table, context_lens, block_size,
+                                     scaling).to(x.scalar_type());                          // fp32 inside
   auto [x2, h2] = add_rms_norm(x, rows_linear(attn.reshape({B, heads * D}), o, c10::nullopt), post_norm, post_eps);
   return {x2, h2, rows_linear(h2, moe_in, c10::nullopt)};                                  // [B, H] x2, [B, N]
 }
@@ -49,8 +56,10 @@ std::tuple<at::Tensor, at::Tensor> moe_block(
     const at::Tensor& gate_up, const at::Tensor& down, at::Tensor& experts_read, int64_t layer,
     const at::Tensor& moe_in_out, int64_t num_experts, const c10::optional<at::Tensor>& shared_down,
     const at::Tensor& next_norm, double next_eps) {
-  auto out = swiglu_experts(h, gate_up, down, index, weight, experts_read, layer);         // [B, H]
+  auto out = swiglu_experts(h.to(at::kFloat).contiguous(), gate_up, down, index, weight, experts_read, layer)
+                 .to(x.scalar_type());                                                       // [B, H]
   if (shared_down.has_value()) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "a shared expert's stacked projections are fp32 only");
     const int64_t I = shared_down->size(1);
     TORCH_CHECK(moe_in_out.size(1) == num_experts + 2 * I + 1, "moe_in_out: [B, E + 2I + 1]");
     auto gate = moe_in_out.narrow(1, num_experts, I), up = moe_in_out.narrow(1, num_experts + I, I);
@@ -69,11 +78,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     int64_t block_size, double scaling, const at::Tensor& o, const at::Tensor& post_norm, double post_eps,
     const at::Tensor& moe_in, int64_t heads, int64_t kv_heads, int64_t top_k, bool normalise,
     const at::Tensor& gate_up, const at::Tensor& down, at::Tensor& experts_read, int64_t layer,
-    int64_t num_experts, const c10::optional<at::Tensor>& shared_down, const at::Tensor& next_norm, double next_eps) {
+    int64_t num_experts, const c10::optional<at::Tensor>& shared_down, const at::Tensor& next_norm, double next_eps,
+    bool round_weights) {
   auto [x2, h2, proj] = attention_block(x, h, qkv, qkv_bias, q_norm, k_norm, qk_eps, cos, sin, k_cache, v_cache,
                                         slot_mapping, block_table, context_lens, block_size, scaling, o, post_norm,
                                         post_eps, moe_in, heads, kv_heads);
-  auto [weights, index] = softmax_topk(proj.narrow(1, 0, num_experts).contiguous(), top_k, normalise, c10::nullopt);
+  auto [weights, index] = softmax_topk(proj.narrow(1, 0, num_experts).to(at::kFloat).contiguous(), top_k, normalise,
+                                      c10::nullopt);
+  if (round_weights && proj.scalar_type() != at::kFloat) weights = weights.to(proj.scalar_type()).to(at::kFloat);
   return moe_block(x2, h2, index, weights, gate_up, down, experts_read, layer, proj, num_experts, shared_down,
                    next_norm, next_eps);
 }
@@ -90,9 +102,10 @@ void DecodeGraph::add_layer(at::Tensor qkv, c10::optional<at::Tensor> qkv_bias, 
                             at::Tensor o, at::Tensor post_norm, double post_eps, at::Tensor moe_in, int64_t top_k,
                             bool normalise, at::Tensor gate_up, at::Tensor down, int64_t experts_layer,
                             int64_t num_experts, c10::optional<at::Tensor> shared_down, at::Tensor next_norm,
-                            double next_eps) {
+                            double next_eps, bool round_weights) {
   layers.push_back({qkv, qkv_bias, q_norm, k_norm, qk_eps, k_cache, v_cache, o, post_norm, post_eps, moe_in, top_k,
-                    normalise, gate_up, down, experts_layer, num_experts, shared_down, next_norm, next_eps});
+                    normalise, gate_up, down, experts_layer, num_experts, shared_down, next_norm, next_eps,
+                    round_weights});
 }
 
 // decode_forward.py's loop, in the same order: embedding, cos/sin rows of the table, the first norm,
@@ -108,6 +121,6 @@ at::Tensor DecodeGraph::forward(const at::Tensor& ids, const at::Tensor& positio
                                   l.v_cache, slot_mapping, block_table, context_lens, block_size, scaling, l.o,
                                   l.post_norm, l.post_eps, l.moe_in, heads, kv_heads, l.top_k, l.normalise, l.gate_up,
                                   l.down, experts_read, l.experts_layer, l.num_experts, l.shared_down, l.next_norm,
-                                  l.next_eps);
+                                  l.next_eps, l.round_weights);
   return rows_linear(h, lm_head, c10::nullopt);                                           // [B, V]
 }
