@@ -59,8 +59,10 @@ def engine():
     llm.generate(prompts, SamplingParams(max_tokens=14, ignore_eos=True))
     steps = [x.seconds for x in llm.step_log if x.phase == "decode"][1:]
     n = len(steps) + 1
-    return STEP_BYTES / statistics.median(steps) / 1e9, acc["experts"][0] / acc["experts"][1] * 1e3
+    ems = acc["experts"][0] / acc["experts"][1] * 1e3 if acc["experts"][1] else None   # None: the step ran in C++
+    return STEP_BYTES / statistics.median(steps) / 1e9, ems
 print('GB/s of a batch-1 step\'s bytes')
 for rnd in range(5):
     e, ems = engine()
-    print(f"llama.cpp step {lcpp():.1f} GB/s | engine step {e:.1f} GB/s (its experts op {8*3*2048*1024*2/ems/1e6:.1f}) | experts op {experts():.1f} | LM head op {head():.1f} | torch.sum {sums():.1f}")
+    inside = "in C++" if ems is None else f"{8 * 3 * 2048 * 1024 * 2 / ems / 1e6:.1f}"
+    print(f"llama.cpp step {lcpp():.1f} GB/s | engine step {e:.1f} GB/s (its experts op {inside}) | experts op {experts():.1f} | LM head op {head():.1f} | torch.sum {sums():.1f}")
