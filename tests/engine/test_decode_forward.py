@@ -66,13 +66,15 @@ class CountingOps:
 
 @pytest.mark.parametrize("arch,dtype,packed", [("qwen2_moe", torch.float32, None), ("qwen3_moe", torch.float32, None),
                                                 ("qwen3_moe", torch.bfloat16, False), ("olmoe", torch.bfloat16, True),
-                                                ("mixtral", torch.bfloat16, True)])
+                                                ("mixtral", torch.bfloat16, True), ("qwen2_moe", torch.bfloat16, True),
+                                                ("qwen2_moe", torch.bfloat16, False)])
 def test_decode_layers_run_in_one_native_call_under_the_full_router(one_thread, arch, dtype, packed):
     """Steps of at most 8 rows: the whole step in one native call (the bound ``DecodeGraph``) under
     the full router, else one ``decode_layer`` call a layer, and ``attention_block`` + the controller
     + ``moe_block`` under a plan; each equals the module path (bf16: converted and rounded where the
     Python loop converts and rounds, OLMoE's q/k norm over the whole projection, Mixtral's routing
-    weights kept in fp32; packed projections as real-size bf16 checkpoints have them)."""
+    weights kept in fp32, Qwen2-MoE's shared expert through its own projections; packed projections as
+    real-size bf16 checkpoints have them)."""
     if packed and not kernels.packed_weights_pay():
         pytest.skip("the engine packs only where the packed tile is compiled (AVX-512)")
     model = tiny_model(arch, seed=4).to(dtype)

@@ -5,7 +5,8 @@ import torch
 
 from moetailor.transforms.synthetic import PRESETS, hub_tensors, synthetic_config, write_synthetic
 
-SMALL = dict(hidden_size=64, intermediate_size=32, moe_intermediate_size=32, vocab_size=8192, num_attention_heads=4,
+SMALL = dict(hidden_size=64, intermediate_size=32, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+             vocab_size=8192, num_attention_heads=4,
              num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=16)
 
 
@@ -15,7 +16,8 @@ def small(preset):
 
 
 @pytest.mark.parametrize("preset,params", [("olmoe-1b-7b", 6.92e9), ("qwen3-30b-a3b", 30.5e9),
-                                           ("mixtral-8x7b", 46.7e9), ("deepseek-v2-lite", 15.7e9)])
+                                           ("qwen1.5-moe-a2.7b", 14.3e9), ("mixtral-8x7b", 46.7e9),
+                                           ("deepseek-v2-lite", 15.7e9)])
 def test_presets_have_the_published_parameter_counts(preset, params):
     n = sum(torch.Size(s).numel() for _, s in hub_tensors(synthetic_config(preset)))
     assert abs(n - params) / params < 0.01

@@ -21,9 +21,9 @@ full-attention layer, every projection the engine's own layer. Each projection r
 path's layer would (``module_linear``: packed, the op; else ``native_linear``'s choice of the op or
 torch's GEMM), so bf16 rounds where transformers rounds, bit for bit (``rotary_kv_write``,
 ``add_rms_norm`` and ``rms_norm`` round as torch's bf16 ops). The native layer ops and the bound graph
-take bf16 too, converting where the Python loop converts, except with a shared expert (Qwen2-MoE: its
-bf16 projections are not stacked into ``moe_in``), which keeps the Python loop: on tiny bf16 models a
-batch-1 step is half the Python loop's, on a real-size OLMoE ~1 ms (4%) less (2026-12-05). The stacked projection weights are copies of the dense
+take bf16 too, converting where the Python loop converts (a bf16 shared expert through its own
+projections, not rows of ``moe_in``): on tiny bf16 models a batch-1 step is half the Python loop's, on a
+real-size OLMoE ~1 ms (4%) less (2026-12-05). The stacked projection weights are copies of the dense
 (non-expert) weights (attention and shared expert; packed where the module path's are), a few
 percent of a MoE checkpoint's bytes. A model with forward hooks on any module (``hooked``) runs the
 module path, so the hooks see every step.
@@ -116,6 +116,14 @@ class LeanLayer:
     shared_gate: torch.Tensor | None  # [1, H]: the shared expert's sigmoid gate (fp32: a view of moe_in)
     shared_down: torch.Tensor | None  # [H, I]
 
+    @property
+    def unstacked_shared(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(gate|up, sigmoid gate) weights the native layer ops project the shared expert with: bf16
+        ones (not rows of ``moe_in``, whose layout may differ: packed or not), else (None, None)."""
+        if self.shared is None or self.moe_in.dtype == torch.float32:
+            return None, None
+        return self.shared, self.shared_gate
+
 
 @dataclass(frozen=True)
 class BoundGraph:
@@ -141,7 +149,7 @@ class BoundGraph:
             op.add_layer(layer.qkv, layer.qkv_bias, *qk, *kv_cache[layer.index], layer.o, layer.post_norm.weight,
                          layer.post_norm.eps, layer.moe_in, moe.top_k, moe.semantics.normalise, gate_up, down,
                          getattr(moe.experts, "_moetailor_layer", -1), moe.num_experts, layer.shared_down,
-                         next_norm.weight, next_norm.eps, lean.round_weights)
+                         *layer.unstacked_shared, next_norm.weight, next_norm.eps, lean.round_weights)
         return cls(op, kv_cache, block_size, expert_weights)
 
     def runs(self, step: Step, controller) -> bool:
@@ -227,8 +235,7 @@ class LeanDecoder:
             return None
         attn = decoder_layers(model)[0].self_attn
         fusable = all(l.qkv.is_contiguous() and l.o.is_contiguous() and (l.q_norm is None or l.q_norm.eps == l.k_norm.eps)
-                      and (l.shared_down is None or l.shared_down.is_contiguous() and dtype == torch.float32)
-                      for l in layers)   # a bf16 shared expert is not stacked into moe_in: the Python loop
+                      and (l.shared_down is None or l.shared_down.is_contiguous()) for l in layers)
         decoder = cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), head.weight, inner.rotary_emb,
                       rotary_table(inner.rotary_emb, inner.embed_tokens.weight, max_model_len),
                       sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
@@ -311,13 +318,13 @@ class LeanDecoder:
         E, experts_layer = moe.num_experts, getattr(moe.experts, "_moetailor_layer", -1)
         if controller.selects_natively(moe, step) and not controller.observers:
             return ops.decode_layer(x, h, *attention, moe.top_k, moe.semantics.normalise, gate_up, down,
-                                    step.experts_read, experts_layer, E, layer.shared_down, next_norm.weight,
-                                    next_norm.eps, self.round_weights)
+                                    step.experts_read, experts_layer, E, layer.shared_down, *layer.unstacked_shared,
+                                    next_norm.weight, next_norm.eps, self.round_weights)
         x, h, moe_in_out = ops.attention_block(x, h, *attention)             # [B, H] x2, [B, E (+ 2I + 1)]
         _, weights, index = controller._route(moe, h, logits=moe_in_out[:, :E])   # [B, K] each
         return ops.moe_block(x, h, index.long().contiguous(), weights.float().contiguous(), gate_up, down,
-                             step.experts_read, experts_layer, moe_in_out, E, layer.shared_down, next_norm.weight,
-                             next_norm.eps)
+                             step.experts_read, experts_layer, moe_in_out, E, layer.shared_down,
+                             *layer.unstacked_shared, next_norm.weight, next_norm.eps)
 
     @staticmethod
     def moe(layer: LeanLayer, h: torch.Tensor, controller, step: Step) -> torch.Tensor:

@@ -121,7 +121,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("moetailor::moe_block")
     def _(x, h, index, weight, gate_up, down, experts_read, layer, moe_in_out, num_experts, shared_down,
-          next_norm, next_eps):
+          shared_gate_up, shared_gate, next_norm, next_eps):
         return torch.empty_like(x), torch.empty_like(x)                     # [B, H] each
 
     @torch.library.register_fake("moetailor::decode_layer")

@@ -24,13 +24,14 @@ TORCH_LIBRARY(moetailor, m) {
         "float post_eps, Tensor moe_in, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
   m.def("moe_block(Tensor x, Tensor h, Tensor index, Tensor weight, Tensor gate_up, Tensor down, "
         "Tensor(a!) experts_read, int layer, Tensor moe_in_out, int num_experts, Tensor? shared_down, "
-        "Tensor next_norm, float next_eps) -> (Tensor, Tensor)");
+        "Tensor? shared_gate_up, Tensor? shared_gate, Tensor next_norm, float next_eps) -> (Tensor, Tensor)");
   m.def("decode_layer(Tensor x, Tensor h, Tensor qkv, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
         "float qk_eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor block_table, Tensor context_lens, int block_size, float scaling, Tensor o, Tensor post_norm, "
         "float post_eps, Tensor moe_in, int heads, int kv_heads, int top_k, bool normalise, Tensor gate_up, "
-        "Tensor down, Tensor(c!) experts_read, int layer, int num_experts, Tensor? shared_down, Tensor next_norm, "
-        "float next_eps, bool round_weights) -> (Tensor, Tensor)");
+        "Tensor down, Tensor(c!) experts_read, int layer, int num_experts, Tensor? shared_down, "
+        "Tensor? shared_gate_up, Tensor? shared_gate, Tensor next_norm, float next_eps, bool round_weights) "
+        "-> (Tensor, Tensor)");
   m.class_<DecodeGraph>("DecodeGraph")
       .def(torch::init<at::Tensor, at::Tensor, double, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t,
                        double>())

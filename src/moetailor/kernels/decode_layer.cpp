@@ -4,9 +4,10 @@
 // graph without returning to a host language. These compose the existing ops (ops.h) in the order
 // engine/decode_forward.py calls them one by one, and the elementwise steps of the shared expert
 // through ATen's own kernels (at::silu, at::sigmoid), so the result is the same, bit for bit.
-// fp32 or bf16 (without a shared expert): a bf16 layer converts where the Python loop converts (the
-// attention and the experts take fp32 rows and give back the layer's dtype; the router's logits are
-// selected over in fp32 and its weights rounded to bf16 where the stock router rounds them).
+// fp32 or bf16: a bf16 layer converts where the Python loop converts (the attention and the experts take
+// fp32 rows and give back the layer's dtype; the router's logits are selected over in fp32 and its
+// weights rounded to bf16 where the stock router rounds them), and its shared expert runs its own
+// projections (gate|up stacked, the sigmoid gate) instead of rows of `moe_in`.
 //
 //   attention_block: (x, h) -> q|k|v, rotary + k/v write, paged attention, o, residual add + norm -> (x, h),
 //                    and h through `moe_in` [E + 2I + 1, H] (router | shared gate, up | shared gate logit).
@@ -24,6 +25,9 @@ at::Tensor head_norm(const at::Tensor& t, const at::Tensor& weight, double eps) 
   const int64_t width = weight.numel() == t.size(-1) ? t.size(-1) : t.size(1) * t.size(2);
   return rms_norm(t.reshape({-1, width}).contiguous(), weight, eps).view(t.sizes());
 }
+
+// the input width of a linear weight: [N, depth] row-major, or packed [N/16, depth/P, 16, P]
+int64_t depth_of(const at::Tensor& w) { return w.dim() == 4 ? w.size(1) * w.size(3) : w.size(1); }
 
 }  // namespace
 
@@ -55,16 +59,26 @@ std::tuple<at::Tensor, at::Tensor> moe_block(
     const at::Tensor& x, const at::Tensor& h, const at::Tensor& index, const at::Tensor& weight,
     const at::Tensor& gate_up, const at::Tensor& down, at::Tensor& experts_read, int64_t layer,
     const at::Tensor& moe_in_out, int64_t num_experts, const c10::optional<at::Tensor>& shared_down,
+    const c10::optional<at::Tensor>& shared_gate_up, const c10::optional<at::Tensor>& shared_gate,
     const at::Tensor& next_norm, double next_eps) {
   auto out = swiglu_experts(h.to(at::kFloat).contiguous(), gate_up, down, index, weight, experts_read, layer)
                  .to(x.scalar_type());                                                       // [B, H]
   if (shared_down.has_value()) {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "a shared expert's stacked projections are fp32 only");
-    const int64_t I = shared_down->size(1);
-    TORCH_CHECK(moe_in_out.size(1) == num_experts + 2 * I + 1, "moe_in_out: [B, E + 2I + 1]");
-    auto gate = moe_in_out.narrow(1, num_experts, I), up = moe_in_out.narrow(1, num_experts + I, I);
+    // gate | up | the sigmoid gate's logit: rows of moe_in_out (fp32, stacked into moe_in), or projected here
+    const int64_t I = depth_of(*shared_down);
+    at::Tensor gate_up, gate_logit;
+    if (shared_gate_up.has_value()) {
+      TORCH_CHECK(shared_gate.has_value(), "shared_gate_up comes with shared_gate");
+      gate_up = rows_linear(h, *shared_gate_up, c10::nullopt);                              // [B, 2I]
+      gate_logit = rows_linear(h, *shared_gate, c10::nullopt);                              // [B, 1]
+    } else {
+      TORCH_CHECK(moe_in_out.size(1) == num_experts + 2 * I + 1, "moe_in_out: [B, E + 2I + 1]");
+      gate_up = moe_in_out.narrow(1, num_experts, 2 * I);
+      gate_logit = moe_in_out.narrow(1, num_experts + 2 * I, 1);
+    }
+    auto gate = gate_up.narrow(1, 0, I), up = gate_up.narrow(1, I, I);
     auto shared = rows_linear((at::silu(gate) * up).contiguous(), *shared_down, c10::nullopt);   // [B, H]
-    out = out + at::sigmoid(moe_in_out.narrow(1, num_experts + 2 * I, 1)) * shared;
+    out = out + at::sigmoid(gate_logit) * shared;
   }
   auto [x2, h2] = add_rms_norm(x, out, next_norm, next_eps);
   return {x2, h2};
@@ -78,8 +92,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     int64_t block_size, double scaling, const at::Tensor& o, const at::Tensor& post_norm, double post_eps,
     const at::Tensor& moe_in, int64_t heads, int64_t kv_heads, int64_t top_k, bool normalise,
     const at::Tensor& gate_up, const at::Tensor& down, at::Tensor& experts_read, int64_t layer,
-    int64_t num_experts, const c10::optional<at::Tensor>& shared_down, const at::Tensor& next_norm, double next_eps,
-    bool round_weights) {
+    int64_t num_experts, const c10::optional<at::Tensor>& shared_down, const c10::optional<at::Tensor>& shared_gate_up,
+    const c10::optional<at::Tensor>& shared_gate, const at::Tensor& next_norm, double next_eps, bool round_weights) {
   auto [x2, h2, proj] = attention_block(x, h, qkv, qkv_bias, q_norm, k_norm, qk_eps, cos, sin, k_cache, v_cache,
                                         slot_mapping, block_table, context_lens, block_size, scaling, o, post_norm,
                                         post_eps, moe_in, heads, kv_heads);
@@ -87,7 +101,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
                                       c10::nullopt);
   if (round_weights && proj.scalar_type() != at::kFloat) weights = weights.to(proj.scalar_type()).to(at::kFloat);
   return moe_block(x2, h2, index, weights, gate_up, down, experts_read, layer, proj, num_experts, shared_down,
-                   next_norm, next_eps);
+                   shared_gate_up, shared_gate, next_norm, next_eps);
 }
 
 DecodeGraph::DecodeGraph(at::Tensor embed, at::Tensor first_norm, double first_eps, at::Tensor lm_head,
@@ -101,11 +115,12 @@ void DecodeGraph::add_layer(at::Tensor qkv, c10::optional<at::Tensor> qkv_bias, 
                             c10::optional<at::Tensor> k_norm, double qk_eps, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor o, at::Tensor post_norm, double post_eps, at::Tensor moe_in, int64_t top_k,
                             bool normalise, at::Tensor gate_up, at::Tensor down, int64_t experts_layer,
-                            int64_t num_experts, c10::optional<at::Tensor> shared_down, at::Tensor next_norm,
-                            double next_eps, bool round_weights) {
+                            int64_t num_experts, c10::optional<at::Tensor> shared_down,
+                            c10::optional<at::Tensor> shared_gate_up, c10::optional<at::Tensor> shared_gate,
+                            at::Tensor next_norm, double next_eps, bool round_weights) {
   layers.push_back({qkv, qkv_bias, q_norm, k_norm, qk_eps, k_cache, v_cache, o, post_norm, post_eps, moe_in, top_k,
-                    normalise, gate_up, down, experts_layer, num_experts, shared_down, next_norm, next_eps,
-                    round_weights});
+                    normalise, gate_up, down, experts_layer, num_experts, shared_down, shared_gate_up, shared_gate,
+                    next_norm, next_eps, round_weights});
 }
 
 // decode_forward.py's loop, in the same order: embedding, cos/sin rows of the table, the first norm,
@@ -120,7 +135,7 @@ at::Tensor DecodeGraph::forward(const at::Tensor& ids, const at::Tensor& positio
     std::tie(x, h) = decode_layer(x, h, l.qkv, l.qkv_bias, l.q_norm, l.k_norm, l.qk_eps, cos, sin, l.k_cache,
                                   l.v_cache, slot_mapping, block_table, context_lens, block_size, scaling, l.o,
                                   l.post_norm, l.post_eps, l.moe_in, heads, kv_heads, l.top_k, l.normalise, l.gate_up,
-                                  l.down, experts_read, l.experts_layer, l.num_experts, l.shared_down, l.next_norm,
-                                  l.next_eps, l.round_weights);
+                                  l.down, experts_read, l.experts_layer, l.num_experts, l.shared_down,
+                                  l.shared_gate_up, l.shared_gate, l.next_norm, l.next_eps, l.round_weights);
   return rows_linear(h, lm_head, c10::nullopt);                                           // [B, V]
 }

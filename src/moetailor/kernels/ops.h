@@ -37,6 +37,7 @@ std::tuple<at::Tensor, at::Tensor> moe_block(
     const at::Tensor& x, const at::Tensor& h, const at::Tensor& index, const at::Tensor& weight,
     const at::Tensor& gate_up, const at::Tensor& down, at::Tensor& experts_read, int64_t layer,
     const at::Tensor& moe_in_out, int64_t num_experts, const c10::optional<at::Tensor>& shared_down,
+    const c10::optional<at::Tensor>& shared_gate_up, const c10::optional<at::Tensor>& shared_gate,
     const at::Tensor& next_norm, double next_eps);
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& x, const at::Tensor& h, const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias,
@@ -46,8 +47,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     int64_t block_size, double scaling, const at::Tensor& o, const at::Tensor& post_norm, double post_eps,
     const at::Tensor& moe_in, int64_t heads, int64_t kv_heads, int64_t top_k, bool normalise,
     const at::Tensor& gate_up, const at::Tensor& down, at::Tensor& experts_read, int64_t layer,
-    int64_t num_experts, const c10::optional<at::Tensor>& shared_down, const at::Tensor& next_norm, double next_eps,
-    bool round_weights);
+    int64_t num_experts, const c10::optional<at::Tensor>& shared_down, const c10::optional<at::Tensor>& shared_gate_up,
+    const c10::optional<at::Tensor>& shared_gate, const at::Tensor& next_norm, double next_eps, bool round_weights);
 
 // A model's decode step under the full router, built once: the weights, norms, rotary table and KV
 // cache bound at construction (add_layer per decoder layer), so a step passes only its own inputs and
@@ -64,7 +65,7 @@ struct DecodeGraph : torch::CustomClassHolder {
     bool normalise;
     at::Tensor gate_up, down;
     int64_t experts_layer, num_experts;
-    c10::optional<at::Tensor> shared_down;
+    c10::optional<at::Tensor> shared_down, shared_gate_up, shared_gate;   // the last two: bf16 (unstacked)
     at::Tensor next_norm;
     double next_eps;
     bool round_weights;   // bf16: the router's weights rounded to bf16, as the stock router returns them
@@ -80,7 +81,8 @@ struct DecodeGraph : torch::CustomClassHolder {
                  c10::optional<at::Tensor> k_norm, double qk_eps, at::Tensor k_cache, at::Tensor v_cache, at::Tensor o,
                  at::Tensor post_norm, double post_eps, at::Tensor moe_in, int64_t top_k, bool normalise,
                  at::Tensor gate_up, at::Tensor down, int64_t experts_layer, int64_t num_experts,
-                 c10::optional<at::Tensor> shared_down, at::Tensor next_norm, double next_eps, bool round_weights);
+                 c10::optional<at::Tensor> shared_down, c10::optional<at::Tensor> shared_gate_up,
+                 c10::optional<at::Tensor> shared_gate, at::Tensor next_norm, double next_eps, bool round_weights);
   // ids, positions, slot_mapping, context_lens [B], block_table [B, nb] int64; experts_read [L] (written)
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                      const at::Tensor& block_table, const at::Tensor& context_lens, at::Tensor experts_read);
