@@ -13,7 +13,9 @@ GGUF (fp32 activations): the functions differ in rounding only, so greedy output
 Decode throughput is measured as scripts/engine_vs_hf.py does: B * (N - 1) / (t(N) - t(1)), the time of
 an N-token greedy generation minus a 1-token one (prefill only), best of ``--repeats`` rounds, EOS ignored;
 the rounds alternate engine and llama.cpp (this machine's speed drifts by 2x within minutes), and the
-median of the per-round llama.cpp / engine ratios is printed beside the ratio of the bests.
+median of the per-round llama.cpp / engine ratios is printed beside the ratio of the bests, with each
+side's median tok/s and every round's pair in the JSON lines. Read the medians: t(N) - t(1) of two
+generations that a spell falls between can come out far too small, and a best-of keeps exactly that.
 llama.cpp runs the B sequences together in one context (``BatchedDecoder``: one ``llama_decode`` per
 step, one seq_id per sequence; llama-cpp-python's ``Llama`` itself decodes one sequence at a time).
 Greedy outputs of the two sides are compared token for token.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -115,17 +118,20 @@ def main() -> None:
                 ratios = sorted(l / e for e, l in rounds)
                 row = {"model": name, "batch": b, "engine": max(e for e, _ in rounds),
                        "llama.cpp": max(l for _, l in rounds), "median round ratio": ratios[len(ratios) // 2],
-                       "identical": f"{same}/{b}", "load": load_avg}
+                       "engine median": statistics.median(e for e, _ in rounds),
+                       "llama.cpp median": statistics.median(l for _, l in rounds),
+                       "identical": f"{same}/{b}", "load": load_avg,
+                       "rounds": [[round(e, 1), round(l, 1)] for e, l in rounds]}   # a spell shows here
                 print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
                 rows.append(row)
         del llm, engine
     print_table(f"decode tok/s, {args.model} (norm_topk_prob=false), {args.dtype}, {args.prompt_len}-token prompts, "
                 f"{args.new_tokens} new tokens, {args.threads} threads",
-                ["model", "batch", "engine tok/s", "llama.cpp tok/s", "llama.cpp / engine", "median round ratio",
-                 "identical greedy", "load"],
+                ["model", "batch", "engine tok/s", "llama.cpp tok/s", "llama.cpp / engine", "median tok/s",
+                 "median round ratio", "identical greedy", "load"],
                 [(r["model"], r["batch"], f"{r['engine']:.0f}", f"{r['llama.cpp']:.0f}",
-                  f"{r['llama.cpp'] / r['engine']:.2f}x", f"{r['median round ratio']:.2f}x", r["identical"],
-                  f"{r['load']:.2f}") for r in rows])
+                  f"{r['llama.cpp'] / r['engine']:.2f}x", f"{r['engine median']:.0f} / {r['llama.cpp median']:.0f}",
+                  f"{r['median round ratio']:.2f}x", r["identical"], f"{r['load']:.2f}") for r in rows])
     (out / "results.json").write_text(json.dumps({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
                                                   "rows": rows}, indent=1))
 
