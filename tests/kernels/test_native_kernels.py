@@ -368,3 +368,27 @@ def test_packed_tiles_of_every_row_count(dtype):
         x = torch.randn(rows, 96)
         torch.testing.assert_close(kernels.rows_linear()(x, packed, None), rows_in(w, True)(x) @ w.float().T, rtol=1e-4, atol=1e-4,
                                    msg=lambda m: f"{rows} rows: {m}")
+
+
+def test_first_build_says_it_compiles_and_how_long_it_took(tmp_path):
+    """A new processor's first engine compiles for about a minute: it says so before and after, and a
+    cached build says nothing. The build tree is copied without its library, so the 'compile' is a relink."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.utils import cpp_extension
+
+    if kernels._module() is None:
+        pytest.skip("the native kernels do not build here")
+    name = next(n for n in torch.ops.loaded_libraries if "moetailor_kernels_" in n).rsplit("/", 1)[-1][:-3]
+    build = shutil.copytree(cpp_extension._get_build_directory(name, verbose=False), tmp_path / name)
+    (build / f"{name}.so").unlink()
+    (build / "lock").unlink(missing_ok=True)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    probe = [sys.executable, "-c", "from moetailor import kernels; assert kernels._module() is not None"]
+    first = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert "compiling the native CPU kernels" in first.stderr and "kernels compiled in" in first.stderr, first.stderr
+    again = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "compil" not in again.stderr, again.stderr

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 import warnings
 from functools import cache
 from pathlib import Path
@@ -51,6 +52,11 @@ def _module():
         digest.update(source.read_bytes())
     name = f"moetailor_kernels_{digest.hexdigest()[:12]}"
     _clear_stale_build_lock(cpp_extension, name)
+    compiling = not _is_built(cpp_extension, name)
+    if compiling:   # a first engine on a new processor is otherwise silent for about a minute
+        print("moetailor: compiling the native CPU kernels for this processor (once; about a minute)...",
+              file=sys.stderr, flush=True)
+    started = time.perf_counter()
     try:
         cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES],
                            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
@@ -59,8 +65,19 @@ def _module():
         warnings.warn(f"moetailor's native kernels did not build ({type(err).__name__}: {str(err)[:200]}); "
                       "decode steps use torch's kernels instead (install g++ to get them)", stacklevel=2)
         return None
+    if compiling:
+        print(f"moetailor: native CPU kernels compiled in {time.perf_counter() - started:.0f} s "
+              f"(cached under {cpp_extension._get_build_directory(name, verbose=False)})", file=sys.stderr, flush=True)
     _register_fakes()
     return torch.ops.moetailor
+
+
+def _is_built(cpp_extension, name: str) -> bool:
+    """Whether this processor's build of these sources is already on disk (loading it takes a second)."""
+    try:
+        return (Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+    except (AttributeError, OSError):
+        return False
 
 
 STALE_LOCK_S = 600   # a build takes ~1 minute on an idle machine, a few on a loaded one
@@ -70,7 +87,6 @@ def _clear_stale_build_lock(cpp_extension, name: str) -> None:
     """torch's builder marks a build with a lock file and every later process waits for it to go; a
     build killed midway (Ctrl-C, a session's end) leaves it behind and the next engine waits forever.
     A lock older than any real build is removed."""
-    import time
 
     try:
         lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"

@@ -1,0 +1,18 @@
+"""`moetailor demo`, the README's first command, run as a user runs it (smaller): quality on the trained
+model, then the pools' decode speed on a real-shaped model whose experts stream from memory."""
+import re
+import subprocess
+import sys
+
+
+def test_demo_shows_what_the_pool_costs_and_what_it_saves():
+    run = subprocess.run([sys.executable, "-m", "moetailor.cli.main", "demo", "--per-task", "1", "--speed-steps", "3"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    assert "per task: correct answers and p90 output length" in out
+    assert "why a second model for speed" in out
+    rows = {int(m[0]): m for m in re.findall(r"│ (\d+)\s+│ ([\d.]+)\s+│ ([\d.]+)\s+│ ([\d.]+)\s+│ ([\d.]+)\s+│", out)}
+    assert set(rows) >= {1, 8, 32}, out[-3000:]
+    full_read, pool_read = float(rows[32][3]), float(rows[32][4])
+    assert pool_read <= 32 < full_read     # the 50% pool reads at most half of the 64 experts, the full pool more
