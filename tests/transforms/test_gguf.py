@@ -100,7 +100,16 @@ def test_cli_refuses_the_bundled_model_whose_routing_llamacpp_changes(tmp_path, 
     assert main(["export", "gguf", "reference", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "never renormalises" in err and "--allow-routing-difference" in err
+    assert "moetailor export gguf reference-qwen3" in err     # the bundled model that does export
     assert not out.exists()
+
+
+def test_the_bundled_model_the_refusal_names_routes_as_llamacpp_does():
+    from transformers import AutoConfig
+
+    from moetailor.models.loading import resolve_model_path
+
+    assert routing_difference(AutoConfig.from_pretrained(resolve_model_path("reference-qwen3"))) is None
 
 
 def test_cli_names_the_setup_command_when_the_converter_is_missing(tmp_path, capsys, monkeypatch):

@@ -280,7 +280,8 @@ def export_gguf(source: str | Path, out: str | Path, outtype: str = "f32", *, to
     note = routing_difference(config)
     if note and not allow_routing_difference:
         raise ValueError(f"{note}. Pass --allow-routing-difference to export it anyway (e.g. to compare speed on the "
-                         "same weights), or export a checkpoint whose routing llama.cpp computes")
+                         "same weights), or export a checkpoint whose routing llama.cpp computes (of the bundled "
+                         "models, `reference-qwen3` does: `moetailor export gguf reference-qwen3 --out model.gguf`)")
     conversion = import_converter()
     import gguf
     import torch
