@@ -7,6 +7,8 @@ from pathlib import Path
 from .generate import add_engine_arguments, build_engine
 
 API_KEY_ENV = "MOETAILOR_API_KEY"   # read by `serve` when --api-key is not given
+PLANS_NEED_COLOCATED = ("--expert-plan needs a colocated engine (the disaggregated decode worker holds one pruned "
+                        "pool); drop --expert-plan or --decode-model")
 
 
 def register(sub) -> None:
@@ -35,6 +37,8 @@ def register(sub) -> None:
                    help="seconds a connection may send nothing (before a request or after a response)")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds from a request's first byte until its request head must be complete")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds from a request's head until its body must be complete (408 after it)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight get to finish after SIGTERM")
     p.add_argument("--expert-plan", action="append", default=[], metavar="NAME=PATH",
@@ -53,8 +57,7 @@ def parse_named_plans(items: list[str], model) -> dict:
 
     plans = {}
     if items and model is None:
-        raise ValueError("--expert-plan needs a colocated engine (the disaggregated decode worker holds one pruned "
-                         "pool); drop --expert-plan or --decode-model")
+        raise ValueError(PLANS_NEED_COLOCATED)
     for item in items:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
@@ -82,11 +85,14 @@ def run(args) -> int:
                           max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
                           max_messages=args.max_messages, max_detokenize_ids=args.max_detokenize_ids,
                           max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
-                          header_timeout_s=args.header_timeout, shutdown_timeout_s=args.shutdown_timeout)
+                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                          shutdown_timeout_s=args.shutdown_timeout)
     api_key = resolve_api_key(args.api_key, os.environ.get(API_KEY_ENV))
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a TCP port; give one from 1 to 65535 (0: any free port)")
     name = served_model_name(args.model, args.served_model_name)
+    if args.expert_plan and args.decode_model:   # refused before either worker loads a model
+        raise ValueError(PLANS_NEED_COLOCATED)
     llm = build_engine(args)
     plans = parse_named_plans(args.expert_plan, llm.model)
     serve(llm, host=args.host, port=args.port, model_name=name, plans=plans, limits=limits, api_key=api_key,

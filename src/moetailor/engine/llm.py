@@ -31,7 +31,7 @@ from .k_tiers import StepCost
 from .load_pools import PoolsByLoad
 from .logprobs import record_logprobs, take_prompt_logprobs
 from .model_runner import ModelRunner, StepOutput
-from .sampling import SamplingParams, sample
+from .sampling import NonFiniteLogits, SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, StreamDelta, delta
 from .validation import RequestLimits, check_request, encode_prompt
@@ -320,9 +320,13 @@ class LLM:
             try:
                 out, token, _ = self._run([seq], is_prefill, policy)
             except Exception as e:
-                log.exception("request %s failed in a %s step", seq.request_id, "prefill" if is_prefill else "decode")
-                self.abort(seq.request_id, reason="error", error=f"internal error ({type(e).__name__}) in the engine "
-                                                                 "step; the server log has the details")
+                phase = "prefill" if is_prefill else "decode"
+                if isinstance(e, NonFiniteLogits):   # the model's numbers, not a bug: one line
+                    log.error("request %s failed in a %s step: %s", seq.request_id, phase, e)
+                else:
+                    log.exception("request %s failed in a %s step", seq.request_id, phase)
+                self.abort(seq.request_id, reason="error", error=str(e) if isinstance(e, NonFiniteLogits) else
+                           f"internal error ({type(e).__name__}) in the engine step; the server log has the details")
                 continue
             for finished in self.scheduler.postprocess([seq], token):
                 self._seqs.pop(finished.request_id, None)

@@ -68,6 +68,10 @@ class SamplingParams:
             raise ValueError(f"stop={list(self.stop)!r} must be non-empty strings")
 
 
+class NonFiniteLogits(ValueError):
+    """A row of logits with NaN or infinite values: the request it belongs to cannot go on."""
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of logits [B, V]. Greedy rows take the argmax (ties: lowest id, like
     transformers); others: temperature, top-k, top-p, then a draw from the row's generator."""
@@ -76,6 +80,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     # faster than torch's on a vocabulary row (a batch-1 step's 12 us)
     tokens = (logits.numpy().argmax(-1) if logits.device.type == "cpu" and not logits.requires_grad
               else logits.argmax(dim=-1)).tolist()                         # [B]
+    best = logits[torch.arange(len(tokens), device=logits.device), torch.tensor(tokens, device=logits.device)]
+    if not bool(torch.isfinite(best).all()):   # a row with NaN (the argmax) or +inf, or all -inf
+        raise NonFiniteLogits("the model produced NaN or infinite logits for this request, so no token can be "
+                              "sampled; a weight of the checkpoint is NaN or infinite, or the forward overflowed "
+                              "(check the checkpoint, or run it in a wider dtype)")
     for i, p in enumerate(params):
         if p.temperature == 0.0:
             continue

@@ -60,3 +60,13 @@ def check_request(ids: list[int], sampling: SamplingParams, limits: RequestLimit
     if need > limits.num_blocks:
         raise ValueError(f"the request needs {need} KV blocks of {bs} tokens but the pool holds "
                          f"{limits.num_blocks}; lower max_tokens or give more num_kv_blocks")
+
+
+def completion_room(n_prompt: int, limits: RequestLimits) -> tuple[int, str]:
+    """(tokens a completion may have after an ``n_prompt``-token prompt, what bounds it): the context
+    limit or, where it holds fewer tokens, the KV pool. A chat request without max_tokens gets all of
+    it, as in the OpenAI API and vLLM."""
+    pool = limits.num_blocks * limits.block_size
+    if pool < limits.max_model_len:
+        return pool - n_prompt, f"the KV pool's {pool} tokens ({limits.num_blocks} blocks of {limits.block_size})"
+    return limits.max_model_len - n_prompt, f"the context limit of {limits.max_model_len} tokens"

@@ -19,6 +19,7 @@ The parts, one concept each:
 ``responses``       the completion object, SSE streaming, disconnects, the error object
 ``metrics``         /metrics in Prometheus text format
 ``auth``            ``--api-key`` (Bearer token middleware)
+``methods``         HEAD (as GET, without the body) and OPTIONS (204, ``Allow``) on every route
 ``connections``     uvicorn's h11 protocol with connection bounds, the uvicorn configuration
 ``app``             ``create_app`` (the routes) and ``serve``
 ==================  ==========================================================================

@@ -11,14 +11,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ..client import EngineClient
+from ..logprobs import TokenText
 from .auth import ApiKeyMiddleware, check_api_key
+from .methods import MethodsMiddleware
 from .connections import raise_fd_limit, server_config
 from .limits import ServerLimits
 from .loop import AsyncEngine
 from .metrics import prometheus_text
-from .requests import (BadRequest, TooLarge, completion_request, detokenize_request, prompt_from, read_body,
-                       resolve_plan, show, tokenize_request)
-from .responses import Reply, collect, error, stream
+from .requests import (BadRequest, ClientGone, completion_request, default_budget, detokenize_request, fit_budget,
+                       prompt_from, read_body, resolve_plan, show, tokenize_request)
+from .responses import Reply, collect, error, refusal, stream
 
 log = logging.getLogger("moetailor.server")
 
@@ -46,6 +48,7 @@ def create_app(llm: EngineClient, model_name: str = "moetailor", plans: dict | N
     if guard and llm.model is not None and llm.guard is None:
         llm.enable_guard()
     engine = AsyncEngine(llm)
+    token_text = TokenText(llm.tokenizer) if llm.tokenizer is not None else None   # logprobs' token text and bytes
 
     @asynccontextmanager
     async def lifespan(app):
@@ -56,6 +59,7 @@ def create_app(llm: EngineClient, model_name: str = "moetailor", plans: dict | N
     app.state.engine = engine
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(MethodsMiddleware, router=app.router)   # outermost: OPTIONS needs no key
 
     async def run(request: Request, chat: bool):
         oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -65,22 +69,29 @@ def create_app(llm: EngineClient, model_name: str = "moetailor", plans: dict | N
             plan, plan_key = resolve_plan(body, plans, colocated=llm.model is not None)
             prompt = await asyncio.to_thread(prompt_from, body, llm.tokenizer, chat, max_prompt_chars,
                                              limits.max_messages)
-            echo_text, echo_ids = await asyncio.to_thread(llm.encode, prompt) if extra.echo else (None, [])
+            budget = default_budget(body, chat)
+            echo_text, echo_ids = await asyncio.to_thread(llm.encode, prompt) if extra.echo or budget else (None, [])
+            if budget or not extra.generate:
+                sampling = fit_budget(sampling, extra, len(echo_ids), llm.request_limits())
             if extra.echo and echo_text is None:
                 echo_text = llm.tokenizer.decode(echo_ids)
+            echo_text, echo_ids = (echo_text, echo_ids) if extra.echo else (None, [])
             request_id, queue, prompt_tokens = await asyncio.to_thread(
                 engine.submit, asyncio.get_running_loop(), prompt, sampling, plan, plan_key)
-        except TooLarge as e:
-            return error(413, str(e))
+        except BadRequest as e:
+            return refusal(e)
         except ValueError as e:
             return error(400, str(e))
+        except ClientGone as e:
+            log.info("request %s: %s", oid, e)
+            return error(499, "client disconnected")
         except WorkerUnavailable as e:
             return error(503, f"{e}; see /health", "server_unavailable")
         except Exception:
             log.exception("request %s failed before it reached the engine", oid)
             return error(500, f"internal error for request {oid}; the server log has the details", "server_error")
         reply = Reply(("chatcmpl-" if chat else "cmpl-") + request_id, chat, model_name, extra, prompt_tokens,
-                      lambda ids: llm.tokenizer.decode(ids), echo_text, echo_ids)
+                      token_text, sampling.stop, echo_text, echo_ids)
         if body.get("stream"):
             return stream(reply, queue, engine, request_id,
                           with_usage=bool((body.get("stream_options") or {}).get("include_usage")))
@@ -105,7 +116,8 @@ def create_app(llm: EngineClient, model_name: str = "moetailor", plans: dict | N
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != model_name:
-            return error(404, f"unknown model {show(model_id)}; this server serves {model_name!r}", "not_found_error")
+            return error(404, f"unknown model {show(model_id)}; this server serves {model_name!r}",
+                         code="model_not_found")
         return model_card()
 
     # vLLM's tokenizer endpoints: clients such as lm-evaluation-harness tokenize with the server's own tokenizer
@@ -132,10 +144,11 @@ def create_app(llm: EngineClient, model_name: str = "moetailor", plans: dict | N
             body = await read_body(request, limits, model_name)
             tok = tokenizer()
             prompt, special = tokenize_request(body, max_prompt_chars)
-        except TooLarge as e:
-            return error(413, str(e))
-        except ValueError as e:
-            return error(400, str(e))
+        except BadRequest as e:
+            return refusal(e)
+        except ClientGone as e:
+            log.info("%s: %s", request.url.path, e)
+            return error(499, "client disconnected")
         tokens = list(await asyncio.to_thread(tok.encode, prompt, add_special_tokens=special))
         return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
 
@@ -146,10 +159,11 @@ def create_app(llm: EngineClient, model_name: str = "moetailor", plans: dict | N
             body = await read_body(request, limits, model_name)
             tok = tokenizer()
             tokens = detokenize_request(body, max_ids, len(tok))
-        except TooLarge as e:
-            return error(413, str(e))
-        except ValueError as e:
-            return error(400, str(e))
+        except BadRequest as e:
+            return refusal(e)
+        except ClientGone as e:
+            log.info("%s: %s", request.url.path, e)
+            return error(499, "client disconnected")
         return {"prompt": await asyncio.to_thread(tok.decode, tokens)}
 
     @app.api_route("/health", methods=["GET", "HEAD"])

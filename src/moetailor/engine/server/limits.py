@@ -19,6 +19,7 @@ class ServerLimits:
     max_connections: int = 1024            # open HTTP connections; more are answered 503 and closed
     idle_timeout_s: float = 5.0            # a connection that sends nothing for this long is closed
     header_timeout_s: float = 10.0         # ... and one whose request head is not complete by then
+    body_timeout_s: float = 30.0           # a request whose body is not complete this long after its head: 408
     shutdown_timeout_s: float = 30.0       # SIGTERM: requests in flight get this long to finish
 
     def __post_init__(self) -> None:
@@ -27,7 +28,7 @@ class ServerLimits:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} {value!r} must be an integer >= 1")
-        for name in ("idle_timeout_s", "header_timeout_s", "shutdown_timeout_s"):
+        for name in ("idle_timeout_s", "header_timeout_s", "body_timeout_s", "shutdown_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} {value!r} must be a positive number "

@@ -18,6 +18,7 @@ from ...models.chat import chat_prompt
 from ..budgets import expert_top_k_value
 from ..logprobs import MAX_LOGPROBS
 from ..sampling import SamplingParams
+from ..validation import completion_room
 from .limits import ServerLimits
 
 
@@ -29,6 +30,18 @@ class TooLarge(BadRequest):
     pass
 
 
+class ModelNotFound(BadRequest):
+    """A model this server does not serve: 404 with code ``model_not_found`` (the OpenAI API)."""
+
+
+class BodyTimeout(BadRequest):
+    """The request body did not arrive in time (``--body-timeout``): 408."""
+
+
+class ClientGone(Exception):
+    """The client closed the connection while sending its body: logged in one line, nothing to answer."""
+
+
 # OpenAI fields the server accepts and ignores (bookkeeping for the client), and fields it leaves
 # to the code that implements them (log probabilities, echo).
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
@@ -38,6 +51,10 @@ SAMPLING_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_
                    "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                    "suffix", "tools", "tool_choice", "functions", "function_call", "response_format"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# unimplemented fields and the values that ask for nothing (a client library may send them): "none"
+# is a tool choice, never a bias, a suffix or a tool list
+NEUTRAL = {"logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
+           "tool_choice": (None, "none"), "function_call": (None, "none")}
 
 
 def show(value) -> str:
@@ -74,8 +91,8 @@ def check_unimplemented(body: dict) -> None:
             raise BadRequest(f"{name}={value!r} must be in [{low:g}, {high:g}]")
         if value != neutral:
             raise not_implemented(name, value)
-    for name in ("logit_bias", "suffix", "tools", "tool_choice", "functions", "function_call"):
-        if body.get(name) not in (None, {}, [], "", "none"):
+    for name, neutral in NEUTRAL.items():
+        if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in neutral):
             raise not_implemented(name, body[name])
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
@@ -225,9 +242,10 @@ def prompt_from(body: dict, tokenizer, chat: bool, max_chars: int, max_messages:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]   # a batch of one
-        if isinstance(prompt, list) and prompt and all(isinstance(t, str) for t in prompt):
-            raise BadRequest(f"prompt holds {len(prompt)} prompts: several prompts in one request are not "
-                             "implemented by this server; send one request per prompt")
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(t, (str, list)) for t in prompt):
+            raise BadRequest(f"prompt holds {len(prompt)} prompts (a batch): several prompts in one request are not "
+                             "implemented by this server; send one request per prompt (a string or one list of "
+                             "token ids)")
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
             raise BadRequest("prompt must be a string or a non-empty list of token ids (integers)")
@@ -265,6 +283,8 @@ def logprob_request(body: dict, chat: bool) -> LogprobRequest:
                              f"alternatives), got {wanted!r}")
         if top is not None and not wanted:
             raise BadRequest("top_logprobs needs logprobs: true")
+        if body.get("echo") not in (None, False):   # a completions field: chat has no prompt text to echo
+            raise not_implemented("echo", body["echo"])
         return LogprobRequest(top=(top or 0) if wanted else None)
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
@@ -303,6 +323,26 @@ def completion_request(body: dict, chat: bool, limits: ServerLimits,
     return sampling, extra
 
 
+def default_budget(body: dict, chat: bool) -> bool:
+    """A chat request without max_tokens (or max_completion_tokens) may run to the end of the context,
+    as in the OpenAI API and vLLM; a completion's default stays 16 tokens (the OpenAI completions API)."""
+    return chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None
+
+
+def fit_budget(sampling: SamplingParams, extra: "LogprobRequest", n_prompt: int, limits) -> SamplingParams:
+    """The request's sampling with its budget set from the prompt's size: a chat request without
+    max_tokens gets all the room left (``default_budget``); echo with max_tokens 0 runs one step.
+    A prompt that leaves no room is a 400 that names the prompt and the limit, never a max_tokens
+    the client did not send."""
+    room, bound = completion_room(n_prompt, limits)
+    if room < 1:
+        why = ("echo with max_tokens 0 scores the prompt in one step, which needs room for one token more"
+               if not extra.generate else "no room is left for the completion")
+        raise BadRequest(f"the prompt has {n_prompt} tokens and fills {bound}: {why}; shorten the prompt to at most "
+                         f"{n_prompt + room - 1} tokens")
+    return sampling if not extra.generate else replace(sampling, max_tokens=room)
+
+
 def resolve_plan(body: dict, plans: dict, colocated: bool):
     """(plan, name) the request's ``expert_plan`` names; (None, None) for the engine's own plan."""
     name = body.get("expert_plan")
@@ -324,13 +364,22 @@ async def read_body(request, limits: ServerLimits, model_name: str) -> dict:
     if declared is not None and declared.isdigit() and int(declared) > limits.max_request_bytes:
         raise TooLarge(f"the request body has {int(declared)} bytes; this server allows at most "
                        f"{limits.max_request_bytes} (--max-request-bytes)")
+    from starlette.requests import ClientDisconnect
+
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limits.max_request_bytes:
-            raise TooLarge(f"the request body is over {limits.max_request_bytes} bytes; this server allows at "
-                           f"most that (--max-request-bytes)")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limits.max_request_bytes:
+                    raise TooLarge(f"the request body is over {limits.max_request_bytes} bytes; this server allows "
+                                   f"at most that (--max-request-bytes)")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyTimeout(f"the request body was not complete {limits.body_timeout_s:g} s after the request head "
+                          f"({size} bytes arrived; --body-timeout); send the whole body at once") from None
+    except ClientDisconnect:
+        raise ClientGone(f"the client closed the connection after {size} bytes of the request body") from None
     data = b"".join(chunks)
     try:   # a big body parses off the event loop (8 MiB takes ~0.1 s)
         body = await asyncio.to_thread(json.loads, data) if len(data) > 2**16 else json.loads(data)
@@ -339,7 +388,7 @@ async def read_body(request, limits: ServerLimits, model_name: str) -> dict:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     if body.get("model") not in (None, model_name):
-        raise BadRequest(f"unknown model {show(body.get('model'))}; this server serves {model_name!r}")
+        raise ModelNotFound(f"unknown model {show(body.get('model'))}; this server serves {model_name!r}")
     return body
 
 
