@@ -1,0 +1,160 @@
+"""Fourth reliability round, command line (docs/reliability.md, "Command line, fourth round"): two runs
+into one --out, --overwrite of a folder moetailor did not write, a full disk under safetensors' writer,
+and the smaller one-line errors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetailor.cli.main import main
+from moetailor.models.tiny import char_tokenizer, tiny_model
+from moetailor.plans.plan import uniform_plan
+from moetailor.routing.policy import LayerPolicy
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny checkpoint on disk and two plans for it that keep different experts."""
+    folder = tmp_path_factory.mktemp("tiny")
+    model = tiny_model("qwen2_moe", num_experts=8, top_k=2)
+    model.save_pretrained(folder / "model")
+    char_tokenizer().save_pretrained(folder / "model")
+    plans = []
+    for name, keep in (("low", (0, 1, 2, 3)), ("high", (4, 5, 6, 7))):
+        path = folder / f"{name}.json"
+        uniform_plan(model, decode=LayerPolicy(keep=keep), criterion=name).save(path)
+        plans.append(path)
+    return folder / "model", plans
+
+
+def cli(*argv: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.Popen([sys.executable, "-m", "moetailor.cli.main", *argv], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def one_line_error(capsys, argv, *needles) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    lines = [line for line in err.splitlines() if "moetailor" in line]   # a progress bar may precede it
+    assert len(lines) == 1 and err.endswith(lines[0]), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def kept(out: Path) -> list[int]:
+    side = json.loads((out / "moetailor_pruning.json").read_text())
+    return sorted(next(iter(side["kept"].values())))
+
+
+def test_two_prune_runs_into_one_out_one_fails(tiny, tmp_path):
+    """Two real processes started together, different plans, one --out: exactly one succeeds and the
+    output is that one's checkpoint; the other fails with one line (it is being written / exists)."""
+    model, (low, high) = tiny
+    out = tmp_path / "X"
+    runs = [cli("prune", str(model), str(plan), "--out", str(out)) for plan in (low, high)]
+    results = [(r.wait(timeout=600), *r.communicate()) for r in runs]
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [0, 2], [(c, e[-800:]) for c, _, e in results]
+    winner = next(i for i, (code, _, _) in enumerate(results) if code == 0)
+    loser_err = results[1 - winner][2].strip().splitlines()[-1]
+    assert "being written" in loser_err or "already exists" in loser_err, loser_err
+    assert kept(out) == ([0, 1, 2, 3] if winner == 0 else [4, 5, 6, 7])
+
+
+def test_a_claimed_out_refuses_a_second_process(tiny, tmp_path):
+    """Deterministic form of the race: this process holds the claim while a real `moetailor prune` starts."""
+    from moetailor.outputs import claim_output, release_outputs
+
+    model, (low, _) = tiny
+    out = tmp_path / "X"
+    claim_output(out)
+    try:
+        run = cli("prune", str(model), str(low), "--out", str(out))
+        code, (_, err) = run.wait(timeout=600), run.communicate()
+    finally:
+        release_outputs()
+    assert code == 2, err[-1500:]
+    assert "being written by another moetailor run" in err and "Traceback" not in err
+    assert not out.exists()
+    run = cli("prune", str(model), str(low), "--out", str(out))   # released: it runs
+    assert run.wait(timeout=600) == 0, run.communicate()[1][-1500:]
+
+
+def test_a_dead_runs_claim_is_taken_over(tiny, tmp_path):
+    from moetailor.outputs import _lock_file, LOCK_DIR
+
+    model, (low, _) = tiny
+    out = tmp_path / "X"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    _lock_file(out).write_text(f"{dead.pid} {out}\n")   # what a SIGKILLed run leaves
+    assert main(["prune", str(model), str(low), "--out", str(out)]) == 0
+    assert not _lock_file(out).exists()
+
+
+def test_overwrite_refuses_a_folder_moetailor_did_not_write(tiny, tmp_path, capsys):
+    model, (low, high) = tiny
+    user = tmp_path / "userdir"
+    user.mkdir()
+    (user / "thesis.tex").write_text("years of work")
+    one_line_error(capsys, ["prune", str(model), str(low), "--out", str(user), "--overwrite"],
+                   "moetailor did not write", "thesis.tex")
+    assert (user / "thesis.tex").read_text() == "years of work"
+    # its own output is replaced, as before; so is an empty folder
+    own = tmp_path / "own"
+    assert main(["prune", str(model), str(low), "--out", str(own)]) == 0
+    assert (own / ".moetailor-output").is_file()
+    assert main(["prune", str(model), str(high), "--out", str(own), "--overwrite"]) == 0
+    assert kept(own) == [4, 5, 6, 7]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["prune", str(model), str(low), "--out", str(empty), "--overwrite"]) == 0
+
+
+def test_overwrite_still_replaces_a_checkpoint_from_before_the_marker(tiny, tmp_path):
+    model, (low, high) = tiny
+    out = tmp_path / "old"
+    assert main(["prune", str(model), str(low), "--out", str(out)]) == 0
+    (out / ".moetailor-output").unlink()   # what an older moetailor wrote: the sidecar only
+    assert main(["prune", str(model), str(high), "--out", str(out), "--overwrite"]) == 0
+    assert kept(out) == [4, 5, 6, 7]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB file system (tmpfs), where the machine lets this process mount one."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_prune_onto_a_full_disk_is_one_line_and_leaves_nothing(small_disk, capsys):
+    """The real writer (safetensors) fails with its own SafetensorError, not OSError."""
+    from moetailor.cli.demo import BUNDLED_PLAN
+
+    one_line_error(capsys, ["prune", "reference", str(BUNDLED_PLAN), "--out", str(small_disk / "pruned")],
+                   "No space left on device", "free disk space")
+    assert list(small_disk.iterdir()) == []
+
+
+def test_calibrate_onto_a_full_disk_is_one_line_and_leaves_nothing(small_disk, capsys):
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (2 * 2**20 - 200 * 2**10))   # leave 200 KiB: less than the statistics
+    one_line_error(capsys, ["calibrate", "reference", "--tokens", "600", "--out", str(small_disk / "s.safetensors")],
+                   "No space left on device")
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
