@@ -158,3 +158,59 @@ def test_calibrate_onto_a_full_disk_is_one_line_and_leaves_nothing(small_disk, c
     one_line_error(capsys, ["calibrate", "reference", "--tokens", "600", "--out", str(small_disk / "s.safetensors")],
                    "No space left on device")
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
+
+
+@pytest.fixture(scope="module")
+def folded(tiny, tmp_path_factory):
+    """A folded plan (the kind `tune` picks) in a plan folder beside its statistics."""
+    from dataclasses import replace
+
+    from moetailor.plans import Plan
+    from moetailor.plans.techniques import pool_with_fold
+
+    model, _ = tiny
+    folder = tmp_path_factory.mktemp("tuned") / "T"
+    folder.mkdir()
+    assert main(["calibrate", str(model), "--data", "mix", "--tokens", "600", "--batch-tokens", "256", "--seq-len",
+                 "64", "--fold", "--out", str(folder / "stats.safetensors")]) == 0
+    assert main(["plan", str(folder / "stats.safetensors"), "--criterion", "reap", "--keep", "0.5",
+                 "--out", str(folder / "masked.json")]) == 0
+    plan = Plan.load(folder / "masked.json")
+    replace(plan, decode=pool_with_fold(plan.decode, fold=True)).save(folder / "plan.json")
+    return folder
+
+
+def test_a_folded_plan_stores_its_statistics_relative_and_moves_with_its_folder(folded, tmp_path):
+    import shutil
+
+    from moetailor.plans import Plan
+
+    assert json.loads((folded / "plan.json").read_text())["fold_stats"] == "stats.safetensors"
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(folded, moved)
+    plan = Plan.load(moved / "plan.json")
+    assert plan.fold_tables_path() == moved / "stats.safetensors"
+    # a plan written before, with an absolute path, is still read as written
+    data = json.loads((folded / "plan.json").read_text())
+    data["fold_stats"] = str(folded / "stats.safetensors")
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert Plan.load(tmp_path / "old.json").fold_tables_path() == folded / "stats.safetensors"
+
+
+def test_eval_runs_a_folded_plan_with_its_own_statistics(tiny, folded, tmp_path, capsys):
+    """`eval --plan T/plan.json` of a folded plan: the held-out KL cell used to fail ("no fold statistics
+    were given; ... pass the stats file", an option eval does not have)."""
+    model, _ = tiny
+    assert main(["eval", str(model), "--plan", str(folded / "plan.json"), "--configs", "baseline,phase-aware",
+                 "--tasks", "addition", "--n", "1", "--seeds", "1", "--max-tokens", "4", "--kl-docs", "1",
+                 "--kl-window", "32", "--out", str(tmp_path / "ev")]) == 0, capsys.readouterr().err[-800:]
+
+
+def test_a_folded_plan_without_its_statistics_names_the_file(tiny, folded, tmp_path, capsys):
+    import shutil
+
+    model_plan = tmp_path / "T"
+    shutil.copytree(folded, model_plan)
+    (model_plan / "stats.safetensors").unlink()
+    one_line_error(capsys, ["generate", str(tiny[0]), "--prompt", "1+1=", "--max-tokens", "2", "--plan",
+                            str(model_plan / "plan.json")], "stats.safetensors", "do not exist")
