@@ -214,3 +214,22 @@ def test_a_folded_plan_without_its_statistics_names_the_file(tiny, folded, tmp_p
     (model_plan / "stats.safetensors").unlink()
     one_line_error(capsys, ["generate", str(tiny[0]), "--prompt", "1+1=", "--max-tokens", "2", "--plan",
                             str(model_plan / "plan.json")], "stats.safetensors", "do not exist")
+
+
+def test_calibrate_reads_a_small_traffic_file_once(tiny, tmp_path, capsys):
+    """A file smaller than --tokens used to be read over and over, its repeats recorded as data."""
+    from moetailor.calibration import ExpertStats
+    from moetailor.calibration.data import iter_document_tokens
+    from moetailor.models import load_tokenizer
+
+    model, _ = tiny
+    traffic = tmp_path / "my-traffic.jsonl"
+    traffic.write_text("".join(json.dumps({"text": f"request {i}: add {i} and {2 * i}"}) + "\n" for i in range(40)))
+    held = sum(len(ids) for ids in iter_document_tokens(load_tokenizer(str(model)), str(traffic), repeat=False))
+    out = tmp_path / "s.safetensors"
+    assert main(["calibrate", str(model), "--data", str(traffic), "--tokens", "200000", "--seq-len", "64",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert ExpertStats.load(out).meta["tokens"] == held < 200000
+    assert f"held {held:,} tokens, fewer than --tokens 200,000" in printed
+    assert "200,000 tokens" not in printed

@@ -70,6 +70,9 @@ def run(args) -> int:
         beta = layer.beta
         rows.append((i, f"{used}/{layer.num_experts}", int(layer.frequency.max()), int(layer.frequency.min()),
                      f"{float(layer.mean_norm[layer.frequency > 0].mean()):.3f}", "-" if beta is None else f"{beta:.3f}"))
+    if stats.meta["tokens"] < args.tokens:
+        print(f"note: {args.data} held {stats.meta['tokens']:,} tokens, fewer than --tokens {args.tokens:,}; "
+              "calibrated on each once (more traffic gives steadier statistics)")
     mode = "layer-streamed" if stats.meta.get("streamed") else "in memory"
     print(f"calibrated on: {describe_calibration(calibration_record(stats.meta))}")
     print_table(f"calibrated {stats.meta['tokens']:,} tokens of {stats.meta['data']} in {stats.meta['seconds']:.1f}s "
