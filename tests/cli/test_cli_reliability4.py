@@ -233,3 +233,69 @@ def test_calibrate_reads_a_small_traffic_file_once(tiny, tmp_path, capsys):
     assert ExpertStats.load(out).meta["tokens"] == held < 200000
     assert f"held {held:,} tokens, fewer than --tokens 200,000" in printed
     assert "200,000 tokens" not in printed
+
+
+def _uneven_folded(model_dir, folded) -> Path:
+    """A folded plan with a different pool per layer (what `tune` picks), for the tiny model."""
+    from dataclasses import replace
+
+    from moetailor.plans import Plan
+    from moetailor.routing.policy import PhasePolicy
+
+    plan = Plan.load(folded / "plan.json")
+    sizes = iter((4, 6))
+    decode = PhasePolicy({i: replace(p, keep=tuple(range(next(sizes)))) for i, p in sorted(plan.decode.layers.items())})
+    path = folded / "uneven.json"
+    replace(plan, decode=decode).save(path)
+    return path
+
+
+def _top_k_plan(tiny) -> Path:
+    from moetailor.models import load_model
+
+    model_dir, (low, _) = tiny
+    path = low.parent / "topk.json"
+    uniform_plan(load_model(str(model_dir)), decode=LayerPolicy(top_k=1), prefill=LayerPolicy(top_k=1)).save(path)
+    return path
+
+
+def test_plans_are_described_as_they_are(tiny, folded, capsys):
+    """One description (kept per layer, folding, top-k) in info, prune and export."""
+    from moetailor.plans import Plan
+    from moetailor.plans.plan import describe_phase
+    from moetailor.transforms.gguf import gguf_plan
+
+    model_dir, _ = tiny
+    uneven = _uneven_folded(model_dir, folded)
+    plan = Plan.load(uneven)
+    assert describe_phase(plan, "decode") == "keeps 4/6 of 8 experts per layer, folds the excluded experts' routes onto kept ones"
+    assert main(["info", str(uneven)]) == 0
+    assert "folds the excluded experts" in capsys.readouterr().out
+    err = one_line_error(capsys, ["prune", str(model_dir), str(uneven), "--out", str(folded / "p")],
+                         "folds the excluded", "--decode-plan PLAN", "without folding")
+    assert "masked mode" not in err
+    with pytest.raises(ValueError, match="folds the excluded.*without folding"):
+        gguf_plan(Plan.load(folded / "plan.json"))
+    topk = _top_k_plan(tiny)
+    assert describe_phase(Plan.load(topk), "decode") == "keeps all 8 experts, routes 1 of them per token (model top-2)"
+    err = one_line_error(capsys, ["prune", str(model_dir), str(topk), "--out", str(folded / "p")],
+                         "keeps all 8 experts, routes 1", "--plan PLAN` (both phases as written)")
+    assert "masked mode" not in err
+
+
+def test_eval_does_not_call_a_top_k_plan_pruned(tiny, tmp_path, capsys):
+    from moetailor.cli.eval import plan_configs
+
+    topk = str(_top_k_plan(tiny))
+    assert plan_configs(topk, None) == "baseline,plan,phase-aware"
+    one_line_error(capsys, ["eval", str(tiny[0]), "--plan", topk, "--configs", "baseline,pruned,reverse",
+                            "--out", str(tmp_path / "e")], "keeps every expert", "--configs baseline,plan,phase-aware")
+    assert plan_configs(str(tiny[1][0]), None) == "baseline,pruned,reverse,phase-aware"
+
+
+def test_demo_says_a_plan_folds(tiny, folded, capsys):
+    model_dir, _ = tiny
+    assert main(["demo", "--model", str(model_dir), "--plan", str(_uneven_folded(model_dir, folded)),
+                 "--per-task", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "decode keeps 4/6 of 8 experts per layer, folds the excluded experts' routes onto kept ones" in out

@@ -200,6 +200,45 @@ def _loaded_fold_stats(fold_stats: str | None, plan_path: str | Path | None) -> 
     return str(Path(fold_stats).absolute())
 
 
+def _counts(values: list[int]) -> str:
+    return str(values[0]) if len(set(values)) == 1 else "/".join(map(str, values))
+
+
+def describe_phase(plan: Plan, phase: str) -> str:
+    """One phrase for what ``plan`` does in ``phase``: experts kept per layer, folding, top-k, pools,
+    skipping. The one description every verb prints (demo, info, eval, prune, export)."""
+    policy = plan.phase(phase)
+    if policy.is_identity:
+        return "full router (every expert)"
+    E, k = plan.model["num_experts"], plan.model["top_k"]
+    layers = [policy.for_layer(i) for i in plan.model["moe_layers"]]
+    parts = []
+    kept = [len(p.keep) if p.keep is not None else E for p in layers]
+    if any(p.keep is not None for p in layers):
+        parts.append(f"keeps {_counts(kept)} of {E} experts per layer")
+        if any(p.keep is not None and p.pool_mode == "fold" for p in layers):
+            parts.append("folds the excluded experts' routes onto kept ones")
+    else:
+        parts.append(f"keeps all {E} experts")
+    if any(p.top_k is not None for p in layers):
+        parts.append(f"routes {_counts([p.top_k or k for p in layers])} of them per token (model top-{k})")
+    if any(p.token_keep is not None for p in layers):
+        verb = "folds" if all(p.fold for p in layers if p.token_keep is not None) else "drops"
+        parts.append(f"{verb} each token to {_counts([p.token_keep or k for p in layers])} routes")
+    if any(p.batch_pool is not None for p in layers):
+        verb = "folded" if all(p.fold for p in layers if p.batch_pool is not None) else "dropped"
+        parts.append(f"a per-step pool of {_counts([p.batch_pool or E for p in layers])} experts (others {verb})")
+    if any(p.skip_beta is not None for p in layers):
+        parts.append("skips weak routes (dynamic skipping)")
+    return ", ".join(parts)
+
+
+def prunes_experts(plan: Plan) -> bool:
+    """Whether some phase of ``plan`` removes experts (keep lists): what `pruned`/`reverse` and
+    `moetailor prune` are about; a per-layer top-k plan keeps every expert."""
+    return any(p.keep is not None for name in PHASES for p in plan.phase(name).layers.values())
+
+
 def uniform_plan(model, decode: LayerPolicy | None = None, prefill: LayerPolicy | None = None, **meta) -> Plan:
     """A plan applying the same layer policy to every MoE layer of ``model`` (per phase)."""
     fp = model_fingerprint(model)
