@@ -299,3 +299,39 @@ def test_demo_says_a_plan_folds(tiny, folded, capsys):
                  "--per-task", "1"]) == 0
     out = capsys.readouterr().out
     assert "decode keeps 4/6 of 8 experts per layer, folds the excluded experts' routes onto kept ones" in out
+
+
+@pytest.mark.parametrize("verb", [["calibrate", "reference", "--out", "s.safetensors"], ["tune", "reference", "--out", "T"],
+                                  ["eval", "reference", "--out", "E"], ["generate", "reference", "--prompt", "x"],
+                                  ["serve", "reference"], ["bench", "decode"]])
+def test_dtype_is_spelled_one_way_everywhere(verb):
+    """--dtype was {bf16,fp16,fp32} in generate/serve, {auto,bfloat16,float16,float32} in calibrate/tune/
+    eval and {float32,bfloat16} in bench decode: now fp32/bf16 (and fp16, auto where they apply) in all,
+    the long names accepted as the same values."""
+    from moetailor.cli.main import build_parser
+
+    parser = build_parser()
+    for given, want in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp32", "fp32"), ("float32", "fp32")):
+        assert parser.parse_args(verb + ["--dtype", given]).dtype == want
+    with pytest.raises(SystemExit):
+        parser.parse_args(verb + ["--dtype", "int8"])
+
+
+@pytest.mark.parametrize("verb", [["calibrate", "reference", "--out", "o"], ["prune", "m", "p", "--out", "o"],
+                                  ["plan", "s", "--criterion", "reap", "--out", "o"], ["split", "m", "--parts", "2",
+                                  "--out", "o"], ["distill", "m", "p", "--steps", "1", "--out", "o"],
+                                  ["search-k", "m", "--budget", "4", "--out", "o"], ["eval", "m", "--out", "o"],
+                                  ["tune", "m", "--out", "o"], ["export", "gguf", "m", "--out", "o"],
+                                  ["synth", "olmoe-1b-7b", "--out", "o"], ["bench", "decode"]])
+def test_overwrite_and_force_are_one_flag_in_every_writing_verb(verb):
+    from moetailor.cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(verb + ["--overwrite"]).overwrite and parser.parse_args(verb + ["--force"]).overwrite
+    assert not parser.parse_args(verb).overwrite
+
+
+def test_split_data_defaults_like_the_other_verbs():
+    from moetailor.cli.main import build_parser
+
+    assert build_parser().parse_args(["split", "reference", "--parts", "2", "--out", "o"]).data is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import shlex
 
 from ..tables import print_table
+from .options import add_dtype_option, add_overwrite_option
 
 
 
@@ -17,7 +18,7 @@ def register(sub) -> None:
                    "mixture:tasks=0.7,text=0.3 (default for the bundled models: tasks, its workload; required otherwise)")
     p.add_argument("--tokens", type=int, default=200_000, help="calibration tokens (default 200000)")
     p.add_argument("--out", required=True, help="statistics file to write (.safetensors)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    add_overwrite_option(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per forward batch (bounds memory)")
     p.add_argument("--seq-len", type=int, default=None,
@@ -27,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--fold", action="store_true", help="also collect ExFold tables (pairs co-selected by a token)")
     p.add_argument("--all-experts", action="store_true",
                    help="compute every expert on every token (implies --fold; folding then sees every pair)")
-    add_dtype_argument(p, "calibration")
+    add_dtype_option(p, "working dtype for calibration", "auto")
     p.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
                    help="load one decoder layer at a time from the shards (memory: one layer + activations); "
                         "auto (default): when the model would take over 60%% of the available memory")
@@ -115,8 +116,3 @@ def command_line(args, positional: tuple[str, ...]) -> str:
             parts += [flag, shlex.quote(str(value))]
     return " ".join(parts)
 
-
-def add_dtype_argument(parser, what: str) -> None:
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
-                        help=f"working dtype for {what} (default auto: the checkpoint's stored dtype, bf16 for "
-                             "hub MoE checkpoints; float32 only when asked: twice the memory)")

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..tables import print_table
-from .calibrate import add_dtype_argument
+from .options import add_dtype_option, add_overwrite_option
 
 
 def register(sub) -> None:
@@ -44,7 +44,7 @@ def register(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch size")
     p.add_argument("--out", required=True, help="output directory (an interrupted run resumes from its cells; cells "
                    "another plan, model or setting wrote there are an error)")
-    p.add_argument("--overwrite", action="store_true",
+    add_overwrite_option(p,
                    help="recompute the cells (and statistics) in --out that another plan, model or setting wrote, "
                         "and replace an existing --write-docs page")
     p.add_argument("--write-docs", default=None, help="also write a results page there (e.g. docs/results.md)")
@@ -57,7 +57,7 @@ def register(sub) -> None:
                         "KL and perplexity against the full MODEL, layer-streamed (any size; the quality number "
                         "for random-weight checkpoints), of --plan (masked on every token) or --pruned DIR")
     p.add_argument("--pruned", default=None, help="with --metric kl: a pruned checkpoint of MODEL to compare")
-    add_dtype_argument(p, "--metric kl")
+    add_dtype_option(p, "working dtype for --metric kl", "auto")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="with --budgets: a budget is usable within this accuracy drop of the full budget (0.05)")
     p.set_defaults(func=run)
