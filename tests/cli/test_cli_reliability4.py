@@ -335,3 +335,21 @@ def test_split_data_defaults_like_the_other_verbs():
     from moetailor.cli.main import build_parser
 
     assert build_parser().parse_args(["split", "reference", "--parts", "2", "--out", "o"]).data is None
+
+
+def test_prune_names_a_malformed_config(tiny, tmp_path, capsys):
+    import shutil
+
+    model, (low, _) = tiny
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    (broken / "config.json").write_text('{"model_type": "qwen2_moe", ')
+    one_line_error(capsys, ["prune", str(broken), str(low), "--out", str(tmp_path / "o")], str(broken / "config.json"))
+
+
+def test_calibrate_spill_dir_that_is_a_file(tiny, tmp_path, capsys):
+    spill = tmp_path / "spill"
+    spill.write_text("x")
+    one_line_error(capsys, ["calibrate", str(tiny[0]), "--data", "text", "--tokens", "64", "--stream", "on",
+                            "--spill-dir", str(spill), "--out", str(tmp_path / "s.safetensors")],
+                   "is a file; it needs a directory")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 from ..tables import print_table
 from .options import add_dtype_option, add_overwrite_option
@@ -53,6 +54,9 @@ def run(args) -> int:
     path = resolve_model_path(args.model)
     args.seq_len = check_seq_len(args.seq_len, path)
     check_output(args.out, overwrite=args.overwrite, inputs=(path, data_file(args.data)))
+    if args.spill_dir is not None and Path(args.spill_dir).exists() and not Path(args.spill_dir).is_dir():
+        raise ValueError(f"--spill-dir {args.spill_dir} is a file; it needs a directory (an existing folder, or a new "
+                         "path moetailor creates)")
     dtype = working_dtype(args.dtype, path)
     tokenizer = load_tokenizer(args.model)
     command = command_line(args, positional=("model",))

@@ -29,7 +29,10 @@ def run(args) -> int:
     from ..transforms.streaming import prune_checkpoint_streamed
 
     command = command_line(args, positional=("model", "plan"))
+    from ..models.loading import read_config
+
     source = resolve_model_path(args.model)
+    read_config(source)   # a malformed config.json: one line naming the file, before any work
     out = prune_checkpoint_streamed(source, args.plan, args.out, overwrite=args.overwrite, phase=args.phase,
                                     command=command)
     side = read_sidecar(out)
