@@ -92,7 +92,7 @@ def verbs(m: Path, w: Path, arch: str = "") -> list[tuple[str, list[str]]]:
                       "--heldout-docs", "0", "--out", str(w / "k.json")]),
         ("distill", ["distill", str(m), str(plan), "--steps", "2", "--batch-size", "1", "--seq-len", "32",
                      *(["--no-se2"] if arch in NO_SHARED_EXPERT else []), "--out", str(w / "distilled")]),
-        ("split", ["split", str(m), "--parts", "2", "--tokens", "256", "--seq-len", "64", "--anneal-steps", "50",
+        ("split", ["split", str(m), "--parts", "2", "--data", "text", "--tokens", "256", "--seq-len", "64", "--anneal-steps", "50",
                    "--out", str(w / "split")]),
         ("eval --budgets", ["eval", str(w / "split"), "--budgets", "all", "--original", str(m), *quick_eval,
                             "--out", str(w / "eval-budgets")]),

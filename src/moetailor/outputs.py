@@ -9,16 +9,104 @@ over it once complete, so an interrupted write leaves neither half a file nor a 
 file, and the result gets the permissions of any new file (the umask), not a temporary file's
 0600. Whole checkpoint directories are written the same way by
 ``transforms.artifacts.checkpoint_directory``.
+
+``check_output`` also claims the output for this process (``claim_output``: a lock file created
+with O_EXCL, released when the verb ends), so two runs given the same ``--out`` never both succeed
+with one result silently lost: the second is told the output is being written. And ``--overwrite``
+replaces a whole directory only when moetailor wrote it (its marker file ``MARKER`` or a checkpoint
+sidecar), never a folder of the user's own files.
 """
 from __future__ import annotations
 
+import atexit
+import hashlib
 import json
 import os
 import secrets
 import stat
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+
+MARKER = ".moetailor-output"   # written into every directory moetailor replaces as a whole
+OWN_FILES = (MARKER, "moetailor_pruning.json", "moetailor_split.json", "moetailor_distill.json",
+             "moetailor_synthetic.json")   # the sidecars mark checkpoints written before the marker existed
+LOCK_DIR = Path(tempfile.gettempdir()) / "moetailor-locks"
+_claims: dict[str, Path] = {}   # resolved output path -> the lock file this process holds
+
+
+def _lock_file(out: Path) -> Path:
+    key = os.path.realpath(out)
+    return LOCK_DIR / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim_output(out: str | Path, flag: str = "--out") -> None:
+    """Hold ``out`` for this process until ``release_outputs`` (or exit): a lock file created with
+    O_EXCL, so a second moetailor run given the same output fails at once instead of racing this
+    one to the final rename. A lock whose process has died is taken over."""
+    key = os.path.realpath(out)
+    if key in _claims:
+        return
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    try:
+        os.chmod(LOCK_DIR, 0o1777)   # every user's runs share it, like /tmp
+    except PermissionError:
+        pass
+    lock = _lock_file(Path(out))
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = int(lock.read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                holder = None   # being written this instant, or unreadable: treat as held
+            if holder is not None and not _alive(holder):
+                lock.unlink(missing_ok=True)   # its run was killed (SIGKILL): nothing holds it
+                continue
+            raise FileExistsError(f"{flag} {out} is being written by another moetailor run (pid {holder or '?'}); "
+                                  f"wait for it to finish or choose another {flag}") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()} {key}\n")
+        _claims[key] = lock
+        return
+    raise FileExistsError(f"{flag} {out} is being claimed by another moetailor run; try again or choose another {flag}")
+
+
+def release_outputs() -> None:
+    """Give up every output this process claimed (the verb is done, or failed)."""
+    while _claims:
+        _, lock = _claims.popitem()
+        try:
+            if lock.read_text().split()[0] == str(os.getpid()):
+                lock.unlink()
+        except (OSError, IndexError):
+            pass
+
+
+atexit.register(release_outputs)
+
+
+def written_by_moetailor(folder: Path) -> bool:
+    """An empty folder, or one a moetailor verb wrote (its marker or a checkpoint sidecar)."""
+    return not any(folder.iterdir()) or any((folder / name).is_file() for name in OWN_FILES)
+
+
+def mark_output(folder: str | Path, command: str | None = None) -> None:
+    """Write the marker that lets a later ``--overwrite`` replace this folder."""
+    (Path(folder) / MARKER).write_text(json.dumps({"written_by": "moetailor", "command": command}) + "\n")
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -41,7 +129,8 @@ def check_output(out: str | Path, *, overwrite: bool = False, inputs=(), directo
     ``inputs``: the paths the verb reads (None entries are skipped). ``directory``: the output is a
     folder (else a file). ``replaces``: a directory output is replaced as a whole (prune, split,
     distill), so no input may live inside it; eval and bench write files into their folder instead.
-    Raises FileExistsError when ``out`` exists and ``overwrite`` is false.
+    Raises FileExistsError when ``out`` exists and ``overwrite`` is false, or another moetailor
+    run holds it (``claim_output``).
     """
     out = Path(out)
     if out.exists():
@@ -76,8 +165,14 @@ def check_output(out: str | Path, *, overwrite: bool = False, inputs=(), directo
             continue
         raise ValueError(f"{flag} {out} {problem} {given}; a verb never writes over its own input, even with "
                          f"--overwrite: choose another {flag}")
+    claim_output(out, flag)   # first claim, then look: a run that finished meanwhile has written it
     if out.exists() and not overwrite:
         raise FileExistsError(f"{flag} {out} already exists; pass --overwrite to replace it or choose another {flag}")
+    if out.is_dir() and directory and replaces and not written_by_moetailor(out):
+        names = sorted(p.name for p in out.iterdir())
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ValueError(f"{flag} {out} is a folder moetailor did not write (it holds {shown}); --overwrite replaces "
+                         f"only moetailor's own outputs: choose another {flag}, or empty or remove it yourself")
     return out
 
 

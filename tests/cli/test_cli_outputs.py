@@ -106,7 +106,7 @@ def test_written_files_get_normal_permissions_and_no_temp_file(work, tmp_path, c
 
 @pytest.mark.parametrize("verb", [
     lambda w, out: ["prune", str(w / "model"), str(w / "plan.json"), "--out", out],
-    lambda w, out: ["split", str(w / "model"), "--parts", "2", "--tokens", "64", "--out", out],
+    lambda w, out: ["split", str(w / "model"), "--parts", "2", "--data", "text", "--tokens", "64", "--out", out],
     lambda w, out: ["distill", str(w / "model"), str(w / "plan.json"), "--data", "tasks", "--steps", "1", "--out", out],
 ])
 def test_checkpoint_verbs_never_replace_their_source(verb, work, tmp_path, capsys):

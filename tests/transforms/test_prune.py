@@ -115,7 +115,7 @@ def test_refusals(tmp_path):
     layers = [l.index for l in moe_layers(model)]
     uneven = uniform_plan(model).with_phases(decode=PhasePolicy({layers[0]: LayerPolicy(keep=(0, 1, 2, 3)),
                                                                  layers[1]: LayerPolicy(keep=(0, 1, 2))}))
-    with pytest.raises(ValueError, match="different expert counts.*masked mode"):
+    with pytest.raises(ValueError, match="keeps 4/3 of 8 experts per layer: different expert counts.*--decode-plan PLAN"):
         prune_checkpoint(model, uneven, tmp_path / "a")
     partial = uniform_plan(model).with_phases(decode=PhasePolicy({layers[0]: LayerPolicy(keep=(0, 1, 2, 3))}))
     with pytest.raises(ValueError, match="different expert counts"):
@@ -134,6 +134,9 @@ def test_refusals(tmp_path):
     (tmp_path / "out" / "stale.txt").write_text("x")
     with pytest.raises(FileExistsError, match="--overwrite"):
         prune_checkpoint(model, plan, tmp_path / "out")
+    with pytest.raises(ValueError, match="moetailor did not write"):   # a folder of the user's own files
+        prune_checkpoint(model, plan, tmp_path / "out", overwrite=True)
+    (tmp_path / "out" / ".moetailor-output").write_text("{}")        # an earlier output of moetailor's
     prune_checkpoint(model, plan, tmp_path / "out", overwrite=True)
     assert (tmp_path / "out" / SIDECAR).exists() and not (tmp_path / "out" / "stale.txt").exists()
     # the prefill phase can be written too

@@ -73,7 +73,8 @@ def test_cli_errors(tmp_path, capsys):
     assert "top-k=2" in capsys.readouterr().err
     assert main(["plan", str(stats), "--criterion", "mass", "--layers", "0:6,1:4", "--out", str(tmp_path / "p.json")]) == 0
     assert main(["prune", str(src), str(tmp_path / "p.json"), "--out", str(tmp_path / "x")]) == 2
-    assert "masked mode" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "keeps 6/4 of 8 experts per layer" in err and "moetailor serve MODEL --decode-plan PLAN" in err
     assert main(["calibrate", str(src), "--data", "nowhere.jsonl", "--out", str(stats)]) == 2
     assert "does not exist" in capsys.readouterr().err
     (tmp_path / "cut.safetensors").write_bytes(stats.read_bytes()[:100])

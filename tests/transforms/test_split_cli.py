@@ -40,7 +40,7 @@ def test_split_cli_finetune(src, tmp_path, capsys):
 
 
 def test_split_cli_bad_parts(src, tmp_path, capsys):
-    assert main(["split", str(src), "--parts", "3", "--out", str(tmp_path / "x"), "--tokens", "64"]) == 2
+    assert main(["split", str(src), "--parts", "3", "--data", "text", "--out", str(tmp_path / "x"), "--tokens", "64"]) == 2
     err = capsys.readouterr().err
     assert "does not divide the expert width 16" in err
     assert not (tmp_path / "x").exists()

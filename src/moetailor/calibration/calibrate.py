@@ -180,7 +180,8 @@ def calibrate(model, tokenizer, data_spec: str, tokens: int, *, seed: int = 0, b
             digest.update(batch.numpy().astype("<i8").tobytes())
             yield batch
 
-    batches = hashed(iter_token_batches(tokenizer, spec, tokens, batch_tokens, seq_len, seed))
+    # a data file is read once: its repeats are not data (the statistics record the tokens it held)
+    batches = hashed(iter_token_batches(tokenizer, spec, tokens, batch_tokens, seq_len, seed, repeat=False))
     meta = {"data": spec.name, "seed": seed, "seq_len": min(seq_len, batch_tokens), "batch_tokens": batch_tokens,
             "command": command}
     stats = calibrate_batches(model, batches, gate=gate, fold=fold, all_experts=all_experts, total_tokens=tokens,

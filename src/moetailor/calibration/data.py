@@ -195,7 +195,7 @@ def jsonl_document(row, tokenizer, where: str) -> str:
                      "each line must be one JSON object with one of them")
 
 
-def _file_documents(path: Path, tokenizer=None) -> Iterator[str]:
+def _file_documents(path: Path, tokenizer=None, repeat: bool = True) -> Iterator[str]:
     if path.suffix == ".jsonl":
         docs = []
         try:
@@ -214,19 +214,25 @@ def _file_documents(path: Path, tokenizer=None) -> Iterator[str]:
     else:
         from ..data.corpus import _chunks
         docs = list(_chunks(path.read_text("utf-8", "replace")))
-    return _cycle([d for d in docs if d.strip()], f"calibration file {path}")
+    docs = [d for d in docs if d.strip()]
+    if not repeat:
+        if not docs:
+            raise ValueError(f"calibration file {path} holds no text")
+        return iter(docs)
+    return _cycle(docs, f"calibration file {path}")
 
 
-def iter_documents(spec: str | DataSpec, seed: int = 0, tokenizer=None) -> Iterator[str]:
+def iter_documents(spec: str | DataSpec, seed: int = 0, tokenizer=None, repeat: bool = True) -> Iterator[str]:
     """An endless, deterministic stream of documents for ``spec`` (``tokenizer`` renders chat files).
-    A ``mixture`` is balanced by tokens, so it is streamed by ``iter_token_windows`` only."""
+    A ``mixture`` is balanced by tokens, so it is streamed by ``iter_token_windows`` only.
+    ``repeat=False``: a file ends at its end (statistics never count a file's repeats as data)."""
     spec = parse_data_spec(spec)
     if spec.kind == "tasks":
         return _task_documents(seed, spec.domains)
     if spec.kind == "text":
         return _text_documents(spec.domains, seed)
     if spec.kind == "file":
-        return _file_documents(spec.path, tokenizer)
+        return _file_documents(spec.path, tokenizer, repeat)
     if spec.kind == "mixture":
         raise ValueError("a mixture is balanced by tokens: stream it with iter_token_windows")
     return _mix(_task_documents(seed), _text_documents(spec.domains, seed), random.Random(f"mix:{seed}"))
@@ -246,7 +252,7 @@ def _component_documents(name: str, seed: int) -> Iterator[str]:
     return _task_documents(seed, (name,)) if name in tasks else _text_documents((name,), seed)
 
 
-def iter_document_tokens(tokenizer, spec: str | DataSpec, seed: int = 0) -> Iterator[list[int]]:
+def iter_document_tokens(tokenizer, spec: str | DataSpec, seed: int = 0, repeat: bool = True) -> Iterator[list[int]]:
     """Each document's token ids followed by EOS. A ``mixture`` takes its next document from the
     component furthest below its token share, so every component gets at least its share."""
     spec = parse_data_spec(spec)
@@ -256,7 +262,7 @@ def iter_document_tokens(tokenizer, spec: str | DataSpec, seed: int = 0) -> Iter
         return tokenizer(doc, add_special_tokens=False)["input_ids"] + eos
 
     if spec.kind != "mixture":
-        for doc in iter_documents(spec, seed, tokenizer):
+        for doc in iter_documents(spec, seed, tokenizer, repeat):
             yield encode(doc)
         return
     streams = [(name, share, _component_documents(name, seed)) for name, share in spec.shares]
@@ -270,15 +276,16 @@ def iter_document_tokens(tokenizer, spec: str | DataSpec, seed: int = 0) -> Iter
 
 
 def iter_token_windows(tokenizer, spec: str | DataSpec, tokens: int, seq_len: int = 512,
-                       seed: int = 0) -> Iterator[list[int]]:
-    """Windows of ``seq_len`` token ids (the last one shorter) totalling exactly ``tokens``."""
+                       seed: int = 0, repeat: bool = True) -> Iterator[list[int]]:
+    """Windows of ``seq_len`` token ids (the last one shorter) totalling exactly ``tokens``; with
+    ``repeat=False`` fewer when a data file ends first (its last window then shorter)."""
     if tokens < 1:
         raise ValueError(f"--tokens must be at least 1 (got {tokens})")
     if seq_len < 1:
         raise ValueError(f"sequence length must be at least 1 (got {seq_len})")
     buf: list[int] = []
     left = tokens
-    for ids in iter_document_tokens(tokenizer, spec, seed):
+    for ids in iter_document_tokens(tokenizer, spec, seed, repeat):
         buf += ids
         while len(buf) >= min(seq_len, left):
             n = min(seq_len, left)
@@ -287,10 +294,13 @@ def iter_token_windows(tokenizer, spec: str | DataSpec, tokens: int, seq_len: in
             left -= n
             if left == 0:
                 return
+    while buf:   # the file ended (repeat=False) before ``tokens``: what it held, once
+        yield buf[:seq_len]
+        buf = buf[seq_len:]
 
 
 def iter_token_batches(tokenizer, spec: str | DataSpec, tokens: int, batch_tokens: int = 4096,
-                       seq_len: int = 512, seed: int = 0):
+                       seq_len: int = 512, seed: int = 0, repeat: bool = True):
     """Batches ``LongTensor [B, S]`` of equal-length windows, about ``batch_tokens`` tokens each."""
     import torch
 
@@ -298,7 +308,7 @@ def iter_token_batches(tokenizer, spec: str | DataSpec, tokens: int, batch_token
         raise ValueError(f"--batch-tokens must be at least 1 (got {batch_tokens})")
     seq_len = min(seq_len, batch_tokens)
     rows: list[list[int]] = []
-    for window in iter_token_windows(tokenizer, spec, tokens, seq_len, seed):
+    for window in iter_token_windows(tokenizer, spec, tokens, seq_len, seed, repeat):
         if rows and (len(window) != len(rows[0]) or (len(rows) + 1) * len(window) > batch_tokens):
             yield torch.tensor(rows, dtype=torch.long)
             rows = []

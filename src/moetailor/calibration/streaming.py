@@ -41,7 +41,7 @@ def calibrate_streamed(source: str | Path, tokenizer, data_spec: str, tokens: in
     stream = LayerStream(source, dtype)
     fingerprint = model_fingerprint(stream.model)
     torch.manual_seed(seed)
-    batches = list(iter_token_batches(tokenizer, spec, tokens, batch_tokens, seq_len, seed))
+    batches = list(iter_token_batches(tokenizer, spec, tokens, batch_tokens, seq_len, seed, repeat=False))
     seen = sum(b.numel() for b in batches)
     if seen == 0:
         raise ValueError("no calibration tokens were read; check --data and --tokens")

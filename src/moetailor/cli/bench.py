@@ -6,6 +6,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from .options import add_dtype_option, add_overwrite_option, torch_name
+
 
 def _floats(text: str) -> list[float]:
     try:
@@ -31,7 +33,7 @@ def register(sub) -> None:
 
     def common(q, out: str, quick: bool = True):
         q.add_argument("--out", type=Path, default=Path(out), help=f"output folder (default {out})")
-        q.add_argument("--overwrite", action="store_true", help="replace the report in --out if there is one")
+        add_overwrite_option(q, help="replace the report in --out if there is one")
         if quick:
             q.add_argument("--quick", action="store_true", help="small sweep that finishes in under two minutes")
 
@@ -65,9 +67,8 @@ def register(sub) -> None:
     d.add_argument("--synthetic-layers", type=int, default=2, help="MoE layers of the synthetic model (1.6 GB each)")
     d.add_argument("--no-hf", action="store_true", help="skip the transformers generate comparison")
     d.add_argument("--no-pruned", action="store_true", help="skip pruned-checkpoint pools (masking only)")
-    d.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="the weights as measured (bfloat16: as real checkpoints ship them; the synthetic model is "
-                        "converted, a checkpoint loaded so)")
+    add_dtype_option(d, "the weights as measured (bf16: as real checkpoints ship them; the synthetic model is "
+                     "converted, a checkpoint loaded so)", "fp32", allowed=("fp32", "bf16"))
     d.add_argument("--plan", action="append", default=[], metavar="PLAN",
                    help="also time the decode pool of this plan file (repeatable; e.g. fold vs mask plans)")
     common(d, "build/bench/decode")
@@ -141,7 +142,7 @@ def run_decode(args) -> int:
     cfg = DecodeConfig(model=args.model, batches=_ints(args.batches), keeps=_floats(args.keep),
                        top_ks=_ints(args.top_k) if args.top_k else [], steps=args.steps, quick=args.quick,
                        synthetic_layers=args.synthetic_layers, hf=not args.no_hf, pruned=not args.no_pruned,
-                       plans=args.plan, dtype=args.dtype)
+                       plans=args.plan, dtype=torch_name(args.dtype))
     decode(cfg, args.out, _command()).write()
     return 0
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 from ..tables import print_table
+from .options import add_dtype_option, add_overwrite_option
 
 
 
@@ -17,7 +19,7 @@ def register(sub) -> None:
                    "mixture:tasks=0.7,text=0.3 (default for the bundled models: tasks, its workload; required otherwise)")
     p.add_argument("--tokens", type=int, default=200_000, help="calibration tokens (default 200000)")
     p.add_argument("--out", required=True, help="statistics file to write (.safetensors)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    add_overwrite_option(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per forward batch (bounds memory)")
     p.add_argument("--seq-len", type=int, default=None,
@@ -27,7 +29,7 @@ def register(sub) -> None:
     p.add_argument("--fold", action="store_true", help="also collect ExFold tables (pairs co-selected by a token)")
     p.add_argument("--all-experts", action="store_true",
                    help="compute every expert on every token (implies --fold; folding then sees every pair)")
-    add_dtype_argument(p, "calibration")
+    add_dtype_option(p, "working dtype for calibration", "auto")
     p.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
                    help="load one decoder layer at a time from the shards (memory: one layer + activations); "
                         "auto (default): when the model would take over 60%% of the available memory")
@@ -52,6 +54,9 @@ def run(args) -> int:
     path = resolve_model_path(args.model)
     args.seq_len = check_seq_len(args.seq_len, path)
     check_output(args.out, overwrite=args.overwrite, inputs=(path, data_file(args.data)))
+    if args.spill_dir is not None and Path(args.spill_dir).exists() and not Path(args.spill_dir).is_dir():
+        raise ValueError(f"--spill-dir {args.spill_dir} is a file; it needs a directory (an existing folder, or a new "
+                         "path moetailor creates)")
     dtype = working_dtype(args.dtype, path)
     tokenizer = load_tokenizer(args.model)
     command = command_line(args, positional=("model",))
@@ -70,6 +75,9 @@ def run(args) -> int:
         beta = layer.beta
         rows.append((i, f"{used}/{layer.num_experts}", int(layer.frequency.max()), int(layer.frequency.min()),
                      f"{float(layer.mean_norm[layer.frequency > 0].mean()):.3f}", "-" if beta is None else f"{beta:.3f}"))
+    if stats.meta["tokens"] < args.tokens:
+        print(f"note: {args.data} held {stats.meta['tokens']:,} tokens, fewer than --tokens {args.tokens:,}; "
+              "calibrated on each once (more traffic gives steadier statistics)")
     mode = "layer-streamed" if stats.meta.get("streamed") else "in memory"
     print(f"calibrated on: {describe_calibration(calibration_record(stats.meta))}")
     print_table(f"calibrated {stats.meta['tokens']:,} tokens of {stats.meta['data']} in {stats.meta['seconds']:.1f}s "
@@ -112,8 +120,3 @@ def command_line(args, positional: tuple[str, ...]) -> str:
             parts += [flag, shlex.quote(str(value))]
     return " ".join(parts)
 
-
-def add_dtype_argument(parser, what: str) -> None:
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
-                        help=f"working dtype for {what} (default auto: the checkpoint's stored dtype, bf16 for "
-                             "hub MoE checkpoints; float32 only when asked: twice the memory)")

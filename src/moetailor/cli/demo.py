@@ -45,6 +45,7 @@ def run(args) -> int:
     from ..models import describe
     from ..models.loading import load_checked
     from ..plans import Plan
+    from ..plans.plan import describe_phase
 
     t0 = time.time()
     llm = LLM(args.model)
@@ -52,10 +53,10 @@ def run(args) -> int:
     print(f"model: {facts['architecture']}, {facts['layers']} layers, {facts['routed_experts_per_layer']} routed "
           f"experts top-{facts['top_k']}, {facts['parameters_total'] / 1e6:.1f}M parameters")
     plan = load_checked(args.plan, Plan, llm.model)
-    kept = plan.kept_experts("decode")
     shown = f"bundled {BUNDLED_PLAN.name}" if Path(args.plan).resolve() == BUNDLED_PLAN else args.plan
-    print(f"decode plan: {shown} ({plan.meta.get('criterion', '?')}, keeps "
-          f"{sum(map(len, kept.values())) / max(1, len(kept)):.0f} of {facts['routed_experts_per_layer']} experts per layer)")
+    decode = plan.phase_aware()
+    what = describe_phase(decode, "decode")
+    print(f"decode plan: {shown} ({plan.meta.get('criterion', '?')}; decode {what})")
     calibration = plan.meta.get("calibration") or ({"data": plan.meta["stats_data"], "tokens": plan.meta.get("stats_tokens")}
                                                    if plan.meta.get("stats_data") else None)
     print(f"plan calibrated on: {describe_calibration(calibration) if calibration else 'not recorded in the plan'}")
@@ -63,7 +64,7 @@ def run(args) -> int:
     examples = [ex for task in TASKS.values() for ex in eval_examples(task, args.per_task, seed=0)]
     sampling = SamplingParams(max_tokens=160, temperature=0.0)
     results = {}
-    for name, config in (("full", None), ("phase-aware", plan.phase_aware())):
+    for name, config in (("full", None), ("phase-aware", decode)):
         llm.set_plan(config)
         llm.step_log.clear()
         outputs = llm.generate([ex.prompt for ex in examples], sampling)
@@ -81,7 +82,7 @@ def run(args) -> int:
             answer = extract_answer(out.text)
             row += [(answer or "—")[:18], "yes" if score(ex, out.text) else "no", len(out.token_ids)]
         rows.append(tuple(row))
-    print_table("sample prompts: full model vs phase-aware (full prefill, 50% decode pool)",
+    print_table(f"sample prompts: full model vs phase-aware (full prefill; decode {what})",
                 ["task", "prompt", "full answer", "ok", "len", "phase-aware answer", "ok", "len"], rows)
     per_task = []
     for task in TASKS:

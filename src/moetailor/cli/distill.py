@@ -7,6 +7,7 @@ import shlex
 import sys
 
 from ..tables import print_table
+from .options import add_overwrite_option
 
 
 def register(sub) -> None:
@@ -35,7 +36,7 @@ def register(sub) -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the matmuls (faster on AMX CPUs)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run in OUT.partial")
-    p.add_argument("--overwrite", action="store_true", help="replace --out (and any interrupted run) if it exists")
+    add_overwrite_option(p, help="replace --out (and any interrupted run) if it exists")
     p.set_defaults(func=run)
 
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..tables import print_table
-from .calibrate import add_dtype_argument
+from .options import add_dtype_option, add_overwrite_option
 
 
 def register(sub) -> None:
@@ -28,8 +28,10 @@ def register(sub) -> None:
     p.add_argument("--seeds", type=int, default=3, help="seeds: prompt sets (and sampling seeds) to average over")
     p.add_argument("--sampling", default="greedy",
                    help="greedy, sample (temperature 1.0, top-p 0.95) or both: greedy,sample")
-    p.add_argument("--configs", default=",".join(PHASE_CONFIGURATIONS),
-                   help=f"comma-separated configurations; registered: {', '.join(CONFIGURATIONS)}")
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated configurations; registered: {', '.join(CONFIGURATIONS)} (default "
+                        f"{','.join(PHASE_CONFIGURATIONS)}; for a --plan that keeps every expert, e.g. a per-layer "
+                        "top-k plan from search-k: baseline,plan,phase-aware)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="max new tokens for every task (default: per task, 2x its longest reference answer)")
     p.add_argument("--kl-docs", type=int, default=2, help="held-out documents per text domain for KL/perplexity")
@@ -42,7 +44,7 @@ def register(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch size")
     p.add_argument("--out", required=True, help="output directory (an interrupted run resumes from its cells; cells "
                    "another plan, model or setting wrote there are an error)")
-    p.add_argument("--overwrite", action="store_true",
+    add_overwrite_option(p,
                    help="recompute the cells (and statistics) in --out that another plan, model or setting wrote, "
                         "and replace an existing --write-docs page")
     p.add_argument("--write-docs", default=None, help="also write a results page there (e.g. docs/results.md)")
@@ -55,7 +57,7 @@ def register(sub) -> None:
                         "KL and perplexity against the full MODEL, layer-streamed (any size; the quality number "
                         "for random-weight checkpoints), of --plan (masked on every token) or --pruned DIR")
     p.add_argument("--pruned", default=None, help="with --metric kl: a pruned checkpoint of MODEL to compare")
-    add_dtype_argument(p, "--metric kl")
+    add_dtype_option(p, "working dtype for --metric kl", "auto")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="with --budgets: a budget is usable within this accuracy drop of the full budget (0.05)")
     p.set_defaults(func=run)
@@ -68,6 +70,7 @@ def run(args) -> int:
     t0 = time.time()
     if args.metric == "kl":
         return run_kl(args)
+    args.configs = plan_configs(args.plan, args.configs)
     if args.pruned:
         raise ValueError("--pruned is for --metric kl; evaluate a pruned checkpoint's tasks as MODEL instead")
     settings = EvalSettings(
@@ -108,6 +111,32 @@ def run(args) -> int:
     if args.write_docs:
         print(f"wrote {write_docs(results, out, Path(args.write_docs), time.time() - t0)}")
     return 0
+
+
+def plan_configs(plan_path: str | None, configs: str | None) -> str:
+    """The configurations to run: as given, or by default the phase configurations, which are about
+    pruning; a plan that keeps every expert (per-layer top-k, skipping) gets its own rows instead, and
+    asking for `pruned`/`reverse` of it is an error that says what to run."""
+    from ..eval.configurations import PHASE_CONFIGURATIONS
+    from ..plans import Plan
+    from ..plans.plan import describe_phase, prunes_experts
+
+    if plan_path is None or not Path(plan_path).is_file():
+        return configs or ",".join(PHASE_CONFIGURATIONS)
+    plan = Plan.load(plan_path)
+    if prunes_experts(plan):
+        return configs or ",".join(PHASE_CONFIGURATIONS)
+    if configs is None:
+        return "baseline,plan,phase-aware"
+    named = {c.strip().split(":")[0] for c in configs.split(",")}
+    wrong = sorted(named & {"pruned", "reverse"})
+    if wrong:
+        phase = "decode" if not plan.decode.is_identity else "prefill"
+        raise ValueError(f"--plan {plan_path} keeps every expert ({phase}: {describe_phase(plan, phase)}), so "
+                         f"{'/'.join(wrong)} (expert pruning in both phases / in prefill) would mislabel it; use "
+                         "--configs baseline,plan,phase-aware (plan: as written; phase-aware: its policy on decode "
+                         "steps only)")
+    return configs
 
 
 EVAL_ENTRIES = ("cells", "results.json", "budgets.json", "split", "original")   # what marks an eval folder

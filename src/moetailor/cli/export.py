@@ -3,6 +3,7 @@ a GGUF file for llama.cpp, written by llama.cpp's own converter (`make setup-lla
 from __future__ import annotations
 
 from ..tables import print_table
+from .options import add_overwrite_option
 
 
 def register(sub) -> None:
@@ -22,7 +23,7 @@ def register(sub) -> None:
     g.add_argument("--allow-routing-difference", action="store_true",
                    help="export even when llama.cpp's graph for this architecture renormalises the top-k expert "
                    "weights differently from the checkpoint (a different model: for speed comparisons)")
-    g.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    add_overwrite_option(g)
     g.add_argument("--verbose", action="store_true", help="show the converter's log")
     g.set_defaults(func=run)
 

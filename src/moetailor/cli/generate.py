@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+from .options import TORCH_NAMES as DTYPES, add_dtype_option, dtype_value
 
 
 def set_threads(threads: int | None) -> None:
@@ -37,10 +37,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--memory-budget-mb", type=float, default=None,
                    help="weights + KV cache budget; the KV pool gets what the weights leave")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and KV cache")
-    p.add_argument("--prefill-dtype", choices=sorted(DTYPES), default=None,
-                   help="autocast dtype for prefill steps (bf16 pays for long prompts on AMX CPUs)")
-    p.add_argument("--decode-expert-dtype", choices=sorted(DTYPES), default=None,
+    add_dtype_option(p, "weights and KV cache", "fp32")
+    add_dtype_option(p, "autocast dtype for prefill steps (bf16 pays for long prompts on AMX CPUs)", None,
+                     flag="--prefill-dtype", allowed=tuple(DTYPES))
+    p.add_argument("--decode-expert-dtype", type=dtype_value(tuple(DTYPES)), default=None, metavar="{fp32,bf16,fp16}",
                    help="expert weights of decode steps in this dtype (a copy; bf16 streams faster than fp32 on "
                         "AVX-512 BF16 CPUs: measure with `python -m moetailor.bench.kernels`)")
     p.add_argument("--experts-impl", choices=("grouped", "loop"), default="grouped",
@@ -84,7 +84,11 @@ def build_engine(args):
     resolve_model_path(args.model)
     if args.decode_model:
         resolve_model_path(args.decode_model)   # a clear error here, not a worker that dies while loading
-    dtype = getattr(torch, DTYPES[args.dtype])
+    if args.dtype == "auto":
+        from ..models.checkpoint import stored_dtype
+        dtype = stored_dtype(resolve_model_path(args.model))
+    else:
+        dtype = getattr(torch, DTYPES[args.dtype])
     kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, dtype=dtype, device=args.device,
                   max_model_len=args.max_model_len, experts_impl=args.experts_impl,

@@ -37,6 +37,7 @@ def run(args) -> int:
 def run_plan(path: str) -> int:
     from ..calibration.calibrate import describe_calibration
     from ..plans import Plan
+    from ..plans.plan import describe_phase
 
     plan = Plan.load(path)
     meta, model = plan.meta, plan.model
@@ -47,19 +48,10 @@ def run_plan(path: str) -> int:
             ("calibrated on", describe_calibration(calibration) if calibration else "not recorded"),
             ("criterion", str(meta.get("criterion", "-"))),
             ("keep ratio", "-" if meta.get("keep_ratio") is None else f"{meta['keep_ratio']:g}")]
-    E = model.get("num_experts") or 0
     for name in ("prefill", "decode"):
-        phase = plan.phase(name)
-        if not phase.layers:
-            rows.append((name, "full router"))
-            continue
-        kept = [len(p.keep) for p in phase.layers.values() if p.keep is not None]
-        other = [k for k, p in sorted(phase.layers.items()) if p.keep is None]
-        desc = f"keeps {', '.join(map(str, kept))} of {E} experts in layers {', '.join(map(str, sorted(phase.layers)))}" \
-            if kept else f"{len(phase.layers)} layer policies"
-        if kept and other:
-            desc += f" (+{len(other)} other layer policies)"
-        rows.append((name, desc))
+        rows.append((name, describe_phase(plan, name)))
+    if plan.needs_fold_tables:
+        rows.append(("fold statistics", str(plan.fold_stats or "none named: the plan cannot run")))
     for key in ("command", "created"):
         if meta.get(key):
             rows.append((key, str(meta[key])))

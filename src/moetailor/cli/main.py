@@ -7,9 +7,12 @@ import errno
 import importlib
 import os
 import pkgutil
+import re
 import signal
 import sys
 import threading
+
+from ..outputs import release_outputs
 
 
 # the machine's state, not a bug: one line saying what to do, not a traceback
@@ -18,6 +21,22 @@ ENVIRONMENT_ERRORS = {errno.ENOSPC: "free disk space or write --out elsewhere",
                       errno.EROFS: "write --out to a writable file system",
                       errno.EACCES: "check the permissions, or write --out elsewhere",
                       errno.EMFILE: "raise the open-file limit (ulimit -n)"}
+
+
+def _writer_errno(error: Exception) -> int | None:
+    """The OS error number inside a writer's own exception (safetensors' ``SafetensorError`` says
+    "I/O error: No space left on device (os error 28)"), or None."""
+    if type(error).__name__ != "SafetensorError":
+        return None
+    found = re.search(r"\(os error (\d+)\)", str(error))
+    return int(found.group(1)) if found else None
+
+
+def _environment_error(command: str, code: int, filename) -> int:
+    where = f" ({filename})" if filename else ""
+    print(f"moetailor {command}: error: {os.strerror(code)}{where}; {ENVIRONMENT_ERRORS[code]} (partial outputs "
+          "removed)", file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,10 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         if e.errno not in ENVIRONMENT_ERRORS:
             raise
-        where = f" ({e.filename})" if e.filename else ""
-        print(f"moetailor {args.command}: error: {os.strerror(e.errno)}{where}; "
-              f"{ENVIRONMENT_ERRORS[e.errno]} (partial outputs removed)", file=sys.stderr)
-        return 2
+        return _environment_error(args.command, e.errno, e.filename)
+    except Exception as e:
+        code = _writer_errno(e)   # safetensors' writer raises its own error type for a full disk
+        if code not in ENVIRONMENT_ERRORS:
+            raise
+        return _environment_error(args.command, code, None)
     except KeyboardInterrupt:
         print(f"moetailor {args.command}: interrupted; partial outputs removed", file=sys.stderr)
         return 130
@@ -67,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"moetailor {args.command}: terminated (SIGTERM); partial outputs removed", file=sys.stderr)
         raise
     finally:
+        release_outputs()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return int(result or 0)

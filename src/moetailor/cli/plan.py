@@ -4,6 +4,7 @@ from __future__ import annotations
 from .calibrate import command_line
 from ..memory import peak_rss_gib
 from ..tables import print_table
+from .options import add_overwrite_option
 
 
 def register(sub) -> None:
@@ -33,7 +34,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for the random criterion")
     p.add_argument("--model", help="optional: check the statistics against this model first")
     p.add_argument("--out", required=True, help="plan file to write (.json)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    add_overwrite_option(p, help="replace --out if it exists")
     p.set_defaults(func=run)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .calibrate import command_line
 from ..tables import print_table
+from .options import add_overwrite_option
 
 
 def register(sub) -> None:
@@ -10,7 +11,7 @@ def register(sub) -> None:
     p.add_argument("model", help="local checkpoint directory or a bundled model: 'reference', 'reference-qwen3'")
     p.add_argument("plan", help="plan file from `moetailor plan`")
     p.add_argument("--out", required=True, help="output checkpoint directory")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    add_overwrite_option(p, help="replace --out if it exists")
     p.add_argument("--phase", choices=("decode", "prefill"), default="decode",
                    help="which phase's kept experts to write (default decode)")
     p.set_defaults(func=run)
@@ -28,7 +29,10 @@ def run(args) -> int:
     from ..transforms.streaming import prune_checkpoint_streamed
 
     command = command_line(args, positional=("model", "plan"))
+    from ..models.loading import read_config
+
     source = resolve_model_path(args.model)
+    read_config(source)   # a malformed config.json: one line naming the file, before any work
     out = prune_checkpoint_streamed(source, args.plan, args.out, overwrite=args.overwrite, phase=args.phase,
                                     command=command)
     side = read_sidecar(out)

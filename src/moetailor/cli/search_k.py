@@ -7,6 +7,7 @@ import shlex
 import sys
 
 from ..tables import print_table
+from .options import add_overwrite_option
 
 
 def register(sub) -> None:
@@ -17,7 +18,7 @@ def register(sub) -> None:
     budget.add_argument("--budget", type=int, help="total active experts per token summed over MoE layers")
     budget.add_argument("--mean-k", type=float, help="mean active experts per MoE layer (budget = round(mean * layers))")
     p.add_argument("--out", required=True, help="plan JSON to write")
-    p.add_argument("--overwrite", "--force", action="store_true", help="replace --out if it exists")
+    add_overwrite_option(p, help="replace --out if it exists")
     p.add_argument("--phase", choices=("both", "decode", "prefill"), default="both",
                    help="phases the allocation applies to (default both)")
     p.add_argument("--data", default=None, help="calibration text spec, as for `moetailor calibrate` (default for "

@@ -9,13 +9,16 @@ import shlex
 import sys
 
 from ..tables import print_table
+from .options import add_overwrite_option
 
 
 def register(sub) -> None:
     p = sub.add_parser("split", help="split every expert into N co-activated sub-experts (elastic per-request k)")
     p.add_argument("model", help="local checkpoint directory or a bundled model: 'reference', 'reference-qwen3'")
     p.add_argument("--parts", type=int, required=True, help="N: sub-experts per expert (must divide the expert width)")
-    p.add_argument("--data", default="text", help="calibration data spec (tasks | text[:DOMAINS] | mix | FILE); default text")
+    p.add_argument("--data", default=None, help="calibration data spec, as for `moetailor calibrate` (tasks | "
+                   "text[:DOMAINS] | mix | FILE; default for the bundled models: tasks, their workload; required "
+                   "otherwise)")
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.add_argument("--method", choices=("anneal", "random"), default="anneal",
                    help="neuron grouping: co-activation annealing (default) or a random equal split (baseline)")
@@ -27,7 +30,7 @@ def register(sub) -> None:
     p.add_argument("--anneal-steps", type=int, default=4000, help="simulated-annealing swap steps per layer")
     p.add_argument("--finetune-steps", type=int, default=60, help="router training steps for --gate finetune")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    add_overwrite_option(p, help="replace --out if it exists")
     p.set_defaults(func=run)
 
 
@@ -37,7 +40,9 @@ def run(args) -> int:
     if args.tokens < 1:
         raise ValueError(f"--tokens must be at least 1 (got {args.tokens})")
     command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
-    out, result = split_checkpoint(args.model, args.data, args.parts, args.out, method=args.method, gate=args.gate,
+    from ..calibration.data import default_data_spec
+
+    out, result = split_checkpoint(args.model, default_data_spec(args.model, args.data), args.parts, args.out, method=args.method, gate=args.gate,
                                    tokens=args.tokens, seq_len=args.seq_len, steps=args.anneal_steps, seed=args.seed,
                                    overwrite=args.overwrite, finetune_steps=args.finetune_steps, command=command)
     cfg = result.model.config

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..tables import print_table
+from .options import add_overwrite_option
 
 
 def register(sub) -> None:
@@ -16,7 +17,7 @@ def register(sub) -> None:
     p.add_argument("--skew", type=float, default=DEFAULT_SKEW,
                    help=f"router skew: how strongly a few experts per layer are hot (default {DEFAULT_SKEW}; 0 = none)")
     p.add_argument("--shard-gib", type=float, default=1.0, help="shard size in GiB (bounds memory; default 1)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    add_overwrite_option(p)
     p.set_defaults(func=run)
 
 

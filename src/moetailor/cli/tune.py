@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..tables import print_table
+from .options import add_dtype_option, add_overwrite_option
 
 
 def register(sub) -> None:
@@ -57,9 +58,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
                    help="score layer by layer from the shards (auto: when the model does not fit in memory)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    add_dtype_option(p, "working dtype for calibration and scoring", "auto")
     p.add_argument("--out", required=True, help="output folder (an earlier run's cache there is reused)")
-    p.add_argument("--overwrite", action="store_true", help="recompute cached results that do not fit this run")
+    add_overwrite_option(p, help="recompute cached results that do not fit this run")
     p.set_defaults(func=run)
 
 

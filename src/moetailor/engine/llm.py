@@ -110,10 +110,9 @@ class LLM:
     def set_plan(self, plan: Plan | str | Path | None) -> None:
         """Use ``plan`` from the next step on (None = the full router in both phases)."""
         plan = load_checked(plan, Plan, self.model)
-        needs_tables = plan is not None and (plan.prefill.needs_fold_statistics or plan.decode.needs_fold_statistics)
-        if needs_tables and plan.fold_stats:
-            from ..plans.techniques import attach_fold_tables
-            attach_fold_tables(self.model, plan.fold_stats)
+        if plan is not None:
+            from ..plans.techniques import attach_plan_fold_tables
+            attach_plan_fold_tables(self.model, plan)
         if plan is not None:   # compile now so a bad plan fails here, not inside a step
             self.controller.compile(plan.prefill)
             self.controller.compile(plan.decode)

@@ -506,6 +506,8 @@ class Sweep:
         if path:
             from ..models import load_model
             decode_model = load_model(path)
+        from ..plans.techniques import attach_plan_fold_tables
+        attach_plan_fold_tables(self.model, variant.plan)   # as the engine does for its generation cells
         s = self.scorer.score(variant.plan.prefill, variant.plan.decode, decode_model)
         return {**s.to_json(), "seconds": time.time() - t0}
 

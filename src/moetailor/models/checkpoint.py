@@ -345,6 +345,7 @@ def working_dtype(name: str, path: str | Path) -> torch.dtype:
     """``--dtype``: 'auto' = the checkpoint's stored dtype (bf16 for hub MoE checkpoints), or a name."""
     if name == "auto":
         return stored_dtype(path)
+    name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)   # the CLI's spelling
     if name not in DTYPES:
         raise ValueError(f"unknown --dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
     return DTYPES[name]

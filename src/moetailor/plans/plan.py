@@ -7,7 +7,12 @@ JSON schema (version 1), documented in docs/plans.md::
      "prefill": {"<layer>": LayerPolicy, ...},   # layers not listed run the full router
      "decode":  {"<layer>": LayerPolicy, ...},
      "meta": {criterion, keep_ratio, keep_experts, stats, created, command, ...},
-     "fold_stats": "path/to/stats.safetensors" | null}   # needed only by folding policies
+     "fold_stats": "stats.safetensors" | null}   # needed only by folding policies
+
+``fold_stats`` is written relative to the plan file's folder when the statistics lie inside it (a plan
+folder, e.g. ``moetailor tune``'s, can move as a whole), else absolute; ``Plan.load`` resolves it to
+an absolute path (relative to the plan file, then to the working directory, for plans written
+before), so every verb reads it the same way.
 
 The plan is the one artifact every technique writes: pruning sets ``keep``, skipping sets
 ``top_k``/``skip_beta``, folding sets ``pool_mode="fold"``/``token_keep``/``batch_pool``.
@@ -62,6 +67,28 @@ class Plan:
     decode: PhasePolicy = FULL_PHASE
     meta: dict = field(default_factory=dict)
     fold_stats: str | None = None
+    source: str | None = field(default=None, compare=False, repr=False)   # the file it was loaded from
+
+    @property
+    def needs_fold_tables(self) -> bool:
+        return self.prefill.needs_fold_statistics or self.decode.needs_fold_statistics
+
+    def fold_tables_path(self) -> Path | None:
+        """The statistics file this plan's folding policies read, checked to exist; None when no policy
+        needs one. The one place a plan's ``fold_stats`` is turned into a file (every verb calls it)."""
+        if not self.needs_fold_tables:
+            return None
+        where = f"plan {self.source}" if self.source else "the plan"
+        if not self.fold_stats:
+            raise ValueError(f"{where} folds experts but names no fold statistics (its \"fold_stats\" is null); "
+                             "remake it from statistics calibrated with --fold (`moetailor calibrate MODEL --fold "
+                             "--out STATS`, then `moetailor plan STATS ...` records them)")
+        path = Path(self.fold_stats)
+        if not path.is_file():
+            raise FileNotFoundError(f"{where} folds experts with the statistics {path}, which do not exist; put them "
+                                    "back (a plan records them relative to its own folder when they lie inside "
+                                    f"it), or recreate them with `moetailor calibrate MODEL --fold --out {path}`")
+        return path
 
     def phase(self, name: str) -> PhasePolicy:
         if name not in PHASES:
@@ -111,13 +138,15 @@ class Plan:
                 self.phase(name).for_layer(layer).validate(self.model["num_experts"], self.model["top_k"],
                                                            where=f"{where}, {name} layer {layer}")
 
-    def to_json(self) -> dict:
+    def to_json(self, path: str | Path | None = None) -> dict:
+        """The JSON document; with ``path`` (where it is written) ``fold_stats`` is stored relative to
+        that file's folder when the statistics lie inside it."""
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "model": self.model,
                 "prefill": self.prefill.to_json(), "decode": self.decode.to_json(),
-                "meta": self.meta, "fold_stats": self.fold_stats}
+                "meta": self.meta, "fold_stats": _stored_fold_stats(self.fold_stats, path)}
 
     @classmethod
-    def from_json(cls, data: dict, where: str = "plan") -> "Plan":
+    def from_json(cls, data: dict, where: str = "plan", path: str | Path | None = None) -> "Plan":
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise ValueError(f"{where} is not a moetailor plan (missing format={PLAN_FORMAT!r}); "
                              "create one with `moetailor plan`")
@@ -135,17 +164,79 @@ class Plan:
                 phases[name] = PhasePolicy.from_json(data[name])
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{where} is malformed: {name} {e}") from None
-        plan = cls(model=data["model"], meta=data.get("meta", {}), fold_stats=data.get("fold_stats"), **phases)
+        plan = cls(model=data["model"], meta=data.get("meta", {}),
+                   fold_stats=_loaded_fold_stats(data.get("fold_stats"), path),
+                   source=None if path is None else str(path), **phases)
         plan.validate(where)
         return plan
 
     def save(self, path: str | Path) -> Path:
         """Write atomically (temp file + rename): a crash never leaves half a plan."""
-        return write_json(path, self.to_json(), indent=1)
+        return write_json(path, self.to_json(path), indent=1)
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        return cls.from_json(read_json(Path(path), "plan"), where=f"plan file {path}")
+        return cls.from_json(read_json(Path(path), "plan"), where=f"plan file {path}", path=path)
+
+
+def _stored_fold_stats(fold_stats: str | None, plan_path: str | Path | None) -> str | None:
+    """``fold_stats`` as written into the plan file at ``plan_path``: relative to its folder when inside it."""
+    if not fold_stats or plan_path is None:
+        return fold_stats
+    stats, folder = Path(fold_stats).absolute(), Path(plan_path).absolute().parent
+    if folder in stats.parents:
+        return stats.relative_to(folder).as_posix()
+    return str(stats)
+
+
+def _loaded_fold_stats(fold_stats: str | None, plan_path: str | Path | None) -> str | None:
+    """The absolute path a stored ``fold_stats`` names: absolute as written; relative to the plan's
+    folder; else (plans written before paths were relative to the plan) to the working directory."""
+    if not fold_stats or plan_path is None or Path(fold_stats).is_absolute():
+        return fold_stats
+    beside = Path(plan_path).absolute().parent / fold_stats
+    if beside.exists() or not Path(fold_stats).exists():
+        return str(beside)
+    return str(Path(fold_stats).absolute())
+
+
+def _counts(values: list[int]) -> str:
+    return str(values[0]) if len(set(values)) == 1 else "/".join(map(str, values))
+
+
+def describe_phase(plan: Plan, phase: str) -> str:
+    """One phrase for what ``plan`` does in ``phase``: experts kept per layer, folding, top-k, pools,
+    skipping. The one description every verb prints (demo, info, eval, prune, export)."""
+    policy = plan.phase(phase)
+    if policy.is_identity:
+        return "full router (every expert)"
+    E, k = plan.model["num_experts"], plan.model["top_k"]
+    layers = [policy.for_layer(i) for i in plan.model["moe_layers"]]
+    parts = []
+    kept = [len(p.keep) if p.keep is not None else E for p in layers]
+    if any(p.keep is not None for p in layers):
+        parts.append(f"keeps {_counts(kept)} of {E} experts per layer")
+        if any(p.keep is not None and p.pool_mode == "fold" for p in layers):
+            parts.append("folds the excluded experts' routes onto kept ones")
+    else:
+        parts.append(f"keeps all {E} experts")
+    if any(p.top_k is not None for p in layers):
+        parts.append(f"routes {_counts([p.top_k or k for p in layers])} of them per token (model top-{k})")
+    if any(p.token_keep is not None for p in layers):
+        verb = "folds" if all(p.fold for p in layers if p.token_keep is not None) else "drops"
+        parts.append(f"{verb} each token to {_counts([p.token_keep or k for p in layers])} routes")
+    if any(p.batch_pool is not None for p in layers):
+        verb = "folded" if all(p.fold for p in layers if p.batch_pool is not None) else "dropped"
+        parts.append(f"a per-step pool of {_counts([p.batch_pool or E for p in layers])} experts (others {verb})")
+    if any(p.skip_beta is not None for p in layers):
+        parts.append("skips weak routes (dynamic skipping)")
+    return ", ".join(parts)
+
+
+def prunes_experts(plan: Plan) -> bool:
+    """Whether some phase of ``plan`` removes experts (keep lists): what `pruned`/`reverse` and
+    `moetailor prune` are about; a per-layer top-k plan keeps every expert."""
+    return any(p.keep is not None for name in PHASES for p in plan.phase(name).layers.values())
 
 
 def uniform_plan(model, decode: LayerPolicy | None = None, prefill: LayerPolicy | None = None, **meta) -> Plan:

@@ -203,6 +203,14 @@ def attach_fold_tables(model, stats_path: str | Path) -> None:
         ctl.set_fold_tables(load_fold_tables(path, model), source=path)
 
 
+def attach_plan_fold_tables(model, plan) -> None:
+    """Give ``model`` the fold tables ``plan`` needs (its ``fold_stats``, ``Plan.fold_tables_path``);
+    a no-op for a plan that does not fold. Every consumer of a plan (engine, eval, tune) calls this."""
+    path = plan.fold_tables_path() if plan is not None else None
+    if path is not None:
+        attach_fold_tables(model, path)
+
+
 def default_stats_path(model) -> Path:
     """Where auto-calibrated fold statistics of ``model`` are cached ($MOETAILOR_CACHE or
     ~/.cache/moetailor, keyed by the router hash, so another model never picks them up)."""

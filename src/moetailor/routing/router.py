@@ -39,8 +39,10 @@ class CompiledPolicy:
     def build(cls, policy: LayerPolicy, sem: RouterSemantics, device, fold: FoldTables | None = None) -> "CompiledPolicy":
         policy.validate(sem.num_experts, sem.top_k)
         if policy.needs_fold_tables and fold is None:
-            raise ValueError("this policy folds experts but no fold statistics were given; run "
-                             "`moetailor calibrate ... --fold` and pass the stats file")
+            raise ValueError("this policy folds experts but no fold statistics were loaded: a plan names them in "
+                             "its \"fold_stats\" (`moetailor plan`/`tune` record the statistics they were made from, "
+                             "calibrated with `moetailor calibrate MODEL --fold`); `generate`/`serve` policy options "
+                             "take --fold-stats STATS")
         keep_mask = pool_target = pool_scale = None
         if fold is not None:  # a grouped router folds only inside the source's group (models/groups.py)
             fold = FoldTables(fold.scale.to(device).float(), same_group_only(fold.loss.to(device).float(), sem),

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ..outputs import check_output, normal_permissions
+from ..outputs import check_output, mark_output, normal_permissions
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "vocab.txt",
                    "merges.txt", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
@@ -37,10 +37,14 @@ def checkpoint_directory(out: str | Path, overwrite: bool = False, inputs=()) ->
     old = None
     try:
         yield tmp
+        mark_output(tmp)   # a later --overwrite may replace it: moetailor wrote it
         normal_permissions(tmp)
         # no signal between the two renames: out is always either the old or the new checkpoint
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
+            if out.exists() and not overwrite:   # made meanwhile by something that is not moetailor
+                raise FileExistsError(f"--out {out} appeared while this ran; pass --overwrite to replace it or "
+                                      "choose another --out")
             if out.exists():
                 old = out.parent / f".{out.name}.old-{os.getpid()}"
                 os.replace(out, old)

@@ -337,9 +337,13 @@ def gguf_plan(plan, phase: str = "decode") -> GGUFPlan:
         odd = sorted(k for k in p.to_json() if k not in ("keep", "top_k"))
         if odd:
             what = "; ".join(dict.fromkeys(UNSUPPORTED.get(k, k) for k in odd))
-            raise ValueError(f"the plan's {phase} layer {i} sets {odd}, which llama.cpp cannot run: {what}. "
-                             "Serve this plan with moetailor (`moetailor serve --plan`), or export a plan that only "
-                             "keeps experts and/or sets top_k")
+            from ..plans.plan import describe_phase
+            folded = p.keep is not None and p.pool_mode == "fold"
+            fix = (" (the same kept experts without folding: `moetailor plan STATS --criterion C --keep R`, or "
+                   "`moetailor tune ... --no-fold`)" if folded else "")
+            raise ValueError(f"the plan's {phase} phase {describe_phase(plan, phase)}: layer {i} sets {odd}, which "
+                             f"llama.cpp cannot run: {what}. Serve this plan with moetailor (`moetailor serve MODEL "
+                             f"--decode-plan PLAN`), or export a plan that only keeps experts and/or sets top_k{fix}")
     counts = {i: len(p.keep) if p.keep is not None else plan.model["num_experts"] for i, p in per_layer.items()}
     if len(set(counts.values())) > 1:
         listed = ", ".join(f"{i}:{n}" for i, n in counts.items())

@@ -19,7 +19,7 @@ from ..models.architectures import arch_spec
 from ..models.checkpoint import EXPERT_KEY, FUSED_KEY, ROUTER_KEY, split_layer_key
 from ..models.groups import checkpoint_problem
 from ..models.loading import model_fingerprint, resolve_model_path
-from ..plans.plan import Plan
+from ..plans.plan import Plan, describe_phase
 from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
 
 SIDECAR = "moetailor_pruning.json"
@@ -32,29 +32,35 @@ def checkpoint_kept(plan: Plan, config, phase: str = "decode") -> dict[int, tupl
     sem = semantics_for(config, spec)
     E = sem.num_experts
     policy = plan.phase(phase)
+    what = describe_phase(plan, phase)
+    serve = ("serve it with moetailor instead: `moetailor serve MODEL --decode-plan PLAN` (its decode policy on decode "
+             "steps) or `--plan PLAN` (both phases as written)" if phase == "decode" else
+             "serve it with moetailor instead: `moetailor serve MODEL --plan PLAN` (both phases as written)")
     kept = {}
     for index in plan.model["moe_layers"]:
         p = policy.for_layer(index)
         extra = {k: v for k, v in p.to_json().items() if k not in ("keep",)}
         if extra:
-            raise ValueError(f"{phase} layer {index} sets {sorted(extra)}, which a checkpoint cannot hold "
-                             "(only `keep` with pool_mode 'mask' is a property of the weights); serve this plan "
-                             "in masked mode (`moetailor generate/serve --plan`) instead")
+            folded = p.keep is not None and p.pool_mode == "fold"
+            fix = ("; for a checkpoint of the same kept experts without folding, make the plan with `moetailor plan "
+                   "STATS --criterion C --keep R` (or `moetailor tune ... --no-fold`)" if folded else "")
+            raise ValueError(f"the plan's {phase} phase {what}: {phase} layer {index} sets {sorted(extra)}, which "
+                             f"weights cannot hold (a checkpoint holds only kept experts, masked); {serve}{fix}")
         kept[index] = p.keep if p.keep is not None else tuple(range(E))
     counts = {len(v) for v in kept.values()}
     if counts == {E}:
-        raise ValueError(f"the plan's {phase} phase prunes no experts; nothing to write (pick --phase or another plan)")
+        raise ValueError(f"the plan's {phase} phase prunes no experts ({what}); nothing to write (pick --phase or "
+                         "another plan)")
     if len(counts) > 1:
-        per_layer = ", ".join(f"{i}:{len(v)}" for i, v in kept.items())
-        raise ValueError(f"the plan keeps different expert counts per layer ({per_layer}); one HF config has one "
-                         "expert count for all layers, so a checkpoint cannot express it. Serve the plan in masked "
-                         "mode (`moetailor generate/serve --plan PLAN`: the full pool with a masked router, same "
-                         "outputs), or make a uniform plan (--keep / --keep-experts)")
+        raise ValueError(f"the plan's {phase} phase {what}: different expert counts per layer, and one HF config has "
+                         "one expert count for all layers, so a "
+                         f"checkpoint cannot express it. Make a uniform plan (--keep / --keep-experts), or {serve} "
+                         "(the full pool with a masked router: the same outputs)")
     for i, ids in kept.items():
         problem = checkpoint_problem(ids, sem)
         if problem:
-            raise ValueError(f"layer {i} {problem}. Serve the plan in masked mode, or make a group-balanced plan "
-                             "(`moetailor plan` without --groups ignore chooses kept experts per group)")
+            raise ValueError(f"layer {i} {problem}. Make a group-balanced plan (`moetailor plan` without --groups "
+                             f"ignore chooses kept experts per group), or {serve}")
     return kept
 
 

@@ -43,18 +43,18 @@ def prune_checkpoint_streamed(source: str | Path, plan: Plan | str | Path, out: 
     names = ckpt.keys()
     with checkpoint_directory(out, overwrite, inputs) as tmp:
         writer = ShardWriter(tmp, shard_bytes)
-        bar = tqdm(total=len(names), unit="tensor", desc="pruning", disable=not progress, file=sys.stderr,
-                   mininterval=2)
-        for name in names:
-            action = pruned_name(name, kept)
-            bar.update(1)
-            if action is None:
-                continue                                # a dropped expert: never read
-            new, rows = action
-            tensor = ckpt.get(name)
-            writer.add(new, tensor if rows is None else tensor.index_select(0, rows))
-        writer.close()
-        bar.close()
+        # closed however the loop ends, so an error is printed after the bar, on its own line
+        with tqdm(total=len(names), unit="tensor", desc="pruning", disable=not progress, file=sys.stderr,
+                  mininterval=2) as bar:
+            for name in names:
+                action = pruned_name(name, kept)
+                bar.update(1)
+                if action is None:
+                    continue                                # a dropped expert: never read
+                new, rows = action
+                tensor = ckpt.get(name)
+                writer.add(new, tensor if rows is None else tensor.index_select(0, rows))
+            writer.close()
         ckpt.close()
         config.save_pretrained(tmp)
         for extra in COPIED:

@@ -132,6 +132,8 @@ def run(args) -> int:
     unknown = sorted(set(only) - set(PROCESSES))
     if unknown:
         raise ValueError(f"--only names unknown processes {unknown}; choose from {', '.join(PROCESSES)}")
+    from ...outputs import check_output
+    check_output(args.out, overwrite=True, directory=True, replaces=False)   # one run per --out at a time (it caches there)
     setup = prepare(args)
     spec = {"groups": only, "model": str(setup["model"]), "plans": setup["plans"], "pruned": str(setup["pruned"]),
             "batches": args.batches, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,

@@ -84,6 +84,8 @@ def run(args) -> int:
                          ".venv-vllm/bin/moetailor bench vllm-k")
     if args.new_tokens < 2:
         raise ValueError("--new-tokens must be at least 2 (decode rates need tokens after the first)")
+    from ...outputs import check_output
+    check_output(args.out, overwrite=True, directory=True, replaces=False)   # one run per --out at a time (it caches there)
     split = prepare_split(args)
     from transformers import AutoConfig
 

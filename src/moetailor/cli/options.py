@@ -1,0 +1,44 @@
+"""Options several verbs share, defined once so they are spelled, defaulted and described alike.
+
+Not a verb (no ``register``). ``--dtype`` takes auto | fp32 | bf16 | fp16 everywhere (float32,
+bfloat16 and float16 are accepted as the same values); ``--overwrite`` replaces an existing output
+(``--force`` is the same flag).
+"""
+from __future__ import annotations
+
+import argparse
+
+DTYPE_SPELLINGS = {"auto": "auto", "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16",
+                   "fp16": "fp16", "float16": "fp16"}
+TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def dtype_value(allowed: tuple[str, ...]):
+    """An argparse ``type`` that reads any spelling of a dtype and returns its short name."""
+    def parse(text: str) -> str:
+        name = DTYPE_SPELLINGS.get(str(text).strip().lower())
+        if name is None or name not in allowed:
+            raise argparse.ArgumentTypeError(f"invalid dtype {text!r}; choose from {', '.join(allowed)} (float32, "
+                                             "bfloat16 and float16 are accepted for fp32, bf16, fp16)")
+        return name
+    return parse
+
+
+def add_dtype_option(parser, what: str, default: str, flag: str = "--dtype",
+                     allowed: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")) -> None:
+    """``--dtype`` with the one spelling; ``auto`` = the checkpoint's stored dtype."""
+    words = "default: off" if default is None else f"default {default}" + (
+        " (the checkpoint's stored dtype)" if default == "auto" else "")
+    if "auto" in allowed and default != "auto":
+        words += "; auto: the checkpoint's stored dtype"
+    parser.add_argument(flag, type=dtype_value(allowed), default=default, metavar="{" + ",".join(allowed) + "}",
+                        help=f"{what} ({words}; float32/bfloat16/float16 accepted too)")
+
+
+def torch_name(name: str | None) -> str | None:
+    """The torch spelling of a short dtype name ('bf16' -> 'bfloat16'); 'auto' and None unchanged."""
+    return TORCH_NAMES.get(name, name) if name is not None else None
+
+
+def add_overwrite_option(parser, help: str = "replace --out if it exists") -> None:
+    parser.add_argument("--overwrite", "--force", dest="overwrite", action="store_true", help=help + " (--force: the same)")
