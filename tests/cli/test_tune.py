@@ -102,5 +102,5 @@ def test_a_floor_on_few_prompts_is_not_claimed(model_dir, tmp_path, capsys):
     assert (f"pick, with that caveat: {best['label']} (budget {best['budget']:.3f}): {100 * best['of_full']:.1f}% of "
             f"full (95% CI {100 * v['low']:.1f}-{100 * v['high']:.1f}%), +{v['gained']}/-{v['lost']} of {n} prompts: "
             f"not enough prompts to tell; at these rates about {v['prompts_to_decide']} prompts would decide "
-            f"(--n {v['prompts_to_decide']})") in printed      # one task (the traffic file): --n counts its lines
+            f"(meets; --n {v['prompts_to_decide']})") in printed    # one task (the traffic file): --n counts its lines
     assert "cheapest plan meeting the floor: full model" in printed

@@ -120,7 +120,7 @@ def test_one_gained_prompt_of_sixty_is_not_enough_to_tell():
     assert v.verdict == UNDECIDED and v.low < 0.97 < 1 < v.high and v.prompts_to_decide > 60
     text = v.describe(per_task=6)
     assert "101.9% of full (95% CI" in text and "not enough prompts to tell" in text
-    assert f"about {v.prompts_to_decide} prompts would decide (--n {-(-v.prompts_to_decide // 6)})" in text
+    assert f"about {v.prompts_to_decide} prompts would decide (meets; --n {-(-v.prompts_to_decide // 6)})" in text
 
 
 def test_clear_losses_miss_and_clear_agreement_meets():

@@ -188,10 +188,6 @@ class FloorVerdict:
     lost: int
     prompts_to_decide: int | None   # undecided: prompts at which the observed rates would decide (None: never)
 
-    @property
-    def meets(self) -> bool:
-        return self.verdict == MEETS
-
     def to_json(self) -> dict:
         return asdict(self)
 
@@ -200,24 +196,25 @@ class FloorVerdict:
         return cls(**d)
 
     def interval(self) -> str:
-        """'98.6% of full (95% CI 95.1-102.2%)'."""
+        """'98.6% of full (95% CI 95.5-101.4%)'."""
         if math.isnan(self.ratio):
             return "share of full undefined (the full model answers none)"
         return f"{100 * self.ratio:.1f}% of full (95% CI {100 * self.low:.1f}-{100 * self.high:.1f}%)"
 
     def decide(self, per_task: int | None = None) -> str:
         """What would settle an undecided verdict, '' otherwise (``per_task``: tasks, for a --n)."""
-        if self.verdict != UNDECIDED:
+        if self.verdict != UNDECIDED or math.isnan(self.ratio):
             return ""
-        if math.isnan(self.ratio):
-            return "no prompts decide a share of nothing"
         if self.prompts_to_decide is None:
             return "the estimate sits on the floor: no number of prompts decides it"
-        n = f"at these rates about {self.prompts_to_decide} prompts would decide"
-        return n + (f" (--n {-(-self.prompts_to_decide // per_task)})" if per_task else "")
+        way = MEETS if self.ratio > self.floor else MISSES
+        more = f"; --n {-(-self.prompts_to_decide // per_task)}" if per_task else ""
+        return f"at these rates about {self.prompts_to_decide} prompts would decide ({way}{more})"
 
     def describe(self, per_task: int | None = None) -> str:
-        """'101.7% of full (95% CI 91.0-113.6%), +1/-0 of 60 prompts: not enough prompts to tell; about ...'."""
+        """'101.9% of full (95% CI 95.0-110.8%), +1/-0 of 60 prompts: not enough prompts to tell; at these
+        rates about 88 prompts would decide (meets; --n 15)'. The projection assumes the observed gain and
+        loss rates, which a handful of changed prompts pins down poorly: rerun there and read the verdict."""
         out = f"{self.interval()}, +{self.gained}/-{self.lost} of {self.prompts} prompts: {self.verdict}"
         more = self.decide(per_task)
         return out + (f"; {more}" if more else "")
