@@ -25,7 +25,9 @@ def register(sub) -> None:
                    "(default: --data when it holds prompt/answer lines; 'all' for a bundled model on tasks)")
     floor = p.add_argument_group("quality floor (one or both)")
     floor.add_argument("--min-quality", type=float, default=None,
-                       help="share of the full model's task accuracy to keep, e.g. 0.97")
+                       help="share of the full model's task accuracy to keep, e.g. 0.97; a plan meets it only when "
+                       "the paired 95%% interval of its share lies above it (else: misses, or not enough prompts to "
+                       "tell, with the --n that would decide)")
     floor.add_argument("--max-kl", type=float, default=None,
                        help="bound on next-token KL to the full model on held-out traffic text (nats/token)")
     target = p.add_argument_group("target (one)")
