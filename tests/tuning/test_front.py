@@ -40,7 +40,8 @@ def test_choice_names_both_sides_when_the_floor_is_missed_at_the_target():
 
 def test_a_point_the_prompts_cannot_tell_about_is_never_chosen():
     """101.9% of full on +1/-0 changed prompts is no proof of 97%: the point is named, not chosen."""
-    pts = [{"key": "full", "budget": 1.0, "q": 1.0, "v": MEETS}, {"key": "p50", "budget": 0.5, "q": 1.019, "v": UNDECIDED},
+    pts = [{"key": "full", "budget": 1.0, "q": 1.0, "v": MEETS},
+           {"key": "p50", "budget": 0.5, "q": 1.019, "v": UNDECIDED},
            {"key": "p40", "budget": 0.4, "q": 0.90, "v": MISSES}]
     c = choose(pts, lambda p: p["v"], lambda p: p["budget"] <= 0.5, lambda p: p["q"], "accuracy")
     assert not c.met and c.chosen is None

@@ -125,7 +125,8 @@ def run(args) -> int:
         from ..eval.metrics import UNDECIDED
         where = f"--decode-model {best['distilled']}" if best.get("distilled") else str(out / "best-at-target.json")
         if tuner.floor_verdict(best) == UNDECIDED:
-            print(f"  pick, with that caveat: {best['label']} (budget {best['budget']:.3f}): {evidence(best)} -> {where}")
+            print(f"  pick, with that caveat: {best['label']} (budget {best['budget']:.3f}): {evidence(best)} "
+                  f"-> {where}")
         else:
             print(f"  best quality at the target: {best['label']} (budget {best['budget']:.3f}): {evidence(best)} "
                   f"-> {where}")
