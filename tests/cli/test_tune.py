@@ -69,3 +69,38 @@ def test_bad_traffic_gets_calibrates_one_line_error(model_dir, tmp_path, capsys,
 def test_bad_settings_are_one_line_errors(model_dir, tmp_path, capsys, args, words):
     assert main(["tune", str(model_dir), "--data", "mix", *args, "--out", str(tmp_path / "t")]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_a_floor_on_few_prompts_is_not_claimed(model_dir, tmp_path, capsys):
+    """A quality floor is met only when the paired 95% interval of the share of the full model's accuracy
+    lies above it. Here the best plan at the target keeps 58% of the full model on 12 prompts: above a 50%
+    floor as a point estimate (which used to be printed as "chosen: ... meets"), but the interval straddles
+    it, so tune names it as a pick with that caveat and the prompts that would decide, exits 1 and writes
+    no plan.json."""
+    from moetailor.engine import LLM, SamplingParams
+    from moetailor.models import load_model
+
+    llm = LLM(load_model(model_dir), tokenizer=char_tokenizer(), max_num_seqs=8)
+    prompts = [f"add {a} + {b}\n" for a in range(3) for b in range(4)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps({"prompt": p, "answer": o.text.strip(), "match": "contains"}) + "\n"
+                               for p, o in zip(prompts, outs) if o.text.strip()))
+    out = tmp_path / "tune"
+    assert main(["tune", str(model_dir), "--data", str(traffic), "--min-quality", "0.5", "--budget", "0.75",
+                 "--evaluate", "3", "--no-allocation", *SMALL, "--out", str(out)]) == 1
+    printed = capsys.readouterr().out
+    data = json.loads((out / "front.json").read_text())
+    n = data["summary"]["prompts"]
+    assert f"no plan is proven to meet >= 50% of the full model's accuracy at budget 0.75 (95% confidence, " \
+           f"{n} prompts)." in printed and "chosen:" not in printed
+    assert not (out / "plan.json").exists() and data["choice"]["met"] is False
+    best = next(p for p in data["points"] if p["key"] == data["choice"]["best_at_target"])
+    v = best["floor"]
+    assert best["of_full"] >= 0.5 and v["low"] < 0.5 <= v["high"]
+    assert data["choice"]["best_at_target_verdict"] == v["verdict"] == "not enough prompts to tell"
+    assert (f"pick, with that caveat: {best['label']} (budget {best['budget']:.3f}): {100 * best['of_full']:.1f}% of "
+            f"full (95% CI {100 * v['low']:.1f}-{100 * v['high']:.1f}%), +{v['gained']}/-{v['lost']} of {n} prompts: "
+            f"not enough prompts to tell; at these rates about {v['prompts_to_decide']} prompts would decide "
+            f"(meets; --n {v['prompts_to_decide']})") in printed    # one task (the traffic file): --n counts its lines
+    assert "cheapest plan meeting the floor: full model" in printed

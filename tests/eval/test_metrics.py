@@ -87,3 +87,68 @@ def test_heldout_scorer_full_model_has_zero_kl_and_pruning_has_positive_kl():
     assert both.kl > 1e-4
     # pruning the prefix (KV cache) and pruning the scored tokens are different interventions
     assert decode_only.kl != pytest.approx(prefill_only.kl)
+
+
+# ---- the quality-floor verdict: paired ratio of accuracies against the full model ---------------
+
+def test_the_score_statistic_at_ratio_one_is_mcnemars():
+    from moetailor.eval.metrics import PairedCounts, ratio_score
+    c = PairedCounts(both=269, gained=5, lost=9, neither=17)
+    assert ratio_score(c, 1.0) == pytest.approx((5 - 9) / math.sqrt(5 + 9))
+
+
+def test_all_prompts_right_on_both_sides_gives_the_closed_form_bound():
+    """With every prompt right on both sides the statistic is sqrt(n (1 - r) / r), so the lower bound
+    is n / (n + z^2): 300 prompts prove 98.7%, and 124 identical prompts do not prove 97% while 126 do."""
+    from moetailor.eval.metrics import MEETS, UNDECIDED, Z95, PairedCounts, floor_verdict, ratio_interval
+    low, high = ratio_interval(PairedCounts(300, 0, 0, 0))
+    assert low == pytest.approx(300 / (300 + Z95 ** 2), abs=1e-9) and high > 1
+    small = floor_verdict(PairedCounts(5, 0, 0, 0), 0.97)
+    assert small.verdict == UNDECIDED and small.prompts_to_decide == math.ceil(Z95 ** 2 * 0.97 / 0.03) + 1 == 126
+    assert floor_verdict(PairedCounts(124, 0, 0, 0), 0.97).verdict == UNDECIDED
+    assert floor_verdict(PairedCounts(126, 0, 0, 0), 0.97).verdict == MEETS
+
+
+def test_one_gained_prompt_of_sixty_is_not_enough_to_tell():
+    """`tune --n 10`: 101.9% of full on +1/-0 changed prompts straddles 97%; the verdict says so and
+    names the prompts that would decide at these rates."""
+    from moetailor.eval.metrics import UNDECIDED, paired_floor_verdict
+    full = [True] * 53 + [False] * 7
+    cand = [True] * 53 + [True] + [False] * 6
+    v = paired_floor_verdict(cand, full, 0.97)
+    assert v.ratio == pytest.approx(54 / 53) and (v.gained, v.lost, v.prompts) == (1, 0, 60)
+    assert v.verdict == UNDECIDED and v.low < 0.97 < 1 < v.high and v.prompts_to_decide > 60
+    text = v.describe(per_task=6)
+    assert "101.9% of full (95% CI" in text and "not enough prompts to tell" in text
+    assert f"about {v.prompts_to_decide} prompts would decide (meets; --n {-(-v.prompts_to_decide // 6)})" in text
+
+
+def test_clear_losses_miss_and_clear_agreement_meets():
+    from moetailor.eval.metrics import MEETS, MISSES, PairedCounts, floor_verdict
+    miss = floor_verdict(PairedCounts(both=250, gained=5, lost=28, neither=17), 0.97)   # 90.6% of full
+    assert miss.verdict == MISSES and miss.high < 0.97 and miss.prompts_to_decide is None
+    assert "misses" in miss.describe() and "would decide" not in miss.describe()
+    meet = floor_verdict(PairedCounts(both=995, gained=3, lost=2, neither=0), 0.97)
+    assert meet.verdict == MEETS and meet.low >= 0.97
+
+
+def test_undefined_share_and_mismatched_prompts():
+    from moetailor.eval.metrics import UNDECIDED, PairedCounts, floor_verdict
+    v = floor_verdict(PairedCounts(0, 3, 0, 7), 0.97)         # the full model answers none
+    assert v.verdict == UNDECIDED and math.isnan(v.ratio) and "share of full undefined" in v.describe()
+    with pytest.raises(ValueError, match="same prompts"):
+        PairedCounts.of([True], [True, False])
+
+
+def test_the_interval_covers_the_true_ratio_in_repeated_paired_draws():
+    """Seeded draws of 60 paired prompts where the candidate never gains a prompt (the case a bootstrap
+    over prompts collapses on): the 95% interval holds the true ratio at least 93% of the time."""
+    import numpy as np
+    from moetailor.eval.metrics import PairedCounts, ratio_interval
+    rng = np.random.default_rng(0)
+    probs = [0.5, 0.0, 0.02, 0.48]                     # both, gained, lost, neither: true ratio 0.5 / 0.52
+    hits = 0
+    for _ in range(300):
+        low, high = ratio_interval(PairedCounts(*map(int, rng.multinomial(60, probs))))
+        hits += low <= 0.5 / 0.52 <= high
+    assert hits / 300 >= 0.93

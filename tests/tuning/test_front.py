@@ -1,6 +1,7 @@
 """Pareto fronts, the paired sign test and the choice against floor and target."""
 import pytest
 
+from moetailor.eval.metrics import MEETS, MISSES, UNDECIDED
 from moetailor.tuning.front import choose, paired, pareto, sign_test
 
 
@@ -29,8 +30,19 @@ def test_choice_names_both_sides_when_the_floor_is_missed_at_the_target():
     pts = [{"key": "full", "budget": 1.0, "q": 1.0}, {"key": "p60", "budget": 0.6, "q": 0.98},
            {"key": "p50", "budget": 0.5, "q": 0.95}, {"key": "p40", "budget": 0.4, "q": 0.90}]
     q = lambda p: p["q"]  # noqa: E731
-    met = choose(pts, lambda p: p["q"] >= 0.97, lambda p: p["budget"] <= 0.6, q, "accuracy")
+    verdict = lambda p: MEETS if p["q"] >= 0.97 else MISSES  # noqa: E731
+    met = choose(pts, verdict, lambda p: p["budget"] <= 0.6, q, "accuracy")
     assert met.met and met.chosen["key"] == "p60" and met.cheapest_meeting_floor["key"] == "p60"
-    missed = choose(pts, lambda p: p["q"] >= 0.97, lambda p: p["budget"] <= 0.5, q, "accuracy")
+    missed = choose(pts, verdict, lambda p: p["budget"] <= 0.5, q, "accuracy")
     assert not missed.met and missed.chosen is None
     assert missed.cheapest_meeting_floor["key"] == "p60" and missed.best_at_target["key"] == "p50"
+
+
+def test_a_point_the_prompts_cannot_tell_about_is_never_chosen():
+    """101.9% of full on +1/-0 changed prompts is no proof of 97%: the point is named, not chosen."""
+    pts = [{"key": "full", "budget": 1.0, "q": 1.0, "v": MEETS},
+           {"key": "p50", "budget": 0.5, "q": 1.019, "v": UNDECIDED},
+           {"key": "p40", "budget": 0.4, "q": 0.90, "v": MISSES}]
+    c = choose(pts, lambda p: p["v"], lambda p: p["budget"] <= 0.5, lambda p: p["q"], "accuracy")
+    assert not c.met and c.chosen is None
+    assert c.best_at_target["key"] == "p50" and c.cheapest_meeting_floor["key"] == "full"

@@ -26,7 +26,9 @@ def register(sub) -> None:
                    "(default: --data when it holds prompt/answer lines; 'all' for a bundled model on tasks)")
     floor = p.add_argument_group("quality floor (one or both)")
     floor.add_argument("--min-quality", type=float, default=None,
-                       help="share of the full model's task accuracy to keep, e.g. 0.97")
+                       help="share of the full model's task accuracy to keep, e.g. 0.97; a plan meets it only when "
+                       "the paired 95%% interval of its share lies above it (else: misses, or not enough prompts to "
+                       "tell, with the --n that would decide)")
     floor.add_argument("--max-kl", type=float, default=None,
                        help="bound on next-token KL to the full model on held-out traffic text (nats/token)")
     target = p.add_argument_group("target (one)")
@@ -93,21 +95,44 @@ def run(args) -> int:
     print_table(f"Pareto front ({result.quality} vs budget at batch {settings.batch}; {s['candidates_scored']} plans "
                 f"scored by held-out traffic KL, {evaluated}; {s['seconds']:.0f} s) -> {args.out}", cols, table)
     c = result.choice
-    if c.met and c.chosen.get("distilled"):    # a distilled decoder is a checkpoint that carries its plan
-        print(f"chosen: {c.chosen['label']} (budget {c.chosen['budget']:.3f}) meets {floor} at {target} -> "
-              f"{c.chosen['distilled']}")
-        print(f"serve it: moetailor serve {args.model} --decode-model {c.chosen['distilled']}   |   vLLM: a distilled "
-              "decoder, which vLLM's plugin does not serve; rerun with --servable vllm")
-        return 0
+    per_task = max(1, len(s.get("tasks") or [])) if result.quality == "accuracy" else None
+
+    def evidence(r: dict) -> str:
+        """The floor verdict of a point: its share of full with the 95% interval, or its KL."""
+        if r.get("floor") is not None:
+            from ..eval.metrics import FloorVerdict
+            return FloorVerdict.from_json(r["floor"]).describe(per_task)
+        return f"KL {r['kl']:.4f}"
+
     if c.met:
-        print(f"chosen: {c.chosen['label']} (budget {c.chosen['budget']:.3f}) meets {floor} at {target} -> "
-              f"{result.plan_path}")
+        r = c.chosen
+        where = r["distilled"] if r.get("distilled") else result.plan_path
+        print(f"chosen: {r['label']} (budget {r['budget']:.3f}) meets {floor} at {target} "
+              f"({evidence(r)}) -> {where}")
+        if r.get("distilled"):    # a distilled decoder is a checkpoint that carries its plan
+            print(f"serve it: moetailor serve {args.model} --decode-model {r['distilled']}   |   vLLM: a distilled "
+                  "decoder, which vLLM's plugin does not serve; rerun with --servable vllm")
+            return 0
         print(f"serve it: moetailor serve {args.model} --decode-plan {result.plan_path}   |   vLLM: "
-              + (f"additional_config={{\"moetailor_decode_plan\": \"{result.plan_path}\"}}" if c.chosen.get("vllm")
+              + (f"additional_config={{\"moetailor_decode_plan\": \"{result.plan_path}\"}}" if r.get("vllm")
                  else "a distilled decoder, which vLLM's plugin does not serve; rerun with --servable vllm"))
         return 0
-    print(f"no plan meets {floor} at {target}.")
+    proven = result.quality == "accuracy" and settings.min_quality is not None
+    print(f"no plan {'is proven to meet' if proven else 'meets'} {floor} at {target}"
+          + (f" (95% confidence, {s['prompts']} prompts)." if proven else "."))
     out = Path(args.out)
+    best = c.best_at_target
+    if best is not None:
+        from ..eval.metrics import UNDECIDED
+        where = f"--decode-model {best['distilled']}" if best.get("distilled") else str(out / "best-at-target.json")
+        if tuner.floor_verdict(best) == UNDECIDED:
+            print(f"  pick, with that caveat: {best['label']} (budget {best['budget']:.3f}): {evidence(best)} "
+                  f"-> {where}")
+        else:
+            print(f"  best quality at the target: {best['label']} (budget {best['budget']:.3f}): {evidence(best)} "
+                  f"-> {where}")
+    else:
+        print("  no evaluated plan reaches the target")
     if c.cheapest_meeting_floor is not None:
         r = c.cheapest_meeting_floor
         where = (f"--decode-model {r['distilled']}" if r.get("distilled") else
@@ -115,11 +140,4 @@ def run(args) -> int:
         print(f"  cheapest plan meeting the floor: {r['label']} (budget {r['budget']:.3f}) -> {where}")
     else:
         print("  no evaluated plan meets the floor")
-    if c.best_at_target is not None:
-        r = c.best_at_target
-        q = (f"{100 * r['of_full']:.1f}% of full" if r.get("of_full") is not None else f"KL {r['kl']:.4f}")
-        print(f"  best quality at the target: {r['label']} ({q}, budget {r['budget']:.3f}) -> "
-              + (f"--decode-model {r['distilled']}" if r.get("distilled") else str(out / "best-at-target.json")))
-    else:
-        print("  no evaluated plan reaches the target")
     return 1

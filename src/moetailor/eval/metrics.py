@@ -105,6 +105,145 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------------------------
+# a quality floor against the full model: paired ratio of accuracies, its interval, the verdict
+# ---------------------------------------------------------------------------------------------
+
+MEETS, MISSES, UNDECIDED = "meets", "misses", "not enough prompts to tell"
+Z95 = 1.959963984540054      # two-sided 95%: each bound is a one-sided 2.5% test
+
+
+@dataclass(frozen=True)
+class PairedCounts:
+    """One candidate against the full model on the same prompts: both right, only the candidate right
+    (gained), only the full model right (lost), neither."""
+
+    both: int
+    gained: int
+    lost: int
+    neither: int
+
+    @classmethod
+    def of(cls, candidate: Sequence[bool], full: Sequence[bool]) -> "PairedCounts":
+        if len(candidate) != len(full):
+            raise ValueError(f"paired counts need the same prompts: {len(candidate)} vs {len(full)} results")
+        pairs = list(zip(map(bool, candidate), map(bool, full)))
+        return cls(pairs.count((True, True)), pairs.count((True, False)), pairs.count((False, True)),
+                   pairs.count((False, False)))
+
+    @property
+    def n(self) -> int:
+        return self.both + self.gained + self.lost + self.neither
+
+
+def ratio_score(c: PairedCounts, r: float) -> float:
+    """Score statistic for H0: candidate accuracy = r x full accuracy on paired prompts (Nam & Blackwelder
+    2002; Tang, Tang & Chan 2003): the observed sum of (candidate right - r x full right) over its standard
+    deviation under the constrained maximum-likelihood cell probabilities (closed form). Positive when
+    the candidate keeps more than r of the full model; decreasing in r."""
+    n, a, b, l = c.n, c.both, c.gained, c.lost
+    num = a + b - r * (a + l)
+    qa, qb = n * (1 + r), (a + l) * r * r - (a + b + 2 * l)
+    qc = l * (1 - r) * (a + b + l) / n
+    lost = (-qb + math.sqrt(max(qb * qb - 4 * qa * qc, 0.0))) / (2 * qa)    # constrained P(only full right)
+    var = n * (1 + r) * lost + (a + b + l) * (r - 1)                         # n x per-prompt variance
+    if var <= 1e-12 * max(n, 1):
+        return 0.0 if abs(num) < 1e-12 else math.copysign(math.inf, num)
+    return num / math.sqrt(var)
+
+
+def ratio_interval(c: PairedCounts, z: float = Z95) -> tuple[float, float]:
+    """The score interval for candidate accuracy / full accuracy: every r the score test at ``z`` does
+    not reject (found by bisection; the statistic decreases in r). Unlike a bootstrap over prompts it
+    keeps its coverage when no prompt was lost or gained (a bootstrap then collapses onto the estimate)."""
+    full = c.both + c.lost
+    est = (c.both + c.gained) / full
+
+    def root(lo: float, hi: float, target: float) -> float:
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            if ratio_score(c, mid) > target:
+                lo = mid
+            else:
+                hi = mid
+        return (lo + hi) / 2
+
+    low = 0.0 if est == 0 or ratio_score(c, 1e-12) <= z else root(1e-12, est, z)
+    hi = max(est, 1.0) * 2 + 1
+    while ratio_score(c, hi) > -z and hi < 1e9:
+        hi *= 2
+    return low, root(est, hi, -z)
+
+
+@dataclass(frozen=True)
+class FloorVerdict:
+    """Whether a candidate keeps ``floor`` of the full model's accuracy, as far as these prompts tell."""
+
+    ratio: float                 # candidate accuracy / full accuracy
+    low: float                   # 95% score interval of the ratio (paired over prompts)
+    high: float
+    floor: float
+    verdict: str                 # MEETS (low >= floor) | MISSES (high < floor) | UNDECIDED
+    prompts: int
+    gained: int
+    lost: int
+    prompts_to_decide: int | None   # undecided: prompts at which the observed rates would decide (None: never)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "FloorVerdict":
+        return cls(**d)
+
+    def interval(self) -> str:
+        """'98.6% of full (95% CI 95.5-101.4%)'."""
+        if math.isnan(self.ratio):
+            return "share of full undefined (the full model answers none)"
+        return f"{100 * self.ratio:.1f}% of full (95% CI {100 * self.low:.1f}-{100 * self.high:.1f}%)"
+
+    def decide(self, per_task: int | None = None) -> str:
+        """What would settle an undecided verdict, '' otherwise (``per_task``: tasks, for a --n)."""
+        if self.verdict != UNDECIDED or math.isnan(self.ratio):
+            return ""
+        if self.prompts_to_decide is None:
+            return "the estimate sits on the floor: no number of prompts decides it"
+        way = MEETS if self.ratio > self.floor else MISSES
+        more = f"; --n {-(-self.prompts_to_decide // per_task)}" if per_task else ""
+        return f"at these rates about {self.prompts_to_decide} prompts would decide ({way}{more})"
+
+    def describe(self, per_task: int | None = None) -> str:
+        """'101.9% of full (95% CI 95.0-110.8%), +1/-0 of 60 prompts: not enough prompts to tell; at these
+        rates about 88 prompts would decide (meets; --n 15)'. The projection assumes the observed gain and
+        loss rates, which a handful of changed prompts pins down poorly: rerun there and read the verdict."""
+        out = f"{self.interval()}, +{self.gained}/-{self.lost} of {self.prompts} prompts: {self.verdict}"
+        more = self.decide(per_task)
+        return out + (f"; {more}" if more else "")
+
+
+def floor_verdict(counts: PairedCounts, floor: float, z: float = Z95) -> FloorVerdict:
+    """A quality floor against the full model, decided only when the prompts can tell: MEETS when the
+    interval's lower bound is at or above ``floor``, MISSES when its upper bound is below it, UNDECIDED
+    when it straddles the floor, with the number of prompts at which the observed per-prompt rates would
+    decide (the score statistic at the floor grows with the square root of the prompts)."""
+    c = counts
+    if c.both + c.lost == 0:      # the full model answers none: no share of its accuracy exists
+        return FloorVerdict(float("nan"), float("nan"), float("nan"), floor, UNDECIDED, c.n, c.gained, c.lost, None)
+    ratio = (c.both + c.gained) / (c.both + c.lost)
+    low, high = ratio_interval(c, z)
+    verdict = MEETS if low >= floor - 1e-9 else MISSES if high < floor - 1e-9 else UNDECIDED
+    need = None
+    if verdict == UNDECIDED:
+        t = ratio_score(c, floor)
+        need = math.ceil(c.n * (z / t) ** 2) + 1 if abs(t) > 1e-9 else None
+    return FloorVerdict(ratio, low, high, floor, verdict, c.n, c.gained, c.lost, need)
+
+
+def paired_floor_verdict(candidate: Sequence[bool], full: Sequence[bool], floor: float) -> FloorVerdict:
+    """``floor_verdict`` from per-prompt correctness of a candidate and the full model on the same prompts."""
+    return floor_verdict(PairedCounts.of(candidate, full), floor)
+
+
+# ---------------------------------------------------------------------------------------------
 # held-out text: KL from the full model and perplexity
 # ---------------------------------------------------------------------------------------------
 

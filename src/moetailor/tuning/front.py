@@ -1,5 +1,8 @@
 """Pareto fronts, the choice against a quality floor and a target, and the paired sign test.
 
+Whether a point meets an accuracy floor is ``eval.metrics.floor_verdict``'s call (a paired 95%
+interval of its share of the full model's accuracy): "meets", "misses" or "not enough prompts to tell".
+
 A point is one evaluated candidate's evidence record (a dict, as written to the output folder):
 ``budget`` (share of expert weights a decode step reads), ``kl`` (held-out traffic KL), and when
 tasks were run ``accuracy`` / ``of_full`` (share of the full model's accuracy) and ``correct`` (per
@@ -35,18 +38,17 @@ def sign_test(gained: int, lost: int) -> float:
 
 def paired(correct: list[bool], reference: list[bool]) -> tuple[int, int, float]:
     """(prompts this run answers and the reference does not, the reverse, sign-test p)."""
-    if len(correct) != len(reference):
-        raise ValueError(f"paired counts need the same prompts: {len(correct)} vs {len(reference)} results")
-    gained = sum(a and not b for a, b in zip(correct, reference))
-    lost = sum(b and not a for a, b in zip(correct, reference))
-    return gained, lost, sign_test(gained, lost)
+    from ..eval.metrics import PairedCounts
+
+    c = PairedCounts.of(correct, reference)
+    return c.gained, c.lost, sign_test(c.gained, c.lost)
 
 
 @dataclass
 class Choice:
-    chosen: dict | None                   # meets the floor at the target (best quality there)
-    cheapest_meeting_floor: dict | None   # lowest budget among the points that meet the floor
-    best_at_target: dict | None           # best quality among the points at the target
+    chosen: dict | None                   # proven to meet the floor at the target (best quality there)
+    cheapest_meeting_floor: dict | None   # lowest budget among the points proven to meet the floor
+    best_at_target: dict | None           # best quality among the points at the target, whatever its verdict
     quality_name: str
 
     @property
@@ -54,11 +56,15 @@ class Choice:
         return self.chosen is not None
 
 
-def choose(points: list[dict], meets_floor: Callable[[dict], bool], at_target: Callable[[dict], bool],
+def choose(points: list[dict], verdict: Callable[[dict], str], at_target: Callable[[dict], bool],
            quality: Callable[[dict], float], quality_name: str) -> Choice:
-    """The plan to serve: among points that meet the floor and the target, the best quality (ties: the
-    lower budget). Whatever the outcome, the best on each side is named too."""
-    floor = [p for p in points if meets_floor(p)]
+    """The plan to serve: among points whose floor verdict is "meets" (proven on these prompts, see
+    ``eval.metrics.floor_verdict``) and that reach the target, the best quality (ties: the lower budget).
+    Whatever the outcome, the best on each side is named too; a point the prompts cannot yet tell
+    about is never chosen, only named as the best at the target with its verdict."""
+    from ..eval.metrics import MEETS
+
+    floor = [p for p in points if verdict(p) == MEETS]
     target = [p for p in points if at_target(p)]
     both = [p for p in floor if at_target(p)]
     best = lambda ps: max(ps, key=lambda p: (quality(p), -p["budget"])) if ps else None  # noqa: E731

@@ -18,25 +18,33 @@ def _public(r: dict) -> dict:
     return out
 
 
+def _of_full(r: dict) -> str:
+    """'101.9% [91.6-119.3]': the share of the full model's accuracy and its paired 95% interval."""
+    if r.get("of_full") is None:
+        return "-"
+    v = r.get("floor")
+    if not v or v["low"] is None or v["low"] != v["low"] or (v["low"] == v["high"] == 1.0):
+        return f"{100 * r['of_full']:.1f}%"
+    return f"{100 * r['of_full']:.1f}% [{100 * v['low']:.1f}-{100 * v['high']:.1f}]"
+
+
 def rows(tuner, result, points: list[dict]) -> tuple[list[str], list[tuple]]:
     """The front table: one row per point."""
     speed = tuner.s.min_tok_s is not None
-    cols = ["plan", "budget", "pool", "KL", "accuracy %", "of full", "vs full (p)", "p90", "tok/s" if speed else None,
-            "vLLM", "meets floor", "at target"]
+    cols = ["plan", "budget", "pool", "KL", "accuracy %", "of full (95% CI)", "vs full (p)", "p90",
+            "tok/s" if speed else None, "vLLM", "floor", "at target"]
     cols = [c for c in cols if c]
     out = []
     for r in points:
         acc = r.get("accuracy")
         vs = r.get("vs_full")
         row = [r["label"], f"{r['budget']:.3f}", f"{r['pool_share']:.3f}", f"{r['kl']:.4f}",
-               f"{100 * acc:.1f}" if acc is not None else "-",
-               f"{100 * r['of_full']:.1f}%" if r.get("of_full") is not None else "-",
+               f"{100 * acc:.1f}" if acc is not None else "-", _of_full(r),
                f"+{vs['gained']}/-{vs['lost']} ({vs['p']:.2g})" if vs else "-",
                f"{r['tasks']['p90']:.0f}" if r.get("tasks") else "-"]
         if speed:
             row.append(f"{r['tok_s']:.0f}" if r.get("tok_s") is not None else "-")
-        row += ["yes" if r.get("vllm") else "no", "yes" if tuner.meets_floor(r) else "no",
-                "yes" if tuner.at_target(r) else "no"]
+        row += ["yes" if r.get("vllm") else "no", tuner.floor_verdict(r), "yes" if tuner.at_target(r) else "no"]
         out.append(tuple(row))
     return cols, out
 
@@ -55,6 +63,7 @@ def write_report(tuner, result) -> None:
             "model": tuner.fp, "quality": result.quality, "summary": result.summary,
             "points": [_public(r) for r in result.points], "front": [r["key"] for r in result.front],
             "choice": {"met": choice.met, "chosen": choice.chosen and choice.chosen["key"],
+                       "best_at_target_verdict": choice.best_at_target and tuner.floor_verdict(choice.best_at_target),
                        "cheapest_meeting_floor": choice.cheapest_meeting_floor and choice.cheapest_meeting_floor["key"],
                        "best_at_target": choice.best_at_target and choice.best_at_target["key"],
                        "plan": str(result.plan_path) if result.plan_path else None},

@@ -14,7 +14,10 @@ Stages (each candidate's evidence is cached in ``OUT/candidates/KEY.json``, so a
    under a fixed total from measured layer sensitivity (``tuning.sensitivity``); top-k reduction
    on the proxy front where the batch makes it pay;
 4. task accuracy on the user's prompts (``eval`` scorers, through the engine) for the full model and
-   the few proxy-front candidates nearest the target, walking the front until the floor is bracketed;
+   the few proxy-front candidates nearest the target, walking the front until the floor is bracketed.
+   A point meets an accuracy floor only when the paired 95% interval of its share of the full model's
+   accuracy lies above it (``eval.metrics.floor_verdict``); one whose interval straddles the floor is
+   "not enough prompts to tell", never chosen, and named with the prompts that would decide;
 5. optionally distil the best plan at the target (``transforms.distill``) and evaluate it served as
    deployed (prefill on the original model, decode on the distilled checkpoint).
 """
@@ -528,19 +531,35 @@ class Tuner:
         return r
 
     def _with_full(self, r: dict) -> dict:
+        from ..eval.metrics import PairedCounts, floor_verdict
+
         full = self.full["tasks"]
         r["of_full"] = r["accuracy"] / full["accuracy"] if full["accuracy"] else float("nan")
         g, l, p = paired(r["tasks"]["correct"], full["correct"])
         r["vs_full"] = {"gained": g, "lost": l, "p": round(p, 4)}
+        if self.s.min_quality is not None:
+            counts = PairedCounts.of(r["tasks"]["correct"], full["correct"])
+            r["floor"] = floor_verdict(counts, self.s.min_quality).to_json()
         return r
 
-    def meets_floor(self, r: dict) -> bool:
-        ok = True
+    def floor_verdict(self, r: dict) -> str:
+        """"meets", "misses" or "not enough prompts to tell": the accuracy floor from the paired 95%
+        interval of the point's share of the full model's accuracy (``eval.metrics.floor_verdict``; the
+        full model is the reference and meets it by definition), the KL floor on the held-out value; a
+        point not evaluated on the tasks is undecided."""
+        from ..eval.metrics import MEETS, MISSES, UNDECIDED
+
+        verdicts = []
         if self.s.min_quality is not None:
-            ok = r.get("of_full") is not None and r["of_full"] >= self.s.min_quality - 1e-9
+            verdicts.append(r["floor"]["verdict"] if r.get("floor") else UNDECIDED)
         if self.s.max_kl is not None:
-            ok = ok and r["kl"] <= self.s.max_kl + 1e-12
-        return ok
+            verdicts.append(MEETS if r["kl"] <= self.s.max_kl + 1e-12 else MISSES)
+        return MISSES if MISSES in verdicts else UNDECIDED if UNDECIDED in verdicts else MEETS
+
+    def meets_floor(self, r: dict) -> bool:
+        """Proven to meet every floor on this evidence (an undecided point does not)."""
+        from ..eval.metrics import MEETS
+        return self.floor_verdict(r) == MEETS
 
     def _walk(self, front: list[dict]) -> list[dict]:
         """Evaluate the proxy-front points nearest the target until the floor is bracketed: the best at
@@ -647,6 +666,9 @@ class Tuner:
         if quality == "accuracy":
             self.full = self.evaluate(full)
             self.full["of_full"], self.full["vs_full"] = 1.0, {"gained": 0, "lost": 0, "p": 1.0}
+            from ..eval.metrics import MEETS, FloorVerdict   # the reference itself: its own share is exactly 1
+            self.full["floor"] = FloorVerdict(1.0, 1.0, 1.0, self.s.min_quality, MEETS, self.full["tasks"]["prompts"],
+                                              0, 0, None).to_json()
             evaluated = self._walk(front)
             points = [self.full] + evaluated
             if self.s.distill_steps:
@@ -668,7 +690,7 @@ class Tuner:
             shown = list(front)
         if self.full not in shown:
             shown.append(self.full)      # the reference row, even where a cheaper plan ties it
-        choice = choose(points, self.meets_floor, self.at_target, qf, quality)
+        choice = choose(points, self.floor_verdict, self.at_target, qf, quality)
         plan_path = None
         for name, r in (("plan.json", choice.chosen), ("cheapest-meeting-floor.json", choice.cheapest_meeting_floor),
                         ("best-at-target.json", choice.best_at_target)):
@@ -694,7 +716,8 @@ class Tuner:
                    "traffic": self.s.data, "calibration_data": self.calib_data,
                    "calibration": self.stats.meta.get("data_sha256"), "kl_tokens": len(self.windows) * self.s.kl_window,
                    "task_traffic": self.task_traffic, "tasks": [t.name for t in self.tasks],
-                   "prompts": len(self._ex) if hasattr(self, "_ex") else 0}
+                   "prompts": len(self._ex) if hasattr(self, "_ex") else 0,
+                   "floor_confidence": 0.95 if quality == "accuracy" else None}
         result = TuneResult(points, shown, choice, quality, self.full, plan_path, summary)
         from .report import write_report
         write_report(self, result)
