@@ -17,6 +17,7 @@ lscpu | grep -E "Model name|^CPU\(s\)|L3" > "$out/machine.txt"
 run engine_vs_hf $py scripts/engine_vs_hf.py --batch 1 8 32 --out "$out/engine_vs_hf"
 run engine_vs_hf_1thread $py scripts/engine_vs_hf.py --batch 1 8 32 --threads 1 --no-vllm --out "$out/engine_vs_hf"
 run native_kernels $py scripts/native_kernels.py
+run split_decode $py scripts/split_decode.py --parts 4 --steps 32 --repeats 3
 run decode_floor $py scripts/decode_floor.py --batches 1 8 --layers 1 --experts 32
 run decode_floor_1thread $py scripts/decode_floor.py --batches 1 8 --layers 1 --experts 32 --threads 1
 run bench_decode .venv/bin/moetailor bench decode --model both --batches 1,8,32,64 --steps 4 --out "$out/decode"

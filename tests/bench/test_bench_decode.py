@@ -98,3 +98,37 @@ def test_bench_models_load_in_the_dtype_asked(tmp_path):
     tiny_model("olmoe", num_experts=8, top_k=2).save_pretrained(tmp_path)
     assert {p.dtype for p in load_bench_model(str(tmp_path), dtype="bfloat16").parameters()} == {torch.bfloat16}
     assert {p.dtype for p in load_bench_model(str(tmp_path)).parameters()} == {torch.float32}
+
+
+def test_bandwidth_share_never_prints_above_100_percent():
+    from moetailor.bench.decode import bandwidth_share
+
+    assert bandwidth_share(5e9, 10e9) == "50%"
+    assert bandwidth_share(10.4e9, 10e9) == ">100% (cache-resident or noise)"
+
+
+def test_few_or_unsteady_steps_are_flagged_noisy():
+    from moetailor.bench.decode import DecodeConfig, flagged
+    from moetailor.bench.measure import DecodeResult, relative_spread, step_is_noisy
+
+    assert step_is_noisy(4, 0.0) and step_is_noisy(16, 0.5) and not step_is_noisy(16, 0.1)
+    assert relative_spread([1.0, 1.0, 1.0]) == 0.0 and relative_spread([1.0]) == 0.0
+    assert relative_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == (4.0 - 2.0) / 3.0
+    steady = DecodeResult(1, 1e-3, 1, 1, 1, 16, [], 0.05)
+    short = DecodeResult(1, 1e-3, 1, 1, 1, 4, [], 0.0)
+    assert flagged("0.62x", steady) == "0.62x" and flagged("0.62x", steady, short) == "0.62x (noisy)"
+    assert DecodeConfig(quick=True).resolved().steps >= 8            # --quick times enough steps for a median
+
+
+def test_the_transformers_goal_is_scored_at_the_batch_it_names():
+    from moetailor.bench.decode import hf_goal
+    from moetailor.bench.measure import DecodeResult
+    from moetailor.bench.pools import Pool
+
+    def cells(b):
+        return {"full": Measured("m", Pool("full", "full", 1.0, 8, 2), DecodeResult(b, 0.01, 1, 1, 1, 16, [], 0.0))}
+
+    from moetailor.bench.decode import Measured
+    assert hf_goal("m", {64: 0.05}, {64: cells(64)}) == ("engine >= 1.5x transformers at batch 32", "m",
+                                                          "batch 32 not measured", "n/a")
+    assert hf_goal("m", {32: 0.02}, {32: cells(32)})[2:] == ("B=32: 2.00x", "yes")

@@ -41,9 +41,12 @@ def test_eval_budgets_joins_split_and_original(models, tmp_path, capsys):
     orig_pts = [p for p in result["points"] if p["model"] == "original"]
     assert [p["k"] for p in split_pts] == [1, 2, 3, 4] and [p["k"] for p in orig_pts] == [1, 2]
     assert [p["active_fraction"] for p in orig_pts] == [0.5, 1.0]
-    assert split_pts[-1]["usable"] and orig_pts[-1]["usable"]         # the full budget is always usable
-    assert result["usable_points"]["split"] == sum(p["usable"] for p in split_pts)
-    assert (out / "budgets.png").exists() and "active fraction" in (out / "budgets.md").read_text()
+    # 2 prompts per budget cannot resolve a 5-point tolerance: no "usable" verdict, and the table says so
+    assert result["prompts"] == 2 and result["usable_points"] == {"split": None, "original": None}
+    assert all(p["usable"] is None for p in result["points"])
+    md = (out / "budgets.md").read_text()
+    assert "too few prompts to tell (2 per budget; a 5-point tolerance needs at least 100)" in md and " *" not in md
+    assert (out / "budgets.png").exists() and "active fraction" in md
     assert "accuracy per budget" in capsys.readouterr().out
 
 
@@ -52,3 +55,13 @@ def test_eval_budgets_rejects_a_model_that_was_not_split(models, tmp_path, capsy
     assert main(["eval", str(original), "--budgets", "all", "--original", str(original), "--tasks", "addition",
                  "--n", "1", "--seeds", "1", "--out", str(tmp_path / "x")]) == 2
     assert "not a split checkpoint" in capsys.readouterr().err
+
+
+def test_a_usable_verdict_needs_prompts_that_resolve_the_tolerance():
+    from moetailor.eval.budgets import budget_table, can_tell, min_prompts
+
+    assert not can_tell(12, 0.05) and can_tell(100, 0.05) and min_prompts(0.05) == 100 and min_prompts(0.1) == 25
+    point = {"model": "split", "k": 4, "active_fraction": 1.0, "accuracy": 0.9, "p50": 5, "p90": 9, "usable": True}
+    told = budget_table({"parts": 4, "tolerance": 0.05, "prompts": 120, "points": [point],
+                         "usable_points": {"split": 1, "original": 0}})
+    assert "split 1, original 0" in told and "90.0 *" in told

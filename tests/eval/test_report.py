@@ -6,7 +6,7 @@ from moetailor.eval.report import findings, markdown, plot, write_docs
 
 def row(variant, config, criterion, keep, acc, p50, p90, hit, eos, kl=0.1):
     return {"variant": variant, "configuration": config, "criterion": criterion, "keep": keep, "sampling": "greedy",
-            "task": "all", "accuracy": acc, "accuracy_std": 0.01, "accuracy_per_seed": [acc], "n": 10, "p50": p50,
+            "task": "all", "accuracy": acc, "accuracy_std": 0.01, "accuracy_per_seed": [acc - 0.01, acc + 0.01], "n": 10, "p50": p50,
             "p90": p90, "mean": p50, "budget_hit": hit, "eos": eos, "max_tokens": None, "kl": kl, "perplexity": 5.0}
 
 
@@ -53,3 +53,11 @@ def test_docs_page_keeps_hand_written_notes(results, tmp_path):
     assert (tmp_path / "docs" / "results" / "accuracy_vs_keep.png").is_file()
     assert "](results/length_distribution.png)" in text
     assert "| ean | 50% | phase-aware | 5.0 ± 1.0 | 60 | 60 | 95.0 | 5.0 | 0.1000 | 5.00 |" in markdown(results)
+
+
+def test_one_seed_prints_no_spread():
+    """One seed measures no spread: "n/a", not a "± 0.0" that reads as a perfectly stable figure."""
+    from moetailor.eval.report import accuracy_spread
+
+    assert accuracy_spread({"accuracy_std": 0.0, "accuracy_per_seed": [0.5]}) == "n/a"
+    assert accuracy_spread({"accuracy_std": 0.02, "accuracy_per_seed": [0.48, 0.52]}) == "2.0"

@@ -24,6 +24,12 @@ class DecodeResult:
     total_bytes: float             # expert bytes + other weights + KV read per step
     steps: int
     tokens: list[list[int]]        # generated ids per sequence (to compare pools that must agree)
+    spread: float = 0.0            # (75th - 25th percentile step) / median step: how steady the figure is
+
+    @property
+    def noisy(self) -> bool:
+        """Whether the median step is too unsteady to compare (``step_is_noisy``)."""
+        return step_is_noisy(self.steps, self.spread)
 
     @property
     def tokens_per_s(self) -> float:
@@ -32,6 +38,25 @@ class DecodeResult:
     @property
     def bandwidth(self) -> float:
         return self.total_bytes / self.step_s
+
+
+MIN_STEADY_STEPS = 8      # fewer timed steps than this: the median is one or two steps' luck
+MAX_STEADY_SPREAD = 0.25  # an interquartile range above a quarter of the median: the machine was busy
+
+
+def step_is_noisy(steps: int, spread: float) -> bool:
+    """Whether a median over ``steps`` timed steps with interquartile ``spread`` (relative to the median)
+    is too unsteady to print unflagged: on a shared 2-core machine a sub-millisecond step timed over 4
+    steps gave a half pool at 0.62x the full pool's speed."""
+    return steps < MIN_STEADY_STEPS or spread > MAX_STEADY_SPREAD
+
+
+def relative_spread(times: list[float]) -> float:
+    """(75th - 25th percentile) / median of step times; 0 for fewer than 2."""
+    if len(times) < 2:
+        return 0.0
+    q = statistics.quantiles(times, n=4, method="inclusive")
+    return (q[2] - q[0]) / statistics.median(times)
 
 
 def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -75,13 +100,15 @@ def engine_decode(llm, batch: int, prompt_len: int, steps: int, expert_top_k: in
     records = [r for r in llm.step_log if r.phase == "decode" and r.num_seqs == batch][1:]
     if not records:
         raise RuntimeError(f"no full-batch decode steps were logged for batch {batch}")
-    step_s = statistics.median(r.seconds for r in records)
+    times = [r.seconds for r in records]
+    step_s = statistics.median(times)
     distinct = statistics.fmean(statistics.fmean(r.distinct_experts.values()) for r in records)
     expert_b = statistics.fmean(r.expert_bytes for r in records)
     kv_per_token = llm.runner.block_bytes / llm.config.block_size
     mean_ctx = prompt_len + 1 + steps / 2
     total = expert_b + static_bytes(llm.model) + batch * mean_ctx * kv_per_token
-    return DecodeResult(batch, step_s, distinct, expert_b, total, len(records), [o.token_ids for o in outs])
+    return DecodeResult(batch, step_s, distinct, expert_b, total, len(records), [o.token_ids for o in outs],
+                        relative_spread(times))
 
 
 class _StepClock:

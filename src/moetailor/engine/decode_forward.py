@@ -268,8 +268,9 @@ class LeanDecoder:
         kernel, norm, kv = step.linear_kernel, step.norm_kernel, step.kv
         native_rows = kernel is not None and ids.shape[0] <= NATIVE_LINEAR_ROWS   # the native layer ops' condition
         if self.graph is not None and native_rows and norm is not None and self.graph.runs(step, controller):
+            budget = step.routing.k_max if step.routing.token_top_k is not None else 0   # 0: each layer's own k
             return self.graph.op.forward(ids, positions, kv.slot_mapping, kv.block_table, kv.context_lens,
-                                         step.experts_read)                  # [B, V]: what follows, in one call
+                                         step.experts_read, int(budget))     # [B, V]: what follows, in one call
         B, nH, nKV, D = ids.shape[0], self.heads, self.kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)                                      # [B, H] the residual stream
         if self.rotary_table is not None:
@@ -317,7 +318,7 @@ class LeanDecoder:
                      layer.post_norm.eps, layer.moe_in, self.heads, self.kv_heads)
         E, experts_layer = moe.num_experts, getattr(moe.experts, "_moetailor_layer", -1)
         if controller.selects_natively(moe, step) and not controller.observers:
-            return ops.decode_layer(x, h, *attention, moe.top_k, moe.semantics.normalise, gate_up, down,
+            return ops.decode_layer(x, h, *attention, controller.native_top_k(moe, step), moe.semantics.normalise, gate_up, down,
                                     step.experts_read, experts_layer, E, layer.shared_down, *layer.unstacked_shared,
                                     next_norm.weight, next_norm.eps, self.round_weights)
         x, h, moe_in_out = ops.attention_block(x, h, *attention)             # [B, H] x2, [B, E (+ 2I + 1)]

@@ -293,7 +293,8 @@ class LLM:
         """The forward under ``policy`` and the requests' budgets, then sampling: (output with the
         rows [B, V] that were sampled from, one token per sequence, mean experts per token)."""
         top_k, k_max, mean_k = self.budgets.token_top_k(seqs, is_prefill)
-        routing = Routing(self.controller.compile(policy), top_k, k_max)          # compiled once per plan
+        routing = Routing(self.controller.compile(policy), top_k, k_max,          # compiled once per plan
+                          uniform=top_k is not None and mean_k == k_max)               # one budget: the native path
         every = [is_prefill and s.sampling.prompt_logprobs is not None and s.prompt_logprobs is None
                  for s in seqs]                                                    # prompt logprobs still to compute
         out = self.runner.run(seqs, is_prefill, self.block_manager, routing, every if any(every) else None)

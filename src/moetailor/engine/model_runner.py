@@ -56,8 +56,10 @@ class ModelRunner:
         native = config.native_kernels and self.device.type == "cpu"
         self.native_experts = kernels.swiglu_experts() if native else None
         self.native_attention = kernels.paged_decode_attention() if native else None
+        # narrow experts (a split checkpoint's sub-experts) widened with zero neurons for the native kernel
+        self.padded = self._pad_experts(owns_model) if self.native_experts is not None else {}
         for layer in self.controller.layers:           # which experts and routers the native ops run (layout, once)
-            layer.experts._moetailor_native = experts.native_layout(layer.experts)
+            layer.experts._moetailor_native = experts.native_layout(layer.experts) or layer.index in self.padded
             layer.router._moetailor_native = native_router(layer)
         self.native_router = kernels.softmax_topk() if native else None
         self.native_linear = kernels.rows_linear() if native and kernels.rows_linear_pays() \
@@ -104,6 +106,24 @@ class ModelRunner:
             # 24-173), whose decode-size GEMMs were a third of a batch-32 step of the synthetic model
             pack_linears(self.model, keep=tuple(l.router for l in self.controller.layers), dtypes=(torch.float32,))
 
+    def _pad_experts(self, owns_model: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Experts whose width is not a multiple of the native kernel's vector (``experts.pad_width``), padded:
+        in place where the engine may change the model's layout (it loaded the model, or was asked to pack
+        it), returning {}; else MoE layer -> padded copies (gate_up, down) the engine's steps read instead,
+        so a model handed in keeps its own weights (the copies cost the experts' bytes x I'/I)."""
+        in_place = owns_model or bool(self.config.pack_weights)
+        copies = {}
+        for layer in self.controller.layers:
+            m = layer.experts
+            if not experts.needs_padding(m):
+                continue
+            gate_up, down = experts.pad_width(m.gate_up_proj.detach(), m.down_proj.detach())
+            if in_place:
+                m.gate_up_proj, m.down_proj = (torch.nn.Parameter(w, requires_grad=False) for w in (gate_up, down))
+            else:
+                copies[layer.index] = (gate_up, down)
+        return copies
+
     def _expert_weights(self, owns_model: bool) -> dict[bool, dict | None]:
         """Per phase (is_prefill), MoE layer -> the (gate_up, down) its steps' experts read instead of
         the module's (None = the module's for every layer): decode copies in ``decode_expert_dtype``,
@@ -118,13 +138,16 @@ class ModelRunner:
         def row_major(w: torch.Tensor) -> torch.Tensor:
             return kernels.unpack_weight(w) if kernels.is_packed(w) else w.detach()
 
+        def own(l) -> tuple[torch.Tensor, torch.Tensor]:   # the layer's weights: padded copies, else the module's
+            return self.padded.get(l.index) or (l.experts.gate_up_proj, l.experts.down_proj)
+
         decode = None
         if c.decode_expert_dtype is not None and any(l.experts.gate_up_proj.dtype != c.decode_expert_dtype for l in layers):
-            decode = {l.index: (row_major(l.experts.gate_up_proj).to(c.decode_expert_dtype),
-                                row_major(l.experts.down_proj).to(c.decode_expert_dtype)) for l in layers}
+            decode = {l.index: tuple(row_major(w).to(c.decode_expert_dtype) for w in own(l)) for l in layers}
         pack = already or (c.pack_weights if c.pack_weights is not None else owns_model and kernels.packed_weights_pay())
         if not pack or self.native_experts is None:
-            return {True: None, False: decode}
+            padded = dict(self.padded) or None   # without them (or in place): the module's
+            return {True: padded, False: decode if decode is not None else padded}
         packed = {}
         for l in self.controller.layers:
             m = l.experts
@@ -156,7 +179,8 @@ class ModelRunner:
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         native = self.native_experts is not None   # a model an earlier engine packed runs only there
         step = Step(is_prefill=True, probe=probe, experts="native" if native else "loop", experts_kernel=self.native_experts,
-                    experts_read=experts_read_buffer(self.num_layers, self.device) if native else None)
+                    experts_read=experts_read_buffer(self.num_layers, self.device) if native else None,
+                    expert_weights=self.padded or None)
         with torch.inference_mode(), running(step):
             self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
         if not probe:

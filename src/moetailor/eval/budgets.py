@@ -67,13 +67,30 @@ def compare_budgets(settings, split_dir: str, original: str, budgets_spec: str, 
             points.append({"model": name, "k": k, "active_fraction": k / scale, "accuracy": r["accuracy"],
                            "accuracy_std": r["accuracy_std"], "p50": r["p50"], "p90": r["p90"],
                            "budget_hit": r["budget_hit"], "usable": r["accuracy"] >= full - tolerance})
-    usable = {name: sum(p["usable"] for p in points if p["model"] == name) for name in runs}
-    result = {"split": split_dir, "original": original, "parts": parts, "tolerance": tolerance,
+    prompts = settings.n * len(settings.tasks) * settings.seeds                     # per budget
+    if not can_tell(prompts, tolerance):
+        for p in points:
+            p["usable"] = None
+    usable = {name: sum(bool(p["usable"]) for p in points if p["model"] == name) if can_tell(prompts, tolerance)
+              else None for name in runs}
+    result = {"split": split_dir, "original": original, "parts": parts, "tolerance": tolerance, "prompts": prompts,
               "points": points, "usable_points": usable}
     write_json(out / "budgets.json", result, indent=1)
     write_text(out / "budgets.md", budget_table(result) + "\n\n![accuracy per budget](budgets.png)\n")
     _plot(result, out / "budgets.png")
     return result
+
+
+def can_tell(prompts: int, tolerance: float) -> bool:
+    """Whether ``prompts`` per budget resolve a ``tolerance`` on accuracy: the standard error of an
+    accuracy near 50% (0.5 / sqrt(prompts)) at most the tolerance (5 points: 100 prompts). With fewer, a
+    budget's "usable" mark is a coin toss and no verdict is printed."""
+    return prompts > 0 and 0.5 / prompts ** 0.5 <= tolerance
+
+
+def min_prompts(tolerance: float) -> int:
+    """The fewest prompts per budget ``can_tell`` accepts."""
+    return next(n for n in range(1, 10**6) if can_tell(n, tolerance))
 
 
 def budget_rows(result: dict) -> list[tuple]:
@@ -88,9 +105,15 @@ def budget_rows(result: dict) -> list[tuple]:
 
 
 def budget_table(result: dict) -> str:
-    head = (f"Active routed-expert fraction per token; split = {result['parts']} sub-experts per expert. "
-            f"* = usable (within {100 * result['tolerance']:.0f} points of that model's full budget): "
-            f"split {result['usable_points']['split']}, original {result['usable_points']['original']}.\n\n")
+    tol, usable = 100 * result["tolerance"], result["usable_points"]
+    if usable["split"] is None or usable["original"] is None:
+        verdict = (f"Usable budgets (within {tol:.0f} points of that model's full budget): too few prompts to tell "
+                   f"({result.get('prompts', '?')} per budget; a {tol:.0f}-point tolerance needs at least "
+                   f"{min_prompts(result['tolerance'])}).\n\n")
+    else:
+        verdict = (f"* = usable (within {tol:.0f} points of that model's full budget, {result.get('prompts', '?')} "
+                   f"prompts per budget): split {usable['split']}, original {usable['original']}.\n\n")
+    head = f"Active routed-expert fraction per token; split = {result['parts']} sub-experts per expert. " + verdict
     return head + markdown_table(["active fraction", "split k", "split acc %", "split p50/p90",
                                   "original k", "original acc %", "original p50/p90"], budget_rows(result))
 

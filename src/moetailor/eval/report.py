@@ -28,6 +28,14 @@ def _num(x: float, digits: int = 1) -> str:
     return "–" if x is None or math.isnan(x) else f"{x:.{digits}f}"
 
 
+def accuracy_spread(row: dict) -> str:
+    """A row's accuracy spread over seeds as printed: "n/a" where one seed ran (no spread was measured;
+    its 0.0 standard deviation would read as a perfectly stable figure)."""
+    if len(row.get("accuracy_per_seed") or ()) < 2:
+        return "n/a"
+    return _pct(row["accuracy_std"])
+
+
 def _order(row: dict) -> tuple:
     config = row["configuration"]
     rank = PHASE_CONFIGURATIONS.index(config) if config in PHASE_CONFIGURATIONS else len(PHASE_CONFIGURATIONS)
@@ -43,7 +51,7 @@ def summary_table(results: dict, sampling: str) -> str:
     cols = ["criterion", "keep", "configuration", "accuracy % (±std)", "p50 len", "p90 len", "budget hit %",
             "EOS %", "KL (nats)", "ppl"]
     rows = [(r["criterion"] or "–", "–" if r["keep"] is None else f"{r['keep']:.0%}", r["configuration"],
-             f"{_pct(r['accuracy'])} ± {_pct(r['accuracy_std'])}", _num(r["p50"], 0), _num(r["p90"], 0),
+             f"{_pct(r['accuracy'])} ± {accuracy_spread(r)}", _num(r["p50"], 0), _num(r["p90"], 0),
              _pct(r["budget_hit"]), _pct(r["eos"]), _num(r["kl"], 4), _num(r["perplexity"], 2))
             for r in _rows(results, sampling)]
     return markdown_table(cols, rows)

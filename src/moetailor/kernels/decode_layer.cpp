@@ -15,6 +15,8 @@
 //   decode_layer:    both, with the full softmax router's selection between them (no plan, no budgets).
 #include <torch/extension.h>
 
+#include <algorithm>
+
 #include "ops.h"
 
 namespace {
@@ -124,17 +126,19 @@ void DecodeGraph::add_layer(at::Tensor qkv, c10::optional<at::Tensor> qkv_bias, 
 }
 
 // decode_forward.py's loop, in the same order: embedding, cos/sin rows of the table, the first norm,
-// each layer's decode_layer, the LM head.
+// each layer's decode_layer, the LM head. top_k > 0: every layer routes min(its k, top_k) experts (a step whose
+// requests all share one budget); 0: each layer's own k.
 at::Tensor DecodeGraph::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                                 const at::Tensor& block_table, const at::Tensor& context_lens,
-                                at::Tensor experts_read) {
+                                at::Tensor experts_read, int64_t top_k) {
   auto x = at::embedding(embed, ids);                                                      // [B, H]
   auto cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);  // [B, D]
   auto h = rms_norm(x, first_norm, first_eps);
   for (auto& l : layers)
     std::tie(x, h) = decode_layer(x, h, l.qkv, l.qkv_bias, l.q_norm, l.k_norm, l.qk_eps, cos, sin, l.k_cache,
                                   l.v_cache, slot_mapping, block_table, context_lens, block_size, scaling, l.o,
-                                  l.post_norm, l.post_eps, l.moe_in, heads, kv_heads, l.top_k, l.normalise, l.gate_up,
+                                  l.post_norm, l.post_eps, l.moe_in, heads, kv_heads,
+                                  top_k > 0 ? std::min(l.top_k, top_k) : l.top_k, l.normalise, l.gate_up,
                                   l.down, experts_read, l.experts_layer, l.num_experts, l.shared_down,
                                   l.shared_gate_up, l.shared_gate, l.next_norm, l.next_eps, l.round_weights);
   return rows_linear(h, lm_head, c10::nullopt);                                           // [B, V]

@@ -85,5 +85,6 @@ struct DecodeGraph : torch::CustomClassHolder {
                  c10::optional<at::Tensor> shared_gate, at::Tensor next_norm, double next_eps, bool round_weights);
   // ids, positions, slot_mapping, context_lens [B], block_table [B, nb] int64; experts_read [L] (written)
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
-                     const at::Tensor& block_table, const at::Tensor& context_lens, at::Tensor experts_read);
+                     const at::Tensor& block_table, const at::Tensor& context_lens, at::Tensor experts_read,
+                     int64_t top_k);
 };

@@ -30,6 +30,7 @@ class Routing:
     policy: Mapping[int, Any] = field(default_factory=dict)  # MoE layer -> CompiledPolicy; absent = full router
     token_top_k: torch.Tensor | None = None   # [T] per-token expert budget, or None = the model's k
     k_max: int | None = None                  # max of token_top_k (one Python int per step)
+    uniform: bool = False                     # every entry of token_top_k is k_max (one budget for the step)
 
 
 FULL_ROUTING = Routing()

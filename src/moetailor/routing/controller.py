@@ -139,17 +139,31 @@ class RoutingController:
             self.observers.remove(observer)
 
     @staticmethod
-    def selects_natively(layer: MoeLayer, step: Step | None) -> bool:
-        """Whether ``step`` routes ``layer`` with the full router through the native selection op alone
-        (an engine decode step, no plan for the layer, no per-token budgets)."""
-        return (step is not None and step.router_kernel is not None and getattr(layer.router, "_moetailor_native", False)
-                and step.routing.token_top_k is None and layer.index not in step.routing.policy)
+    def one_budget(step: Step | None) -> bool:
+        """Whether ``step`` routes every token at the same k: no per-token budgets, or budgets that all
+        agree (``Routing.uniform``). The full router at top-min(k, budget) then gives the budgets' routes
+        bit for bit (``route`` selects the step's largest k and trims nothing), so such a step keeps the
+        native selection op and the bound decode graph."""
+        return step is not None and (step.routing.token_top_k is None or step.routing.uniform)
 
     @staticmethod
-    def routes_every_layer_in_full(step: Step | None) -> bool:
-        """Whether ``step`` is an engine decode step with native selection and neither a plan nor
-        per-token budgets: every natively routed layer then selects as ``selects_natively`` says."""
-        return (step is not None and step.router_kernel is not None and step.routing.token_top_k is None
+    def native_top_k(layer: MoeLayer, step: Step) -> int:
+        """The k a ``one_budget`` step routes ``layer`` at: the layer's, or the step's budget below it."""
+        k_max = step.routing.k_max if step.routing.token_top_k is not None else None
+        return layer.top_k if k_max is None else min(layer.top_k, int(k_max))
+
+    @classmethod
+    def selects_natively(cls, layer: MoeLayer, step: Step | None) -> bool:
+        """Whether ``step`` routes ``layer`` with the full router through the native selection op alone
+        (an engine decode step, no plan for the layer, one budget for every token: ``native_top_k``)."""
+        return (step is not None and step.router_kernel is not None and getattr(layer.router, "_moetailor_native", False)
+                and cls.one_budget(step) and layer.index not in step.routing.policy)
+
+    @classmethod
+    def routes_every_layer_in_full(cls, step: Step | None) -> bool:
+        """Whether ``step`` is an engine decode step with native selection, no plan and one budget for
+        every token: every natively routed layer then selects as ``selects_natively`` says."""
+        return (step is not None and step.router_kernel is not None and cls.one_budget(step)
                 and not step.routing.policy)
 
     def _route(self, layer: MoeLayer, hidden_states: torch.Tensor, logits: torch.Tensor | None = None):
@@ -174,9 +188,9 @@ class RoutingController:
                 logits = step.linear_kernel(hidden.contiguous(), router.weight)  # [T, E] (fp32: any rows, E is small)
             else:
                 logits = layer.router_logits(hidden)                          # [T, E]
-            if native and cp is None and token_k is None:                     # full routing: the selection is all
-                weights, index = step.router_kernel(logits.float().contiguous(), layer.top_k, layer.semantics.normalise,
-                                                    None)
+            if native and cp is None and self.one_budget(step):               # full routing (at one k): the selection is all
+                weights, index = step.router_kernel(logits.float().contiguous(), self.native_top_k(layer, step),
+                                                    layer.semantics.normalise, None)
                 weights = self._as_stock(weights, logits)
             else:
                 weights, index = self._apply(layer, logits, cp, token_k, k_max, step.router_kernel if native else None)

@@ -136,10 +136,29 @@ def packed_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     return out.to(hidden_states.dtype)
 
 
-def native_layout(experts_module) -> bool:
+NATIVE_WIDTH = 16   # the native kernel's vector: hidden and expert widths are whole multiples of it
+
+
+def pad_width(gate_up: torch.Tensor, down: torch.Tensor, multiple: int = NATIVE_WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weights [E, 2I, H] / [E, H, I] widened with zero neurons to I' = I rounded up to ``multiple``:
+    gate rows 0..I-1 and up rows I'..I'+I-1 of [E, 2I', H], down columns 0..I-1 of [E, H, I']. A zero
+    neuron adds silu(0) * 0 = 0 through a zero down column, so every path computes the same experts.
+    Why: a ``moetailor split`` checkpoint's sub-experts are I/N wide (the reference model split in 4:
+    12), which the native kernel's 16-wide vectors do not cover; padded, they run on it."""
+    E, two_i, H = gate_up.shape
+    inter = two_i // 2
+    wide = -(-inter // multiple) * multiple
+    gu = gate_up.new_zeros(E, 2 * wide, H)
+    gu[:, :inter], gu[:, wide:wide + inter] = gate_up[:, :inter], gate_up[:, inter:]
+    dn = down.new_zeros(E, down.shape[1], wide)
+    dn[:, :, :inter] = down
+    return gu, dn
+
+
+def native_layout(experts_module, padded: bool = False) -> bool:
     """Whether the native kernel runs this experts module: SwiGLU with a gate, no biases, the fused
     [E, 2I, H] / [E, H, I] layout (or those packed for the kernel by an engine), fp32 or bf16, and
-    sizes in whole 16-wide vectors."""
+    sizes in whole 16-wide vectors (``padded``: an expert width that is not, once ``pad_width`` widens it)."""
     m = experts_module
     gu, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
     if not isinstance(gu, torch.Tensor) or not isinstance(down, torch.Tensor):
@@ -153,7 +172,13 @@ def native_layout(experts_module) -> bool:
     return (silu and getattr(m, "has_gate", True) and not getattr(m, "has_bias", False)
             and not getattr(m, "is_transposed", False) and gu.dtype in (torch.float32, torch.bfloat16)
             and down.dtype == gu.dtype and gu.is_contiguous() and down.is_contiguous()
-            and tuple(down.shape) == (E, H, two_i // 2) and H % 16 == 0 and (two_i // 2) % 16 == 0)
+            and tuple(down.shape) == (E, H, two_i // 2) and H % NATIVE_WIDTH == 0
+            and (padded or (two_i // 2) % NATIVE_WIDTH == 0))
+
+
+def needs_padding(experts_module) -> bool:
+    """Whether the native kernel runs this experts module once ``pad_width`` widens it, and only then."""
+    return native_layout(experts_module, padded=True) and not native_layout(experts_module)
 
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
