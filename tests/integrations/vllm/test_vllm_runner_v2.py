@@ -106,7 +106,7 @@ def test_the_v2_classes_have_what_the_adapter_wraps_and_reads():
     from moetailor.integrations.vllm.patches import entry_problem
 
     for entry in N.REGISTRY:
-        if entry.runner == "v2":
+        if entry.runner == "v2" and not entry.optional:
             assert entry_problem(entry) is None, entry.key
     from vllm.v1.worker.cpu.model_runner import CPUModelRunner
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner

@@ -98,7 +98,7 @@ def install_patches() -> None:
 
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:
+    except Exception:   # a build without vLLM's CPU fused-MoE (or the compiled ops it needs)
         return
     if getattr(CPUUnquantizedExperts, "_moetailor_wrapped", False):
         return

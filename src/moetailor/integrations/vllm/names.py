@@ -7,7 +7,8 @@ vLLM has two model-runner generations, and the plugin one adapter per generation
 
   * ``v1``: ``vllm/v1/worker/gpu_model_runner.py`` (and the CPU runner built on it): a persistent
     ``InputBatch``; the plugin wraps ``_prepare_inputs`` to see each step's tokens;
-  * ``v2``: ``vllm/v1/worker/gpu/model_runner.py`` (and ``cpu/model_runner.py`` on it): per-request
+  * ``v2``: ``vllm/v1/worker/gpu/model_runner.py`` (and ``cpu/model_runner.py`` on it; 0.34.0's
+    ``cpu/standalone_model_runner.py``, for CPUs without Triton, follows the same protocol): per-request
     state enters through the runner's ``model_state`` (``add_request(req_index, new_req_data)``) and
     each step's inputs through ``model_state.prepare_inputs(input_batch, req_states)``: the plugin
     wraps those two methods of the runner's own ``model_state`` object, no class.
@@ -61,6 +62,8 @@ V2_CPU_RUNNER = "vllm.v1.worker.cpu.model_runner"
 V2_STATE = "vllm.v1.worker.gpu.model_states.interface"
 V2_BATCH = "vllm.v1.worker.gpu.input_batch"
 V2_STATES = "vllm.v1.worker.gpu.states"
+# 0.34.0's v2 runner for CPUs without Triton (not x86): the same model_state protocol, its own classes
+V2_STANDALONE = "vllm.v1.worker.cpu.standalone_model_runner"
 FUSED_MOE = "vllm.model_executor.layers.fused_moe"
 CPU_EXPERTS = f"{FUSED_MOE}.experts.cpu_moe"
 SCHED = "vllm.v1.core.sched"
@@ -95,6 +98,17 @@ REGISTRY: tuple[VName, ...] = tuple([
     *_names(V2_BATCH, "InputBatch", "attribute", "reads",
             "num_reqs idx_mapping_np num_scheduled_tokens num_computed_tokens_np", "v2"),
     VName(V2_STATES, "RequestState.prompt_len", "attribute", "reads", runner="v2"),
+    VName(V2_STANDALONE, "StandaloneCPUModelRunner.load_model", "method", "wraps", ("self", "load_dummy_weights"), "v2",
+          optional=True),
+    *[VName(V2_STANDALONE, f"StandaloneCPUModelRunner.{f}", "attribute", "reads", runner="v2", optional=True)
+      for f in "vllm_config device max_num_tokens model_state req_states".split()],
+    VName("vllm.v1.worker.cpu.model_states.interface", "ModelState.add_request", "method", "wraps",
+          ("self", "req_index", "new_req_data"), "v2", optional=True),
+    VName("vllm.v1.worker.cpu.model_states.interface", "ModelState.prepare_inputs", "method", "wraps",
+          ("self", "input_batch", "req_states"), "v2", optional=True),
+    *[VName("vllm.v1.worker.cpu.input_batch", f"InputBatch.{f}", "attribute", "reads", runner="v2", optional=True)
+      for f in "num_reqs idx_mapping_np num_scheduled_tokens num_computed_tokens_np".split()],
+    VName("vllm.v1.worker.cpu.states", "CPURequestState.prompt_len", "attribute", "reads", runner="v2", optional=True),
     # ---- MoE layers: routing hook (routing.py) ----
     VName(f"{FUSED_MOE}.runner.moe_runner", "MoERunner", "class", "reads"),
     *_names(f"{FUSED_MOE}.runner.moe_runner", "MoERunner", "attribute", "reads", "layer_id router routed_experts"),

@@ -34,10 +34,10 @@ def entry_problem(entry: N.VName) -> str | None:
     the adapters check those fields on the real objects, ``runners.check_fields``)."""
     try:
         module = importlib.import_module(entry.module)
-    except ImportError:
+    except Exception as e:     # a build without the module (or whose compiled ops it needs)
         if entry.module in N.BUILD_OPTIONAL_MODULES:
             return None
-        return f"module {entry.module} is missing"
+        return f"module {entry.module} does not import ({type(e).__name__})"
     if entry.kind in ("class", "function"):
         obj = getattr(module, entry.qualname, None)
         if obj is None:

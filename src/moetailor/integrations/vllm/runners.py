@@ -34,9 +34,10 @@ def step_phases(counts, computed, prompt_lens) -> tuple[np.ndarray, np.ndarray]:
 
 def check_fields(obj, module: str, owner: str, generation: str | None = None) -> None:
     """Refuse (one line) an object that lacks a registry field of its class: the instance fields
-    that no import can show, checked on the real objects when the plugin first meets them."""
+    that no import can show, checked on the real objects when the plugin first meets them (the
+    optional entries too: the object is here, so the plugin is about to read them)."""
     missing = [e.qualname for e in N.REGISTRY if e.module == module and e.owner == owner and e.kind == "attribute"
-               and not e.optional and e.runner in (None, generation) and not hasattr(obj, e.qualname.rpartition(".")[2])]
+               and e.runner in (None, generation) and not hasattr(obj, e.qualname.rpartition(".")[2])]
     if missing:
         import vllm
 
@@ -45,22 +46,30 @@ def check_fields(obj, module: str, owner: str, generation: str | None = None) ->
 
 
 def _class(module: str, cls: str):
+    """The class, or None where this build cannot import it (check_vllm has refused a vLLM that lacks
+    a required one)."""
     try:
         return getattr(importlib.import_module(module), cls)
-    except (ImportError, AttributeError):
+    except Exception:
         return None
 
 
 def wrap_method(module: str, qualname: str, wrapper, own: bool = False) -> bool:
     """Replace a registered vLLM method with ``wrapper(method)`` (a name missing from the registry is a
     KeyError: every name the plugin patches is registered, so the version check covers it). ``own``:
-    only a method the class defines itself. False when the class or method is not there."""
+    only a method the class defines itself. False when the class or method is not there; a method
+    wrapped already is left as it is."""
     entry = N.name(module, qualname)
     owner, _, member = entry.qualname.rpartition(".")
     cls = _class(module, owner)
     if cls is None or (own and member not in cls.__dict__) or not hasattr(cls, member):
         return False
-    setattr(cls, member, wrapper(cls.__dict__[member] if own else getattr(cls, member)))
+    current = cls.__dict__[member] if own else getattr(cls, member)
+    if getattr(current, "_moetailor_wrapper", False):     # patched already (idempotent)
+        return True
+    wrapped = wrapper(current)
+    wrapped._moetailor_wrapper = True
+    setattr(cls, member, wrapped)
     return True
 
 
@@ -137,12 +146,16 @@ def _wrap_prepare_inputs(prepare_inputs):
 
 class V2Adapter(RunnerAdapter):
     def __init__(self):
-        # the CPU runner of this generation subclasses GPUModelRunner without its own load_model
-        super().__init__("v2", ((N.V2_RUNNER, "GPUModelRunner"),))
+        # the CPU runner of this generation subclasses GPUModelRunner without its own load_model; 0.34's
+        # standalone CPU runner (CPUs without Triton) is its own class with the same protocol
+        super().__init__("v2", ((N.V2_RUNNER, "GPUModelRunner"), (N.V2_STANDALONE, "StandaloneCPUModelRunner")))
 
     def attach(self, runner, tokens) -> None:
-        check_fields(runner, N.V2_RUNNER, "GPUModelRunner", "v2")
-        check_fields(runner.req_states, N.V2_STATES, "RequestState", "v2")
+        standalone = type(runner).__name__ == "StandaloneCPUModelRunner"
+        check_fields(runner, *((N.V2_STANDALONE, "StandaloneCPUModelRunner") if standalone
+                               else (N.V2_RUNNER, "GPUModelRunner")), "v2")
+        if not standalone:
+            check_fields(runner.req_states, N.V2_STATES, "RequestState", "v2")
         watch_model_state(runner.model_state, runner.req_states, tokens)
 
 
@@ -170,8 +183,10 @@ def watch_model_state(state, req_states, tokens) -> None:
 def _v2_prepare(input_batch, req_states, budgets: dict[int, int], tokens) -> None:
     n = input_batch.num_reqs
     slots = np.asarray(input_batch.idx_mapping_np[:n])
+    prompt_len = req_states.prompt_len          # a UVA-backed buffer (.np), or a CPU tensor (standalone runner)
+    prompt_len = prompt_len.np if hasattr(prompt_len, "np") else prompt_len.numpy()
     req, decode = step_phases(input_batch.num_scheduled_tokens[:n], input_batch.num_computed_tokens_np[:n],
-                              np.asarray(req_states.prompt_len.np)[slots])
+                              np.asarray(prompt_len)[slots])
     ks = np.array([budgets.get(int(s), tokens.model_k) for s in slots], dtype=np.int64)
     tokens.write(decode, ks[req])
 
