@@ -8,6 +8,8 @@ from vllm_helpers import SKIP_REASON, vllm_engine
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
+from moetailor.integrations.vllm.rpc import call, experts_kernel_layers  # noqa: E402
+
 PROMPTS = ["hello world", "abc abc abc", "1+2=3, 2+3=", "the quick brown fox", "zzz", "MoE layers route tokens"]
 
 
@@ -43,7 +45,7 @@ def test_tiny_model_phase_aware_and_budget_equal_engine(arch, experts_kernel, tm
     kwargs = engine_kwargs(tmp_path, decode_plan=plan_path, kv_cache_mib=32, max_num_batched_tokens=16,
                            max_num_seqs=4, max_model_len=128, experts_kernel=experts_kernel)
     with vllm_engine(**kwargs) as llm:
-        assert llm.collective_rpc("moetailor_experts_kernel_layers")[0] == (
+        assert call(llm, experts_kernel_layers)[0] == (
             len(plan.decode.layers) if experts_kernel else 0)
         from vllm import SamplingParams as VSP
 

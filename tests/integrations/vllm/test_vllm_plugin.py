@@ -9,6 +9,8 @@ from vllm_helpers import SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
+from moetailor.integrations.vllm.rpc import call, experts_kernel_layers  # noqa: E402
+
 
 @pytest.fixture(scope="module", params=["compiled", "eager", "compiled, moetailor experts kernel"])
 def phase_aware_vllm(request, quarter_plan):
@@ -24,9 +26,9 @@ def phase_aware_vllm(request, quarter_plan):
     assert kwargs["enable_prefix_caching"] is False
     with vllm_engine(**kwargs) as llm:
         if "experts kernel" in request.param:
-            assert llm.collective_rpc("moetailor_experts_kernel_layers") == [6], "every MoE layer on moetailor's kernel"
+            assert call(llm, experts_kernel_layers) == [6], "every MoE layer on moetailor's kernel"
             from moetailor import kernels    # its experts packed as the engine holds them, where that pays
-            assert llm.collective_rpc("moetailor_experts_kernel_layers", args=(True,)) == \
+            assert call(llm, experts_kernel_layers, True) == \
                 [6 if kernels.packed_weights_pay() else 0]
         yield llm
 

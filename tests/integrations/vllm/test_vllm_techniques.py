@@ -14,6 +14,8 @@ from vllm_helpers import BUNDLED_PLAN, SKIP_REASON, vllm_engine, vllm_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
+from moetailor.integrations.vllm.rpc import call, route_totals, use_plan  # noqa: E402
+
 MAX_TOKENS = 24
 
 
@@ -75,9 +77,9 @@ def engine_run(plan_path, prompts, ks):
 
 
 def vllm_run(llm, prompts, ks):
-    llm.collective_rpc("moetailor_route_totals", kwargs={"reset": True})
+    call(llm, route_totals, reset=True)
     got = vllm_token_ids(llm, prompts, [None if k is None else {"expert_top_k": k} for k in ks], MAX_TOKENS)
-    return got, llm.collective_rpc("moetailor_route_totals")[0]
+    return got, call(llm, route_totals)[0]
 
 
 @pytest.mark.parametrize("budgets", ["none", "mixed"])
@@ -105,18 +107,18 @@ def test_budgets_cut_the_experts_vllm_reads(stacked_vllm, prompts):
 
 
 def test_a_running_engine_switches_plans_between_requests(stacked_vllm, stacked_plan, prompts, tmp_path):
-    """``moetailor_use_plan`` (how ``bench vllm`` times every plan on one engine): the full router gives the
+    """``rpc.use_plan`` (how ``bench vllm`` times every plan on one engine): the full router gives the
     full model's outputs, the plan again its own; a plan that changes a layer's emitted width is refused."""
     ks = [None] * len(prompts)
     try:
-        assert stacked_vllm.collective_rpc("moetailor_use_plan", args=(None,)) == ["full router"]
+        assert call(stacked_vllm, use_plan, None) == ["full router"]
         assert vllm_run(stacked_vllm, prompts, ks)[0] == engine_run(None, prompts, ks)[0]
         narrow = json.loads(stacked_plan.read_text())
         narrow["prefill"]["5"] = narrow["decode"]["5"] = {"top_k": 4}
         (tmp_path / "narrow.json").write_text(json.dumps(narrow))
         with pytest.raises(Exception, match="layer 5 would route 4 experts per token where the running graph was "
                                             "traced for 8: start a new engine"):
-            stacked_vllm.collective_rpc("moetailor_use_plan", args=(str(tmp_path / "narrow.json"), "plan"))
+            call(stacked_vllm, use_plan, str(tmp_path / "narrow.json"), "plan")
     finally:
-        stacked_vllm.collective_rpc("moetailor_use_plan", args=(str(stacked_plan), "plan"))
+        call(stacked_vllm, use_plan, str(stacked_plan), "plan")
     assert vllm_run(stacked_vllm, prompts, ks)[0] == engine_run(stacked_plan, prompts, ks)[0]

@@ -12,7 +12,7 @@ can be compared on one kernel.
 How it is timed: one process holds every engine the rows need (stock, the plugin, the plugin eager,
 the pair's two instances), and each round times every row once, in turn, so that drift of the
 machine hits every row alike; the plugin's rows share one engine, which switches plans between
-rows (``moetailor_use_plan``). Every instance's worker is bound to the same CPUs
+rows (``rpc.use_plan``). Every instance's worker is bound to the same CPUs
 (``same_cores_for_every_instance``). Before a row on another engine the run waits ``IDLE_S``: an idle vLLM
 worker busy-polls its queue for 1 s after its last step. The first round warms up; each row keeps
 its fastest of ``--repeats`` timed rounds. (Timing each configuration in its own process, one after
@@ -232,7 +232,9 @@ def _time_generate(llm, prompts, params) -> float:
 
 def _distinct(llm) -> float:
     """Mean distinct experts per decode step and MoE layer since the last reset (then reset)."""
-    totals = llm.collective_rpc("moetailor_route_totals", kwargs={"reset": True})[0]
+    from .rpc import call, route_totals
+
+    totals = call(llm, route_totals, reset=True)[0]
     return sum(t["experts"] for t in totals.values()) / max(1, sum(t["steps"] for t in totals.values()))
 
 
@@ -324,6 +326,7 @@ def start_engines(spec: dict, rows: list[Row]) -> dict:
     from .disagg import pair_kwargs
     from .launch import engine_kwargs
     from .patches import RECORD_KEY
+    from .rpc import SERIALIZATION_ENV
 
     batches = [int(b) for b in spec["batches"].split(",")]
     common = dict(dtype=spec["dtype"], kv_cache_mib=256, max_num_seqs=max(batches),
@@ -333,6 +336,7 @@ def start_engines(spec: dict, rows: list[Row]) -> dict:
     needed = {row.engine for row in rows}
     engines = {}
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = same_cores_for_every_instance()   # read by each engine process
+    os.environ[SERIALIZATION_ENV] = "1"   # the plan swaps and route counts reach the workers as functions (rpc.py)
     print(f"[binding] every instance's worker on CPUs {os.environ['VLLM_CPU_OMP_THREADS_BIND']}", file=sys.stderr,
           flush=True)
     seen = _descendants()
@@ -384,6 +388,8 @@ def worker(spec: dict) -> dict:
     from transformers import AutoConfig
     from vllm import SamplingParams
 
+    from .rpc import call, use_plan
+
     new_tokens, prompt_tokens = spec["new_tokens"], spec["prompt_tokens"]
     batches = [int(b) for b in spec["batches"].split(",")]
     config = AutoConfig.from_pretrained(spec["model"], local_files_only=True)
@@ -398,7 +404,7 @@ def worker(spec: dict) -> dict:
         nonlocal last_engine
         llm = engines[row.engine][0]
         if row.engine in current_plan and current_plan[row.engine] != row.plan:
-            llm.collective_rpc("moetailor_use_plan", args=(row.plan, "decode"))
+            call(llm, use_plan, row.plan, "decode")
             current_plan[row.engine] = row.plan
         if last_engine is not None and last_engine != row.engine:
             time.sleep(IDLE_S)

@@ -158,6 +158,8 @@ class MoetailorConnector(KVConnectorBase_V1):
                 done = req.num_computed_tokens + scheduler_output.num_scheduled_tokens[req.req_id]
                 self._maybe_store(req.req_id, done, meta)
         cached = scheduler_output.scheduled_cached_reqs
+        # vLLM 0.34 has no resumed_req_ids: a resumed request comes again in full among the new ones
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
         for i, req_id in enumerate(cached.req_ids):
             if req_id in self._to_load:  # resumed after preemption: load again into its new blocks
                 request = self._to_load.pop(req_id)
@@ -168,7 +170,7 @@ class MoetailorConnector(KVConnectorBase_V1):
             if req_id in self._to_store:
                 folder, blocks, n = self._to_store[req_id]
                 if cached.new_block_ids[i]:
-                    if req_id in cached.resumed_req_ids:
+                    if req_id in resumed:
                         blocks = []
                     blocks = blocks + list(cached.new_block_ids[i][0])
                     self._to_store[req_id] = (folder, blocks, n)

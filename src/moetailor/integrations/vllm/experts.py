@@ -93,16 +93,18 @@ def _unsupported(experts, layer) -> str | None:
 
 def install_patches() -> None:
     """Wrap ``CPUUnquantizedExperts`` (idempotent; a build without it has no CPU fused-MoE to replace)."""
+    from .names import CPU_EXPERTS
+    from .runners import wrap_method
+
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:
+    except Exception:   # a build without vLLM's CPU fused-MoE (or the compiled ops it needs)
         return
     if getattr(CPUUnquantizedExperts, "_moetailor_wrapped", False):
         return
-    CPUUnquantizedExperts.process_weights_after_loading = _wrap_process(
-        CPUUnquantizedExperts.process_weights_after_loading)
-    CPUUnquantizedExperts.apply = _wrap_apply(CPUUnquantizedExperts.apply)
-    CPUUnquantizedExperts.moe_problem_size = _wrap_problem_size(CPUUnquantizedExperts.moe_problem_size)
+    for method, wrapper in (("process_weights_after_loading", _wrap_process), ("apply", _wrap_apply),
+                            ("moe_problem_size", _wrap_problem_size)):
+        wrap_method(CPU_EXPERTS, f"CPUUnquantizedExperts.{method}", wrapper)
     CPUUnquantizedExperts._moetailor_wrapped = True
 
 

