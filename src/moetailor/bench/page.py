@@ -68,8 +68,10 @@ def machine() -> dict:
     except OSError:
         pass
     l3 = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
-    if l3.exists():
-        info["l3"] = l3.read_text().strip()
+    if l3.exists():                                   # sysfs says e.g. "32768K"
+        size = l3.read_text().strip()
+        kib = int(size[:-1]) if size[:-1].isdigit() and size.endswith("K") else None
+        info["l3"] = f"{kib // 1024} MiB" if kib and kib % 1024 == 0 else size
     try:
         import torch
         info["torch"] = torch.__version__
