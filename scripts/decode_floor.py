@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--probe-experts", type=int, default=12)
+    ap.add_argument("--out", default=None, help="also write the tables to this JSON file (scripts/benchmarks.sh)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -38,10 +39,11 @@ def main() -> None:
 
     read_bw = read_bandwidth()
     print(json.dumps({"read_gb_s": round(read_bw / 1e9, 1), "threads": torch.get_num_threads()}), flush=True)
+    probes = []
     for r in probe(formats=("fp32", "bf16"), rows=args.batches, experts=args.probe_experts):
-        print(json.dumps({"probe": r["format"], "rows": r["rows"], "ms_per_expert": round(r["ms_per_expert"], 3),
-                          "weight_gb_s": round(r["weight_gb_s"], 2),
-                          "of_read_bw": round(r["weight_gb_s"] * 1e9 / read_bw, 3)}), flush=True)
+        probes.append({"probe": r["format"], "rows": r["rows"], "ms_per_expert": round(r["ms_per_expert"], 3),
+                       "weight_gb_s": round(r["weight_gb_s"], 2), "of_read_bw": round(r["weight_gb_s"] * 1e9 / read_bw, 3)})
+        print(json.dumps(probes[-1]), flush=True)
     model = synthetic_model(layers=args.layers, experts=args.experts)
     max_len = args.prompt_len + args.steps + 4
     rows = []
@@ -61,11 +63,22 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
         del llm
+    from moetailor.bench.page import Table, write_tables
+    from moetailor.tables import markdown_table
+
     fp32 = {r["batch"]: r for r in rows if r["weights"] == "fp32"}
-    print("\n| batch | weights | step ms | tok/s | GB read/step | GB/s | of read BW | speed vs fp32 |\n|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['batch']} | {r['weights']} | {r['step_ms']} | {r['tok_s']} | {r['gb_per_step']} | {r['gb_s']} | "
-              f"{100 * r['of_read_bw']:.0f}% | {fp32[r['batch']]['step_ms'] / r['step_ms']:.2f}x |")
+    steps = Table(f"decode step per expert weight format; read bandwidth {read_bw / 1e9:.1f} GB/s (torch.sum over 1 GiB), "
+                  f"{torch.get_num_threads()} threads, {args.layers} MoE layer(s) of {args.experts} experts",
+                  ["batch", "weights", "step ms", "tok/s", "GB read/step", "GB/s", "of read BW", "speed vs fp32"],
+                  [[r["batch"], r["weights"], r["step_ms"], r["tok_s"], r["gb_per_step"], r["gb_s"],
+                    f"{100 * r['of_read_bw']:.0f}%", f"{fp32[r['batch']]['step_ms'] / r['step_ms']:.2f}x"] for r in rows])
+    gemv = Table("torch F.linear per expert (the GEMV torch-op decode uses)",
+                 ["format", "rows", "ms per expert", "GB/s", "of read BW"],
+                 [[p["probe"], p["rows"], p["ms_per_expert"], p["weight_gb_s"], f"{100 * p['of_read_bw']:.0f}%"]
+                  for p in probes])
+    print("\n" + markdown_table(steps.columns, steps.rows))
+    if args.out:
+        write_tables(args.out, [steps, gemv], read_gb_s=round(read_bw / 1e9, 2), rows=rows, probes=probes)
 
 
 if __name__ == "__main__":

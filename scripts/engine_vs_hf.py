@@ -107,6 +107,7 @@ def main() -> None:
     from moetailor.engine import LLM
     from moetailor.models.loading import load_model, load_tokenizer
     from moetailor.plans.plan import Plan
+    from moetailor.bench.page import Table, write_tables
     from moetailor.tables import print_table
 
     if args.threads:
@@ -155,12 +156,11 @@ def main() -> None:
     heads = ["batch", *(f"{s} tok/s" for s in sides), "engine / transformers",
              *(["engine / vLLM fp32"] if "vLLM float32" in sides else []), "identical greedy (engine vs HF)",
              "distinct experts/layer/step"]
-    print_table(f"decode tok/s, {args.model}, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
-                f"{torch.get_num_threads()} threads", heads, table)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"results-{torch.get_num_threads()}t.json").write_text(json.dumps(
-        {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"), "load": os.getloadavg(),
-         "rows": rows}, indent=1))
+    title = (f"decode tok/s, {args.model}, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
+             f"{torch.get_num_threads()} threads")
+    print_table(title, heads, table)
+    write_tables(Path(args.out) / "results.json", [Table(title, heads, table)], command=" ".join(sys.argv),
+                 load=os.getloadavg(), threads=torch.get_num_threads(), rows=rows)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ def main() -> None:
     from moetailor.engine import LLM
     from moetailor.integrations.llamacpp import BatchedDecoder, load
     from moetailor.models.loading import load_tokenizer, resolve_model_path
+    from moetailor.bench.page import Table, write_tables
     from moetailor.tables import print_table
 
     torch.set_num_threads(args.threads)
@@ -116,8 +117,10 @@ def main() -> None:
                     rounds.append((e_tok_s, l_tok_s))
                 same = sum(list(a) == list(b_) for a, b_ in zip(e_out, l_out))
                 ratios = sorted(l / e for e, l in rounds)
+                ours = sorted(e / l for e, l in rounds)
                 row = {"model": name, "batch": b, "engine": max(e for e, _ in rounds),
                        "llama.cpp": max(l for _, l in rounds), "median round ratio": ratios[len(ratios) // 2],
+                       "median round engine / llama.cpp": ours[len(ours) // 2],
                        "engine median": statistics.median(e for e, _ in rounds),
                        "llama.cpp median": statistics.median(l for _, l in rounds),
                        "identical": f"{same}/{b}", "load": load_avg,
@@ -125,15 +128,15 @@ def main() -> None:
                 print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
                 rows.append(row)
         del llm, engine
-    print_table(f"decode tok/s, {args.model} (norm_topk_prob=false), {args.dtype}, {args.prompt_len}-token prompts, "
-                f"{args.new_tokens} new tokens, {args.threads} threads",
-                ["model", "batch", "engine tok/s", "llama.cpp tok/s", "llama.cpp / engine", "median tok/s",
-                 "median round ratio", "identical greedy", "load"],
-                [(r["model"], r["batch"], f"{r['engine']:.0f}", f"{r['llama.cpp']:.0f}",
-                  f"{r['llama.cpp'] / r['engine']:.2f}x", f"{r['engine median']:.0f} / {r['llama.cpp median']:.0f}",
-                  f"{r['median round ratio']:.2f}x", r["identical"], f"{r['load']:.2f}") for r in rows])
-    (out / "results.json").write_text(json.dumps({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
-                                                  "rows": rows}, indent=1))
+    title = (f"decode tok/s, {args.model} (norm_topk_prob=false), {args.dtype}, {args.prompt_len}-token prompts, "
+             f"{args.new_tokens} new tokens, {args.threads} threads, {args.repeats} rounds")
+    heads = ["model", "batch", "engine tok/s", "llama.cpp tok/s", "engine / llama.cpp", "median tok/s (engine / llama.cpp)",
+             "median round (engine / llama.cpp)", "identical greedy", "load"]
+    table = [(r["model"], r["batch"], f"{r['engine']:.0f}", f"{r['llama.cpp']:.0f}",
+              f"{r['engine'] / r['llama.cpp']:.2f}x", f"{r['engine median']:.0f} / {r['llama.cpp median']:.0f}",
+              f"{r['median round engine / llama.cpp']:.2f}x", r["identical"], f"{r['load']:.2f}") for r in rows]
+    print_table(title, heads, table)
+    write_tables(out / "results.json", [Table(title, heads, table)], command=" ".join(sys.argv), rows=rows)
 
 
 if __name__ == "__main__":

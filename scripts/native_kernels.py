@@ -40,6 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--bf16", action="store_true", help="also bf16 linear layers of real size, 1-64 rows")
+    ap.add_argument("--out", default=None, help="also write the table to this JSON file (scripts/benchmarks.sh)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,9 +110,12 @@ def main() -> None:
                 gflop = 2 * T * N * 2048 / 1e3
                 rows.append((f"bf16 linear {T} x [{N}, 2048] (GFLOP/s {gflop / torch_ops:.0f} vs {gflop / native:.0f})",
                              f"{torch_ops:.0f}", f"{native:.0f}", f"{torch_ops / native:.1f}x"))
-    print_table(f"native kernels vs torch ops, µs per call, {torch.get_num_threads()} threads"
-                + (f"; bf16 in hardware: {kernels.cpu_has_bf16_matmul()}" if args.bf16 else ""),
-                ["case", "torch ops", "native", "speedup"], rows)
+    title = (f"native kernels vs torch ops, µs per call, {torch.get_num_threads()} threads"
+             + (f"; bf16 in hardware: {kernels.cpu_has_bf16_matmul()}" if args.bf16 else ""))
+    print_table(title, ["case", "torch ops", "native", "speedup"], rows)
+    if args.out:
+        from moetailor.bench.page import Table, write_tables
+        write_tables(args.out, [Table(title, ["case", "torch ops µs", "native µs", "speedup"], rows)])
 
 
 if __name__ == "__main__":

@@ -241,7 +241,15 @@ def decode_one(args) -> None:
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
     res["peak_rss_gib"] = round(peak_rss_gib(), 2)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    from moetailor.bench.page import Table, write_tables
+    write_tables(args.out, [Table(
+        f"{path}: decode steps against the read floor ({res['weights_gib']} GiB {', '.join(res['dtypes'])}, "
+        f"experts {'packed' if res['packed_experts'] else 'row-major'}, {res['threads']} threads, "
+        f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens)",
+        ["batch", "step ms", "tok/s", "GB read/step", "floor ms", "of floor (start-up yardstick)",
+         "read GB/s beside the row", "of the adjacent floor"],
+        [[r["batch"], r["step_ms"], r["tok_s"], r["gb_per_step"], r["floor_ms"], f"{100 * r['of_floor']:.0f}%",
+          r["adjacent_read_gb_s"], f"{100 * r['of_adjacent_floor']:.0f}%"] for r in res["rows"]])], **res)
 
 
 def main() -> None:

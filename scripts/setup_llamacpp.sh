@@ -5,7 +5,7 @@
 #
 # Why a cache outside the checkout: compiling the sdist takes 8-13 minutes on 2 cores, and a clean
 # clone (CI) on the same machine should not pay it again. Why the key holds the CPU flags: the
-# build is GGML_NATIVE (tuned to this processor), and the processor changes between sessions; a
+# build is GGML_NATIVE (tuned to this processor), and a cloud machine's processor can change between runs; a
 # wheel built for another one can die with SIGILL, so it is rebuilt instead of reused.
 set -euo pipefail
 

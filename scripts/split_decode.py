@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per cell and round")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--out", default=None, help="also write the table to this JSON file (scripts/benchmarks.sh)")
     args = ap.parse_args()
 
     from moetailor import kernels
@@ -64,14 +65,21 @@ def main() -> None:
                         k = max(1, full[label] // share)
                         r = engine_decode(llm, b, args.prompt_len, args.steps, expert_top_k=None if share == 1 else k)
                         times.setdefault((b, share, label), []).append(r.step_s)
-    print(f"{'batch':>5} {'budget':>6} {'orig k':>6} {'orig tok/s':>10} {'split k':>7} {'split tok/s':>11} "
-          f"{'split/orig step':>15}")
+    from moetailor.bench.page import Table, write_tables
+    from moetailor.tables import markdown_table
+
+    rows = []
     for b in args.batches:
         for share in (1, 2, 4):
             o, s = (statistics.median(times[(b, share, label)]) for label in ("original", "split"))
-            print(f"{b:>5} {'full' if share == 1 else f'1/{share}':>6} {max(1, full['original'] // share):>6} "
-                  f"{b / o:>10.0f} {max(1, full['split'] // share):>7} {b / s:>11.0f} {s / o:>14.2f}x")
-
+            rows.append([b, "full" if share == 1 else f"1/{share}", max(1, full["original"] // share), round(b / o),
+                         max(1, full["split"] // share), round(b / s), f"{s / o:.2f}x"])
+    table = Table(f"split ({args.parts} parts) vs original decode step, median of {args.repeats} rounds of "
+                  f"{args.steps} steps, {torch.get_num_threads()} threads",
+                  ["batch", "budget", "orig k", "orig tok/s", "split k", "split tok/s", "split/orig step"], rows)
+    print(markdown_table(table.columns, table.rows))
+    if args.out:
+        write_tables(args.out, [table], times={f"{b}/{share}/{label}": v for (b, share, label), v in times.items()})
 
 if __name__ == "__main__":
     main()

@@ -27,7 +27,7 @@ class EngineConfig:
     native_kernels: bool = True
     # weights held packed for the native kernels (kernels.pack_weight: 16-column panels, the layout
     # their AVX-512 tile reads without transposing; the experts op 1.1-1.35x faster per layer at 8-64
-    # rows on an Ice Lake Xeon): the experts, and the bf16 linear layers whose rows all run the native op
+    # rows without AVX512-BF16): the experts, and the bf16 linear layers whose rows all run the native op
     # (no bf16 GEMM hardware), in place: same memory, and the model's experts then run on the native
     # experts kernel on every path (routing.experts.packed_experts_forward). None = where
     # that tile is compiled (kernels.packed_weights_pay) and the engine loaded the model itself;

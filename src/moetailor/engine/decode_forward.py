@@ -23,7 +23,7 @@ torch's GEMM), so bf16 rounds where transformers rounds, bit for bit (``rotary_k
 ``add_rms_norm`` and ``rms_norm`` round as torch's bf16 ops). The native layer ops and the bound graph
 take bf16 too, converting where the Python loop converts (a bf16 shared expert through its own
 projections, not rows of ``moe_in``): on tiny bf16 models a batch-1 step is half the Python loop's, on a
-real-size OLMoE ~1 ms (4%) less (2026-12-05). The stacked projection weights are copies of the dense
+real-size OLMoE ~4% less. The stacked projection weights are copies of the dense
 (non-expert) weights (attention and shared expert; packed where the module path's are), a few
 percent of a MoE checkpoint's bytes. A model with forward hooks on any module (``hooked``) runs the
 module path, so the hooks see every step.

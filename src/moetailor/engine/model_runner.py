@@ -100,10 +100,9 @@ class ModelRunner:
                                       self.kv_cache, config.block_size, self.expert_weights[False]) \
             if config.lean_decode and self._compiled is None else None
         if self.lean is None and self.native_linear is not None and self.expert_weights[True] is not None:
-            # fp32 layers too, where the engine packs (AVX-512) and no lean decoder holds them: on a Zen 4
-            # EPYC (2026-12-04) the packed op ran a 2048 x 2048 fp32 layer 2.7x / 4.6x / 2.5x / 1.9x /
-            # 1.2x torch's fp32 GEMM at 1 / 8 / 32 / 64 / 512 rows (200-217 GFLOP/s on 2 cores against
-            # 24-173), whose decode-size GEMMs were a third of a batch-32 step of the synthetic model
+            # fp32 layers too, where the engine packs (AVX-512) and no lean decoder holds them: the packed
+            # op runs a 2048 x 2048 fp32 layer 1.2-4.6x faster than torch's fp32 GEMM at 1-512 rows
+            # (docs/benchmarks.md), whose decode-size GEMMs were a third of a batch-32 step of the synthetic model
             pack_linears(self.model, keep=tuple(l.router for l in self.controller.layers), dtypes=(torch.float32,))
 
     def _pad_experts(self, owns_model: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -56,11 +56,10 @@ def bf16_gemm_is_fast() -> bool:
 def packed_bf16_linears_pay() -> bool:
     """Whether an engine packs its bf16 linear layers for the native op, which then takes every row of
     them: where torch's bf16 GEMM widens in software (``bf16_gemm_is_fast`` false; the op 2-3x faster),
-    or where the op has the bf16 dot product itself (``kernels.experts_round_to_bf16``). On a Zen 4 EPYC
-    (2026-12-04, one process, 2 threads) the packed op ran a 2048 x 2048 bf16 layer 4.4x / 2.1x / 1.26x
-    oneDNN's AVX512-BF16 GEMM at 1 / 8 / 32 rows, 1.0x at 128 and 512, and OLMoE's 50,304-row LM head
-    1.7x / 1.8x / 1.3x at 1 / 8 / 32 rows, 1.0x at 128, 0.82x at 512 (a prefill takes the head on
-    each sequence's last token only)."""
+    or where the op has the bf16 dot product itself (``kernels.experts_round_to_bf16``). There the packed
+    op beats oneDNN's AVX512-BF16 GEMM at the rows a decode step has (1.3-4.4x at 1-32 rows) and is level
+    at 128 (docs/benchmarks.md, "Linear layers"); only a 512-row LM head is slower, and a prefill takes
+    the head on each sequence's last token only."""
     return not bf16_gemm_is_fast() or kernels.experts_round_to_bf16()
 
 

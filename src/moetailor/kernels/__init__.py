@@ -85,7 +85,7 @@ STALE_LOCK_S = 600   # a build takes ~1 minute on an idle machine, a few on a lo
 
 def _clear_stale_build_lock(cpp_extension, name: str) -> None:
     """torch's builder marks a build with a lock file and every later process waits for it to go; a
-    build killed midway (Ctrl-C, a session's end) leaves it behind and the next engine waits forever.
+    build killed midway (Ctrl-C, a killed job) leaves it behind and the next engine waits forever.
     A lock older than any real build is removed."""
 
     try:
@@ -196,18 +196,18 @@ def decode_layer_ops():
 
 def rows_linear_pays() -> bool:
     """Whether ``rows_linear`` beats torch's GEMV on this processor: where the kernels have a register
-    tile for it, AVX-512 or AVX2 with FMA (on an AVX2 EPYC, 2026-12-02: 1.35-3.1x torch's GEMV at
-    batch 1 on the reference model's projections, ``scripts/native_kernels.py``). Before its AVX2 tile
-    it was 2-3x slower there. Fixed per processor, not timed per run, so outputs do not change between runs."""
+    tile for it, AVX-512 or AVX2 with FMA (with AVX2 alone: 1.35-3.1x torch's GEMV at batch 1 on
+    the reference model's projections, ``scripts/native_kernels.py``). Without a register tile it is
+    2-3x slower. Fixed per processor, not timed per run, so outputs do not change between runs."""
     flags = _cpu_flags().split()
     return "avx512f" in flags or ("avx2" in flags and "fma" in flags)
 
 
 def packed_weights_pay() -> bool:
     """Whether the engine holds its weights packed for the native kernels (``pack_weight``): where they
-    are compiled for AVX-512, whose panel tile is the one written for that layout (on an Ice Lake
-    Xeon, 2026-12-04: 1.03-1.51x the row-major tile on a 2048 x 2048 bf16 linear at 1-64 rows,
-    ``scripts/packed_weights_probe.py``). Elsewhere a packed weight still computes, on a plain loop."""
+    are compiled for AVX-512, whose panel tile is the one written for that layout (1.03-1.51x the
+    row-major tile on a 2048 x 2048 bf16 linear at 1-64 rows without AVX512-BF16). Elsewhere a packed
+    weight still computes, on a plain loop."""
     return "avx512f" in _cpu_flags().split()
 
 
@@ -251,9 +251,9 @@ def experts_round_to_bf16() -> bool:
 def cpu_has_bf16_matmul() -> bool:
     """Whether torch's bf16 GEMM runs on bf16 hardware here (AVX512-BF16 dot products or AMX tiles,
     which oneDNN uses). oneDNN's own answer (``mkldnn._is_mkldnn_bf16_supported``) is yes on any
-    AVX-512 core, where it widens bf16 in software: on an Ice Lake-class Xeon (2026-12-03,
-    ``scripts/native_kernels.py --bf16``) 33-61 GFLOP/s, where the native op ran 118-143 and torch's
-    fp32 GEMM 149. Decides the engine's bf16 layers and the trainer's autocast."""
+    AVX-512 core, where it widens bf16 in software: without AVX512-BF16 its bf16 GEMM ran 33-61
+    GFLOP/s where the native op ran 118-143 and torch's fp32 GEMM 149 (``scripts/native_kernels.py --bf16``).
+    Decides the engine's bf16 layers and the trainer's autocast."""
     flags = _cpu_flags().split()
     return ("avx512_bf16" in flags or "amx_bf16" in flags) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 

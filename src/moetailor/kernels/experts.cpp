@@ -55,8 +55,8 @@ inline void tile(const float* const* a, const W* w, int j0, int cols, int depth,
 // element 2i in its low half and 2i + 1 in its high half, so `w << 16` is the even elements as fp32
 // and `w & 0xffff0000` the odd ones. The activations come in the same order (`to_pair_order`: per 32
 // values, the 16 even ones then the 16 odd ones), so the dot products need no shuffle. Half the
-// widening work of load16's zero-extend + shift, which shares ports with the FMAs: on an Ice Lake
-// Xeon (2026-12-04) a batch-32 / 64 layer of OLMoE-1B-7B's experts ran 1.25x / 1.32x faster with it
+// widening work of load16's zero-extend + shift, which shares ports with the FMAs: without
+// AVX512-BF16 a batch-32 / 64 layer of OLMoE-1B-7B's experts ran 1.25x / 1.32x faster with it
 // and the prefetch below. The next 16 / RB weight rows (contiguous after these) are prefetched into L2
 // as these stream: a bf16 row of 2048 is one 4 KB page, where the hardware prefetcher stops.
 constexpr bool kPairedBf16 = true;
@@ -103,7 +103,7 @@ inline void to_pair_order(const float* src, float* dst, int64_t n) {
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2: 8-wide ymm registers through intrinsics. The 16-wide vector-extension type is not a
 // register here: GCC splits it and kept the accumulators in memory, so rows_linear ran at 3-12 GB/s
-// (a quarter to a half of torch's GEMV) on an AVX2 EPYC. Each pass holds 8 accumulators (RB rows x
+// (a quarter to a half of torch's GEMV) with AVX2 alone. Each pass holds 8 accumulators (RB rows x
 // 8 / RB columns) and sums them with one horizontal-add tree (vec.h: load8, sum8).
 template <int RB, typename W>
 inline void tile(const float* const* a, const W* w, int j0, int cols, int depth, float* out, int ldo) {
@@ -192,19 +192,18 @@ void rows_times_weight(const float* const* a, int rows, const W* w, int cols, in
 // depth against whole panels, so each weight load feeds RB rows x CP panels of accumulators and
 // nothing is summed across lanes at the end: the outer-product form torch's and llama.cpp's GEMMs
 // repack their weights for. The row-major tile above re-reads its activation rows for every 16 / RB
-// columns; this one for every 16 x CP. On an Ice Lake Xeon (2026-12-04, scripts/packed_weights_probe.py)
-// a 2048 x 2048 bf16 linear at 1-64 rows ran 1.03-1.51x the pair tile. The engine packs its experts
+// columns; this one for every 16 x CP. Without AVX512-BF16 a 2048 x 2048 bf16 linear at 1-64 rows ran
+// 1.03-1.51x the pair tile. The engine packs its experts
 // where this tile is compiled for AVX-512 (kernels.packed_weights_pay); the layout is in
 // kernels.pack_weight.
 #if defined(__AVX512F__)
 // Each panel's stream is prefetched 16 lines ahead: a panel is contiguous across 4 KB pages, where
 // the hardware prefetcher stops, so without it a core's loads stall at every page while its FMAs
-// wait (2026-12-04, the experts op at OLMoE-1B-7B's shapes, alternating builds: 1.05-1.17x at
-// 1-64 tokens; 32 lines into L2 instead was no better). On a Zen 4 EPYC (2026-12-04, twentieth
-// session) a second prefetch 64 lines (4 KB) ahead into L2 on top ran fp32 experts 1.05-1.10x faster
-// at 8-16 rows an expert and bf16 ones 1.0-1.06x (scripts/kernel_variants_ab.py; 192 lines ahead was
-// slower in bf16): the loads of the next page are under way while the FMAs work on this one.
-// MT_PREFETCH_NEAR / MT_PREFETCH_FAR set them for A/B builds (scripts/kernel_variants_ab.py)
+// wait (the experts op at OLMoE-1B-7B's shapes, alternating builds: 1.05-1.17x at 1-64 tokens; 32
+// lines into L2 instead was no better). A second prefetch 64 lines (4 KB) ahead into L2 on top ran
+// fp32 experts 1.05-1.10x faster at 8-16 rows an expert and bf16 ones 1.0-1.06x with AVX512-BF16 (192
+// lines ahead was slower in bf16): the loads of the next page are under way while the FMAs work on
+// this one. MT_PREFETCH_NEAR / MT_PREFETCH_FAR set them for A/B builds.
 #ifndef MT_PREFETCH_NEAR
 #define MT_PREFETCH_NEAR 16
 #endif
@@ -298,9 +297,9 @@ inline void panel_rows(const A* const* a, const W* w, int p0, int p1, int64_t pa
 // out[r][j] = dot(a[r], column j of the packed weight) for r < rows, j < cols (a multiple of 16).
 // Rows go by blocks of up to 8 (24 accumulators at 8 rows x 3 panels); columns by groups of 12
 // panels, so a group's weights stay in L2 while every row block uses them, or of 6 where 12 would not
-// fit in 768 KB (fp32 at depth 2048: 128 KB a panel), with 3 panels a tile for every block. On an Ice
-// Lake Xeon (2026-12-04, alternating builds) the 6-panel groups ran fp32 experts at 64 tokens 1.05-1.08x
-// faster, and bf16 ones (12 panels fit) 1.0-1.2x slower.
+// fit in 768 KB (fp32 at depth 2048: 128 KB a panel), with 3 panels a tile for every block. With a
+// 1.25 MB L2 (alternating builds) the 6-panel groups ran fp32 experts at 64 tokens 1.05-1.08x faster,
+// and bf16 ones (12 panels fit) 1.0-1.2x slower.
 template <typename W, typename A>
 void packed_blocks(const A* const* a, int rows, const W* w, int cols, int depth, float* out, int ldo) {
   const int64_t stride = (int64_t)depth * 16;

@@ -37,9 +37,9 @@ def _controlled(cls: type) -> type:
 
 
 NATIVE_ROUTER_DTYPES = (torch.float32, torch.bfloat16)   # bf16 logits are selected over as fp32, as stock routers do
-# Rows up to which a bf16 router's logits run the step's linear op, above them torch's GEMM: on a Zen 4
-# EPYC (2026-12-04, OLMoE's 64 x 2048 router, logits + selection) 38 / 72 us against 84 / 106 for
-# torch's ops at 1 / 8 rows, 185 against 114 at 32 (the op reads a bf16 row-major weight by rows).
+# Rows up to which a bf16 router's logits run the step's linear op, above them torch's GEMM: with
+# AVX512-BF16 (OLMoE's 64 x 2048 router, logits + selection) 38 / 72 us against 84 / 106 for torch's
+# ops at 1 / 8 rows, 185 against 114 at 32 (the op reads a bf16 row-major weight by rows).
 BF16_ROUTER_OP_ROWS = 8
 
 

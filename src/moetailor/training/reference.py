@@ -241,7 +241,7 @@ class RunIdentity:
 def save_resume(out: Path, run: RunIdentity, model, opt, mixture: "Mixture | None", stage: int, step: int,
                 log: list, evals: list) -> None:
     """One file, replaced atomically: the weights, the optimizer and every random state, so the run
-    continues on the batches it would have drawn (a training run outlasts a 3-hour session here)."""
+    continues on the batches it would have drawn (a training run can outlast a 3-hour job limit)."""
     state = {"run": run, "stage": stage, "step": step, "model": model.state_dict(), "log": log, "evals": evals,
              "optimizer": None if opt is None else opt.state_dict(), "torch_rng": torch.get_rng_state(),
              "rng": None if mixture is None else (mixture.rng.getstate(), mixture.task_rng.getstate())}

@@ -1,8 +1,7 @@
 """Per-layer pool sizes under a fixed total, from measured layer sensitivity.
 
 For each MoE layer l and a few pool sizes m, ``cost[l][m]`` is the next-token KL to the full model
-when only layer l is pooled to m (every other layer full): the per-layer curves
-`scripts/pool_sensitivity.py` measures at one size. On the reference model the layers' KLs add up
+when only layer l is pooled to m (every other layer full). On the reference model the layers' KLs add up
 nearly exactly (one layer at a time 0.116 summed, all layers together 0.109), so the allocation
 minimises the sum: a knapsack over the layers, solved exactly by dynamic programming on the size
 grid, with the curves linearly interpolated between the measured sizes. One set of curves gives an

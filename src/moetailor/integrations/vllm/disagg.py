@@ -58,7 +58,7 @@ def pair_core_binding(cpus: list[int] | None = None) -> tuple[dict[str, str], di
 
 # The decode instance runs eager by default. On vLLM 0.32's CPU backend in its traced mode
 # (DYNAMO_TRACE_ONCE), a decode instance with the plugin loaded, serving requests whose prompt KV
-# the connector loaded, died on 5 of 9 starts (scripts/vllm_pair_crash.py, 2026-12-02): a segfault
+# the connector loaded, died on 5 of 9 starts (docs/vllm.md): a segfault
 # inside oneDNN's matmul (vLLM's onednn_mm), glibc's "corrupted double-linked list", or a tensor
 # size mismatch in a later layer — memory corruption. The same loop passed 4 of 4 with the plugin
 # off and 7 of 7 eager. The prefill instance, and every colocated instance, keep the default
