@@ -1,7 +1,7 @@
 """Every vLLM name the plugin patches, wraps, subclasses, calls or reads, in one registry. It drives
 both the patching (``patches.py`` looks each wrapped method up here) and the version check
 (``check_vllm``), and ``scripts/vllm_names.py`` reads a vLLM wheel to record which entries each
-version has (``vllm_names.json``; ``tests/test_vllm_names.py`` checks the two agree). Imports no vLLM.
+version has (``vllm_names.json``; ``tests/integrations/vllm/test_vllm_names.py`` checks the two agree). Imports no vLLM.
 
 vLLM has two model-runner generations, and the plugin one adapter per generation (``runners.py``):
 
