@@ -353,3 +353,13 @@ def test_calibrate_spill_dir_that_is_a_file(tiny, tmp_path, capsys):
     one_line_error(capsys, ["calibrate", str(tiny[0]), "--data", "text", "--tokens", "64", "--stream", "on",
                             "--spill-dir", str(spill), "--out", str(tmp_path / "s.safetensors")],
                    "is a file; it needs a directory")
+
+
+def test_eval_table_names_the_tasks_it_ran(tiny, tmp_path, capsys):
+    """The summary table said "(all tasks)" whatever --tasks held."""
+    model_dir, plans = tiny
+    assert main(["eval", str(model_dir), "--plan", str(plans[0]), "--configs", "baseline", "--tasks", "reverse",
+                 "--n", "1", "--seeds", "1", "--max-tokens", "4", "--kl-docs", "1", "--kl-window", "16",
+                 "--out", str(tmp_path / "e")]) == 0
+    out = capsys.readouterr().out
+    assert "(tasks: reverse)" in out and "(all tasks)" not in out

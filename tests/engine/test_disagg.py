@@ -104,3 +104,20 @@ def test_an_adopted_sequence_continues_as_if_colocated(checkpoints, room):
     again = colocated(model, plan, [first.token_ids], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))
     assert seq.completion_token_ids == (ref.token_ids if room else first.completion_token_ids + again[0].token_ids)
     assert seq.num_preemptions == 0 and (busy is None or busy.is_finished)
+
+
+
+def test_generate_prints_the_decode_workers_speed_and_experts(tmp_path, capsys):
+    """`generate --decode-model` reports decode tokens/s and distinct experts from the decode worker's
+    own steps (they arrive with its stats reports), not "-"."""
+    from moetailor.cli.main import main
+
+    plan = "src/moetailor/assets/plans/reference-reap-50.json"
+    assert main(["prune", "reference", plan, "--out", str(tmp_path / "pruned")]) == 0
+    capsys.readouterr()
+    assert main(["generate", "reference", "--decode-model", str(tmp_path / "pruned"), "--prompt", "add 12 + 34\n",
+                 "--max-tokens", "6", "--ignore-eos", "--threads", "1"]) == 0
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in capsys.readouterr().out.splitlines()
+            if line.count("│") == 3}
+    assert float(rows["decode tokens/s"]) > 0
+    assert 0 < float(rows["distinct experts per layer per decode step (mean)"]) <= 32

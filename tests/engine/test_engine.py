@@ -196,3 +196,15 @@ def test_dtype_names_are_accepted_and_a_bad_one_is_named():
         EngineConfig(dtype="fp33")
     llm = LLM(tiny_model("qwen2_moe"), dtype="float32")
     assert llm.config.dtype is torch.float32
+
+
+def test_engine_options_are_the_configs_fields_checked_once():
+    """``LLM(model, plan, **options)``: options are ``EngineConfig``'s fields; a misspelt one is named
+    with the valid ones, a bad value fails before the model loads."""
+    with pytest.raises(TypeError, match=r"unknown engine option max_num_seq;.*max_num_seqs"):
+        LLM("reference", max_num_seq=4)
+    with pytest.raises(ValueError, match="block_size=0"):
+        LLM("/a/checkpoint/that/does/not/exist", block_size=0)      # the config fails first, not the load
+    llm = LLM(tiny_model("qwen2_moe"), max_num_seqs=3, block_size=4, device=torch.device("cpu"))
+    assert (llm.config.max_num_seqs, llm.config.block_size, llm.config.device) == (3, 4, "cpu")
+    assert llm.block_manager.block_size == 4

@@ -188,8 +188,14 @@ def test_cli_pools_by_load_need_a_step_slo(capsys):
     code = main(["generate", "reference", "--prompt", "hi", "--max-tokens", "2", "--decode-pools-by-load", str(plan)])
     err = capsys.readouterr().err
     assert code == 2 and "--step-slo-ms" in err and "Traceback" not in err
-    assert main(["generate", "reference", "--prompt", "hi", "--max-tokens", "2", "--decode-pools-by-load", str(plan),
-                 "--step-slo-ms", "5"]) == 0
+    assert main(["generate", "reference", "--prompt", "hi", "--max-tokens", "4", "--ignore-eos",
+                 "--decode-pools-by-load", str(plan), "--step-slo-ms", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "decode steps per pool (experts per layer)" in out          # which pool the steps ran
+    assert "moetailor generate: peak RSS" in out
+    code = main(["generate", "reference", "--prompt", "hi", "--step-slo-ms", "5"])   # no pools: not ignored
+    err = capsys.readouterr().err
+    assert code == 2 and "--decode-pools-by-load" in err and len(err.strip().splitlines()) == 1
 
 
 def test_calibration_and_evaluation_route_through_the_same_step_object():

@@ -16,7 +16,7 @@ def models(tmp_path_factory):
     tiny_model("qwen2_moe", num_experts=8, top_k=2, expert_width=16).save_pretrained(original)
     char_tokenizer().save_pretrained(original)
     split = root / "split"
-    assert main(["split", str(original), "--parts", "2", "--out", str(split), "--tokens", "256", "--seq-len", "32",
+    assert main(["split", str(original), "--parts", "2", "--data", "text", "--out", str(split), "--tokens", "256", "--seq-len", "32",
                  "--anneal-steps", "50"]) == 0
     return original, split
 

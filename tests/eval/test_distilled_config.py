@@ -73,3 +73,12 @@ def test_distilled_from_another_model_is_refused(setup, tmp_path, capsys):
     assert main(["eval", str(other), "--configs", f"distilled:{root / 'student'}", "--tasks", "reverse", "--n", "1",
                  "--seeds", "1", "--out", str(tmp_path / "x")]) == 2
     assert "distilled from another model" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()                 # no empty run folder left behind
+
+
+def test_a_missing_distilled_folder_leaves_no_run_folder(setup, tmp_path, capsys):
+    root = setup
+    assert main(["eval", str(root / "model"), "--configs", f"distilled:{tmp_path / 'nowhere'}", "--tasks", "reverse",
+                 "--n", "1", "--seeds", "1", "--out", str(tmp_path / "run")]) == 2
+    assert "nowhere" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -200,6 +200,8 @@ def test_calibration_data_axis_gives_the_cross_domain_matrix(model, char_tok, tm
     assert len({tuple(k) for k in keeps.values()}) > 1   # different domains choose different experts
     md = (out / "results.md").read_text()
     assert "Cross-domain" in md and "| frequency 50% phase-aware | tasks:sorting |" in md
+    # the summary table tells the per-domain plans' rows apart too
+    assert "| frequency | 50% | phase-aware | tasks:reverse |" in md and "| frequency | 50% | phase-aware | text:fortunes |" in md
     assert "Plans calibrated on: tasks:reverse (512 tokens, sha256" in md
     # a rerun reuses every cell; a plan from other data does not reuse the cells of the old one
     again = Sweep(settings, out, model=model, tokenizer=char_tok, command="x").run()

@@ -2,6 +2,7 @@
 bf16 weights, dropped routes, row counts that are not multiples of the 4-row block) and decode
 attention over a paged cache (ragged lengths, scattered blocks, grouped-query heads)."""
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -392,3 +393,19 @@ def test_first_build_says_it_compiles_and_how_long_it_took(tmp_path):
     assert "compiling the native CPU kernels" in first.stderr and "kernels compiled in" in first.stderr, first.stderr
     again = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "compil" not in again.stderr, again.stderr
+
+
+def test_each_checkout_and_environment_builds_under_its_own_name(tmp_path):
+    """torch rebuilds a cached name whenever its source paths change: two checkouts sharing a venv (or
+    two venvs) that shared a name rebuilt each other's build in turn. Same sources at two paths, or in
+    two environments, get two names; the same ones twice get one."""
+    sources = [Path(kernels.__file__).with_name(n) for n in ("experts.cpp", "vec.h")]
+    copy = tmp_path / "other-checkout"
+    copy.mkdir()
+    copied = [Path(shutil.copy(s, copy / s.name)) for s in sources]
+    assert kernels.build_name(sources) == kernels.build_name(list(sources))
+    assert kernels.build_name(sources) != kernels.build_name(copied)
+    assert kernels.build_name(sources, prefix="/venv-a") != kernels.build_name(sources, prefix="/venv-b")
+    before = kernels.build_name(copied)
+    (copy / "vec.h").write_text((copy / "vec.h").read_text() + "\n// changed\n")
+    assert kernels.build_name(copied) != before                       # new contents, new build

@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run in OUT.partial")
     add_overwrite_option(p, help="replace --out (and any interrupted run) if it exists")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, report_peak_rss=True)
 
 
 def run(args) -> int:

@@ -60,7 +60,7 @@ def register(sub) -> None:
     add_dtype_option(p, "working dtype for --metric kl", "auto")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="with --budgets: a budget is usable within this accuracy drop of the full budget (0.05)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, report_peak_rss=True)
 
 
 def run(args) -> int:
@@ -93,7 +93,8 @@ def run(args) -> int:
     results = Sweep(settings, args.out, command=command, log=lambda m: print(m, file=sys.stderr),
                     overwrite=args.overwrite).run()
     rows = [r for r in results["rows"] if r["task"] == "all"]
-    print_table(f"moetailor eval {args.model} (all tasks)",
+    scope = "all tasks" if settings.tasks == ["all"] else "tasks: " + ", ".join(settings.tasks)
+    print_table(f"moetailor eval {args.model} ({scope})",
                 ["variant", "sampling", "accuracy %", "p50", "p90", "budget hit %", "EOS %", "KL", "ppl"],
                 [(r["variant"], r["sampling"], f"{100 * r['accuracy']:.1f} ± {100 * r['accuracy_std']:.1f}",
                   f"{r['p50']:.0f}", f"{r['p90']:.0f}", f"{100 * r['budget_hit']:.1f}", f"{100 * r['eos']:.1f}",

@@ -25,7 +25,7 @@ def register(sub) -> None:
                    "weights differently from the checkpoint (a different model: for speed comparisons)")
     add_overwrite_option(g)
     g.add_argument("--verbose", action="store_true", help="show the converter's log")
-    g.set_defaults(func=run)
+    g.set_defaults(func=run, report_peak_rss=True)
 
 
 def run(args) -> int:

@@ -80,6 +80,9 @@ def build_engine(args):
     from ..models.loading import resolve_model_path
     from ..plans.plan import Plan
 
+    if args.step_slo_ms is not None and not getattr(args, "decode_pools_by_load", None):
+        raise ValueError("--step-slo-ms sets the thresholds of --decode-pools-by-load; pass the pools' plans with "
+                         "--decode-pools-by-load PLAN [PLAN ...], or drop --step-slo-ms")
     set_threads(args.threads)
     resolve_model_path(args.model)
     if args.decode_model:
@@ -134,10 +137,11 @@ def register(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--expert-top-k", type=int, default=None, help="active experts per token for these requests")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, report_peak_rss=True)
 
 
 def run(args) -> int:
+    import collections
     import time
 
     from ..engine import SamplingParams
@@ -156,6 +160,8 @@ def run(args) -> int:
             print(f"{out.text}")
             if out.error:
                 print(f"[error: {out.error}]")
+        if hasattr(llm, "sync_stats"):    # disaggregated: the workers' step records arrive with their reports
+            llm.sync_stats()
         decode = [r for r in llm.step_log if r.phase == "decode"]
         dsec = sum(r.seconds for r in decode)
         dtok = sum(r.num_seqs for r in decode)
@@ -167,6 +173,10 @@ def run(args) -> int:
                 ("distinct experts per layer per decode step (mean)",
                  f"{sum(distinct) / len(distinct):.1f}" if distinct else "-"),
                 ("finish reasons", ", ".join(sorted({str(o.finish_reason) for o in outputs})))]
+        pools = collections.Counter(r.pool_size for r in decode if r.pool_size is not None)
+        if pools:   # --decode-pools-by-load: which pool each decode step ran
+            rows.append(("decode steps per pool (experts per layer)",
+                         ", ".join(f"{size}: {n}" for size, n in sorted(pools.items(), reverse=True))))
         print_table(f"moetailor generate {args.model}", ["measure", "value"], rows)
     finally:
         close = getattr(llm, "close", None)

@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         result = args.func(args)
+        if getattr(args, "report_peak_rss", False) and not result:   # verbs that run a model say what it took
+            from ..memory import peak_rss_gib
+            print(f"moetailor {args.command}: peak RSS {peak_rss_gib():.2f} GiB")
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         message = " ".join(str(e).split()) or type(e).__name__   # one line, whatever the message holds
         print(f"moetailor {args.command}: error: {message}", file=sys.stderr)

@@ -33,7 +33,7 @@ def register(sub) -> None:
                    help="also report greedy task accuracy (full, uniform, searched) on N prompts per task")
     p.add_argument("--tasks", default="all", help="tasks for --accuracy-n")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, report_peak_rss=True)
 
 
 def run(args) -> int:

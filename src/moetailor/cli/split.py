@@ -31,7 +31,7 @@ def register(sub) -> None:
     p.add_argument("--finetune-steps", type=int, default=60, help="router training steps for --gate finetune")
     p.add_argument("--seed", type=int, default=0)
     add_overwrite_option(p, help="replace --out if it exists")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, report_peak_rss=True)
 
 
 def run(args) -> int:

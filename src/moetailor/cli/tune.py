@@ -63,7 +63,7 @@ def register(sub) -> None:
     add_dtype_option(p, "working dtype for calibration and scoring", "auto")
     p.add_argument("--out", required=True, help="output folder (an earlier run's cache there is reused)")
     add_overwrite_option(p, help="recompute cached results that do not fit this run")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, report_peak_rss=True)
 
 
 def run(args) -> int:

@@ -1,7 +1,7 @@
 """One configuration object for every part of the engine (scheduler, block manager, runner)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -47,6 +47,17 @@ class EngineConfig:
 
     EXPERTS_IMPLS = ("grouped", "loop")
     K_SCHEDULES = ("mixed", "max", "lanes", "tiers")
+
+    @classmethod
+    def of(cls, options: dict) -> "EngineConfig":
+        """The engine's options from keyword arguments, an unknown name refused with the valid ones."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(f"unknown engine option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                            f"the options are {', '.join(names)} (and tokenizer, guard, k_cost, decode_pools, "
+                            "step_log_size)")
+        return cls(**{**options, "device": str(options.get("device", cls.device))})
 
     def __post_init__(self) -> None:
         for name in ("dtype", "prefill_dtype", "decode_expert_dtype"):

@@ -19,6 +19,7 @@ seconds is killed, its requests end with an error and it is replaced.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import queue as queue_mod
@@ -26,7 +27,8 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait as wait_for_connections
 from pathlib import Path
 
@@ -184,11 +186,15 @@ def _next_messages(inbox, block: bool) -> list:
 def _serve(kind: str, llm, inbox, conn, on_message, on_step) -> None:
     """The worker loop: messages in, one engine step, results out, stats now and then. One bad
     request ends with an error delta; the worker keeps serving."""
-    last_stats, idle_reported = 0.0, False
+    last_stats, idle_reported, last_sent = 0.0, False, None
 
     def report() -> None:
-        nonlocal last_stats
-        conn.send(Stats(kind, llm.stats()))
+        """Queue and pool numbers, with the step records since the last report (the front end's
+        ``step_log``: what `generate` prints, as for one engine)."""
+        nonlocal last_stats, last_sent
+        new = list(itertools.takewhile(lambda r: r is not last_sent, reversed(llm.step_log)))[::-1]
+        last_sent = llm.step_log[-1] if llm.step_log else None
+        conn.send(Stats(kind, {**llm.stats(), "steps": [asdict(r) for r in new]}))
         last_stats = time.monotonic()
 
     while True:
@@ -348,7 +354,10 @@ class DisaggregatedLLM:
         self.lock = threading.RLock()
         self.seqs: dict[str, RemoteSequence] = {}
         self.ready: dict[str, dict] = {}
-        self.step_log: list = []
+        self.step_log: deque = deque(maxlen=10_000)   # both workers' step records, as their reports bring them
+        self.messages_received = 0
+        self.delta_received: dict[str, int] = {}   # kind -> number of the last result message from that worker
+        self.stats_received: dict[str, int] = {}   # kind -> number of its last stats report
         self.tokens_generated = 0
         self.restarts = {"prefill": 0, "decode": 0}
         self.deaths: dict[str, list[float]] = {"prefill": [], "decode": []}    # recent exits (monotonic s)
@@ -470,6 +479,9 @@ class DisaggregatedLLM:
                     conns.pop(conn).closed = True
                     continue
                 conns[conn].last_heard = time.monotonic()
+                self.messages_received += 1
+                if isinstance(msg, (Delta, Handoff)):
+                    self.delta_received[conns[conn].kind] = self.messages_received
                 updated += self._handle(msg)
             ready = wait_for_connections(list(conns), 0) if conns else []
         return updated
@@ -481,7 +493,10 @@ class DisaggregatedLLM:
             self.ready[msg.kind] = msg.info
             return []
         if isinstance(msg, Stats):
+            from .llm import StepRecord
+            self.step_log.extend(StepRecord(**r) for r in msg.stats.pop("steps", []))
             self.worker_stats[msg.kind] = msg.stats
+            self.stats_received[msg.kind] = self.messages_received
             return []
         if isinstance(msg, Failed):
             self.causes[msg.kind] = msg.cause
@@ -599,6 +614,14 @@ class DisaggregatedLLM:
         while any(not s.is_finished for s in seqs):
             self.step()
         return [s.output() for s in seqs]
+
+    def sync_stats(self, timeout: float = 5.0) -> None:
+        """Wait (up to ``timeout`` s) until each worker has reported after its last result, so that
+        ``step_log`` holds every step of the requests that have finished (workers report on going idle)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(
+                self.stats_received.get(kind, 0) < n for kind, n in self.delta_received.items()):
+            self._drain(0.05)
 
     def stats(self) -> dict:
         """Request counts from the front end; pool numbers from the decode worker's last report (it

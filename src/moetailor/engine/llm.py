@@ -54,44 +54,32 @@ class StepRecord:
 class LLM:
     """Continuous-batching engine over a transformers MoE model with a paged KV cache."""
 
-    def __init__(self, model, plan: Plan | str | Path | None = None, *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 4096, block_size: int = 16, num_kv_blocks: int | None = None,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer=None,
-                 max_model_len: int | None = None, memory_budget: int | None = None,
-                 prefill_dtype: torch.dtype | None = None, experts_impl: str = "grouped",
-                 step_log_size: int = 10_000, guard: GuardConfig | bool | None = None,
-                 k_schedule: str = "mixed", k_cost: StepCost | None = None,
-                 decode_pools: PoolsByLoad | None = None, decode_expert_dtype: torch.dtype | None = None,
-                 native_kernels: bool = True, compile_decode: bool = False, lean_decode: bool = True,
-                 pack_weights: bool | None = None):
+    def __init__(self, model, plan: Plan | str | Path | None = None, *, tokenizer=None,
+                 guard: GuardConfig | bool | None = None, k_cost: StepCost | None = None,
+                 decode_pools: PoolsByLoad | None = None, step_log_size: int = 10_000, **options):
+        """``model``: a checkpoint folder, a bundled name or a loaded model (which keeps its own dtype);
+        ``options``: the fields of ``EngineConfig`` (max_num_seqs, block_size, dtype, device, ...)."""
         from ..models.loading import load_model, load_tokenizer
-        from .config import as_dtype
 
-        dtype = as_dtype(dtype, "dtype")
+        config = EngineConfig.of(options)   # an unknown or bad option fails here, before the model loads
         owns_model = isinstance(model, (str, Path))   # then the runner may pack its experts in place
         if owns_model:
             name = model
-            model = load_model(name, dtype=dtype, device=device)
+            model = load_model(name, dtype=config.dtype, device=config.device)
             if tokenizer is None:
                 try:
                     tokenizer = load_tokenizer(name)
                 except Exception:   # no tokenizer files: token-id prompts only
                     tokenizer = None
         else:
-            dtype = next(model.parameters()).dtype   # a given model keeps its own dtype
+            config.dtype = next(model.parameters()).dtype   # a given model keeps its own dtype
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                   memory_budget=memory_budget, dtype=dtype, prefill_dtype=prefill_dtype,
-                                   device=str(device), experts_impl=experts_impl, k_schedule=k_schedule,
-                                   decode_expert_dtype=decode_expert_dtype, native_kernels=native_kernels,
-                                   compile_decode=compile_decode, lean_decode=lean_decode,
-                                   pack_weights=pack_weights)
+        self.config = config
         self.runner = ModelRunner(self.model, self.config, owns_model)
         self.controller = self.runner.controller
-        self.block_manager = BlockManager(self.runner.num_blocks, block_size)
-        self.budgets = BudgetPolicy.of(self.model, k_schedule, k_cost, max_num_seqs, self.runner.device)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.budgets = BudgetPolicy.of(self.model, config.k_schedule, k_cost, config.max_num_seqs, self.runner.device)
         self.scheduler = Scheduler(self.config, self.block_manager, self.budgets, tokenizer, self._eos_ids())
         self.plan: Plan | None = None
         self.guard: Guard | None = None

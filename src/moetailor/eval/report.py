@@ -54,6 +54,10 @@ def summary_table(results: dict, sampling: str) -> str:
              f"{_pct(r['accuracy'])} ± {accuracy_spread(r)}", _num(r["p50"], 0), _num(r["p90"], 0),
              _pct(r["budget_hit"]), _pct(r["eos"]), _num(r["kl"], 4), _num(r["perplexity"], 2))
             for r in _rows(results, sampling)]
+    if len({c["data"] for c in calibrations(results)}) > 1:   # a data= sweep: the domain tells its rows apart
+        cols.insert(3, "calibrated on")
+        rows = [(*row[:3], (r.get("calibration") or {}).get("data") or "–", *row[3:])
+                for row, r in zip(rows, _rows(results, sampling))]
     return markdown_table(cols, rows)
 
 

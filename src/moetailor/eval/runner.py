@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import platform
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from ..engine.model_runner import default_max_model_len
 from ..models.loading import load_checked, model_fingerprint, read_config, weights_hash
-from ..outputs import write_json
+from ..outputs import MARKER, write_json
 from ..plans import Plan
 from .configurations import ConfigSpec, Serving
 from .metrics import Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output
@@ -515,9 +516,15 @@ class Sweep:
         from tqdm import tqdm
 
         t_start = time.time()
+        fresh = not self.out.exists()
         self.out.mkdir(parents=True, exist_ok=True)
-        sources = _plan_sources(self.settings, self.model, self.tokenizer, self.out, self.log, self.overwrite)
-        self.variants = variants(self.settings, sources, self.model)
+        try:
+            sources = _plan_sources(self.settings, self.model, self.tokenizer, self.out, self.log, self.overwrite)
+            self.variants = variants(self.settings, sources, self.model)
+        except BaseException:   # e.g. a distilled:DIR that is not there: leave no empty run folder behind
+            if fresh and not any(p.name != MARKER for p in self.out.iterdir()):
+                shutil.rmtree(self.out)
+            raise
         seeds = list(range(self.settings.seeds))
         jobs = [(v, "heldout", None) for v in self.variants]
         jobs += [(v, mode, seed) for v in self.variants for mode in self.settings.sampling for seed in seeds]

@@ -38,19 +38,25 @@ def _cpu_flags() -> str:
     return ""
 
 
+def build_name(files: list[Path], prefix: str = sys.prefix) -> str:
+    """The name torch caches this build under: one per source contents, torch, processor, environment
+    and source folder. torch rebuilds a name whenever its source paths or build files change, so two
+    venvs (moetailor's and vLLM's), or two checkouts sharing one venv, that shared a name rebuilt each
+    other's build in turn (and a build killed midway left a lock the other waited on)."""
+    digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode() + prefix.encode())
+    digest.update(str(files[0].resolve().parent).encode())
+    for source in files:
+        digest.update(source.read_bytes())
+    return f"moetailor_kernels_{digest.hexdigest()[:12]}"
+
+
 @cache
 def _module():
     if os.environ.get("MOETAILOR_NATIVE", "1") == "0":
         return None
     from torch.utils import cpp_extension
 
-    # the environment too: two venvs (moetailor's and vLLM's) write different build files for the same
-    # sources, and sharing one build directory made each rebuild the other's (a build killed midway
-    # then left a lock that every engine of the other venv waited on)
-    digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode() + sys.prefix.encode())
-    for source in _SOURCES + _HEADERS:
-        digest.update(source.read_bytes())
-    name = f"moetailor_kernels_{digest.hexdigest()[:12]}"
+    name = build_name(_SOURCES + _HEADERS)
     _clear_stale_build_lock(cpp_extension, name)
     compiling = not _is_built(cpp_extension, name)
     if compiling:   # a first engine on a new processor is otherwise silent for about a minute

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -90,7 +91,11 @@ def load_tokenizer(name: str | Path):
     if not any((path / f).exists() for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"the model folder {path.name!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
                                 "copy the tokenizer of the model it came from into it")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    # moetailor tokenizes whole documents (calibration, held-out KL) and cuts windows itself, and the engine
+    # checks every request against the model's own context: the tokenizer's limit only printed a warning
+    tokenizer.model_max_length = sys.maxsize
+    return tokenizer
 
 
 def source_name(path: str | Path | None) -> str | None:

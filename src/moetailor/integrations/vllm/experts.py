@@ -94,7 +94,7 @@ def _unsupported(experts, layer) -> str | None:
 def install_patches() -> None:
     """Wrap ``CPUUnquantizedExperts`` (idempotent; a build without it has no CPU fused-MoE to replace)."""
     from .names import CPU_EXPERTS
-    from .runners import wrap_method
+    from .names import wrap_method
 
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts

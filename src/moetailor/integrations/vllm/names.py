@@ -189,3 +189,33 @@ def generations(version: str) -> tuple[str, ...]:
 def applies(entry: VName, version: str) -> bool:
     """Whether the entry must exist in this vLLM version (a v1-runner name need not in 0.34.0)."""
     return not entry.optional and (entry.runner is None or entry.runner in generations(version))
+
+
+def vllm_class(module: str, cls: str):
+    """The class, or None where this build cannot import it (check_vllm has refused a vLLM that lacks
+    a required one)."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except Exception:
+        return None
+
+
+def wrap_method(module: str, qualname: str, wrapper, own: bool = False) -> bool:
+    """Replace a registered vLLM method with ``wrapper(method)`` (a name missing from the registry is a
+    KeyError: every name the plugin patches is registered, so the version check covers it). ``own``:
+    only a method the class defines itself. False when the class or method is not there; a method
+    wrapped already is left as it is."""
+    entry = name(module, qualname)
+    owner, _, member = entry.qualname.rpartition(".")
+    cls = vllm_class(module, owner)
+    if cls is None or (own and member not in cls.__dict__) or not hasattr(cls, member):
+        return False
+    current = cls.__dict__[member] if own else getattr(cls, member)
+    if getattr(current, "_moetailor_wrapper", False):     # patched already (idempotent)
+        return True
+    wrapped = wrapper(current)
+    wrapped._moetailor_wrapper = True
+    setattr(cls, member, wrapped)
+    return True

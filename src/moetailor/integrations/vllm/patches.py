@@ -15,7 +15,8 @@ from vllm.logger import init_logger
 
 from . import names as N
 from .plan import EXPERT_TOP_K, load_checked_plan, plan_settings, router_tables
-from .runners import adapters_for, wrap_method
+from .names import wrap_method
+from .runners import adapters_for
 
 log = init_logger("moetailor.vllm")
 

@@ -13,7 +13,6 @@ place in the step) is at or past its request's prompt length, in both generation
 from __future__ import annotations
 
 import functools
-import importlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,34 +44,6 @@ def check_fields(obj, module: str, owner: str, generation: str | None = None) ->
                            f"{vllm.__version__} has no {', '.join(missing)}; install one of those")
 
 
-def _class(module: str, cls: str):
-    """The class, or None where this build cannot import it (check_vllm has refused a vLLM that lacks
-    a required one)."""
-    try:
-        return getattr(importlib.import_module(module), cls)
-    except Exception:
-        return None
-
-
-def wrap_method(module: str, qualname: str, wrapper, own: bool = False) -> bool:
-    """Replace a registered vLLM method with ``wrapper(method)`` (a name missing from the registry is a
-    KeyError: every name the plugin patches is registered, so the version check covers it). ``own``:
-    only a method the class defines itself. False when the class or method is not there; a method
-    wrapped already is left as it is."""
-    entry = N.name(module, qualname)
-    owner, _, member = entry.qualname.rpartition(".")
-    cls = _class(module, owner)
-    if cls is None or (own and member not in cls.__dict__) or not hasattr(cls, member):
-        return False
-    current = cls.__dict__[member] if own else getattr(cls, member)
-    if getattr(current, "_moetailor_wrapper", False):     # patched already (idempotent)
-        return True
-    wrapped = wrapper(current)
-    wrapped._moetailor_wrapper = True
-    setattr(cls, member, wrapped)
-    return True
-
-
 @dataclass
 class RunnerAdapter:
     """The interface: ``install`` once per process, ``attach`` once per loaded runner."""
@@ -82,7 +53,7 @@ class RunnerAdapter:
     _installed: bool = field(default=False, repr=False)
 
     def runner_classes(self) -> list[type]:
-        return [c for c in (_class(m, n) for m, n in self.loaders) if c is not None]
+        return [c for c in (N.vllm_class(m, n) for m, n in self.loaders) if c is not None]
 
     def install(self, on_loaded) -> None:
         """Wrap each runner class's own ``load_model``: ``on_loaded(runner, self)`` runs after it."""
@@ -90,7 +61,7 @@ class RunnerAdapter:
             return
         self._installed = True
         for module, cls in self.loaders:
-            wrap_method(module, f"{cls}.load_model", lambda m: _wrap_load_model(m, self, on_loaded), own=True)
+            N.wrap_method(module, f"{cls}.load_model", lambda m: _wrap_load_model(m, self, on_loaded), own=True)
 
     def attach(self, runner, tokens) -> None:
         raise NotImplementedError
@@ -114,7 +85,7 @@ class V1Adapter(RunnerAdapter):
 
     def install(self, on_loaded) -> None:
         if not self._installed:
-            wrap_method(N.V1_RUNNER, "GPUModelRunner._prepare_inputs", _wrap_prepare_inputs)
+            N.wrap_method(N.V1_RUNNER, "GPUModelRunner._prepare_inputs", _wrap_prepare_inputs)
         super().install(on_loaded)
 
     def attach(self, runner, tokens) -> None:
