@@ -207,6 +207,14 @@ def attach_plan_fold_tables(model, plan) -> None:
     """Give ``model`` the fold tables and novice constants ``plan`` needs (its ``fold_stats``,
     ``Plan.fold_tables_path``); a no-op for a plan that neither folds nor substitutes constants.
     Every consumer of a plan (engine, eval, tune) calls this."""
+    carried = getattr(model, "moetailor_constants", None)
+    if plan is not None and plan.needs_constants and carried and not plan.fold_stats:
+        from ..routing import RoutingController   # a novice checkpoint's own constants (models/novice.py)
+        ctl = RoutingController.of(model)
+        if ctl.constants_source != "checkpoint":
+            ctl.set_constants(carried, source="checkpoint")
+        if not plan.needs_fold_tables:
+            return
     path = plan.fold_tables_path() if plan is not None else None
     if path is None:
         return
