@@ -37,7 +37,7 @@ class Collector:
         if gate not in GATES:
             raise ValueError(f"unknown gate definition {gate!r}; choose from {', '.join(GATES)}")
         self.gate, self.fold, self.all_experts = gate, fold or all_experts, all_experts
-        self.stats = {l.index: LayerStats.zeros(l.num_experts, self.fold) for l in layers}
+        self.stats = {l.index: LayerStats.zeros(l.num_experts, self.fold, l.router.weight.shape[1]) for l in layers}
 
     @torch.no_grad()
     def __call__(self, layer: MoeLayer, hidden: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor,
@@ -82,6 +82,7 @@ class Collector:
             rows, cols = slots // K, slots % K
             y = layer.expert_forward(e, hidden[rows]).float()               # [n, H]
             norms[rows, cols] = y.norm(dim=-1)
+            add_outputs(st, e, y)
             if outputs is not None:
                 outputs[rows, cols] = y
         st.ean.index_add_(0, index[valid].cpu(), norms[valid].double().cpu())
@@ -109,6 +110,8 @@ class Collector:
             n = y.norm(dim=-1)                                              # [c, E]
             sel, ok, gg = idx[s:s + chunk], valid[s:s + chunk], g[s:s + chunk]
             routed_norm = n.gather(1, sel)                                  # [c, K]
+            for e in sel[ok].unique().tolist():                             # outputs over the routed tokens only
+                add_outputs(st, e, y[(sel == e).logical_and(ok).any(-1), e])
             st.ean.index_add_(0, sel[ok].cpu(), routed_norm[ok].double().cpu())
             st.weighted_ean.index_add_(0, sel[ok].cpu(), (gg * routed_norm)[ok].double().cpu())
             dots = y @ y.transpose(1, 2)                                    # [c, E, E]
@@ -119,6 +122,16 @@ class Collector:
             st.fold_count += x.shape[0]
             st.norm_sum += nd.sum(0).cpu()
             st.norm_count += x.shape[0]
+
+
+def add_outputs(st: LayerStats, expert: int, y: torch.Tensor) -> None:
+    """Add expert ``expert``'s outputs y [n, H] on its routed tokens to the output statistics: the
+    largest |y_i| (super experts), sum y (novice constant) and sum ||y||^2 (output variance)."""
+    if y.shape[0] == 0:
+        return
+    st.out_max[expert] = max(float(st.out_max[expert]), float(y.abs().max()))
+    st.out_sum[expert] += y.double().sum(0).cpu()
+    st.out_sq[expert] += float(y.double().pow(2).sum())
 
 
 def calibrate_batches(model, batches, *, gate: str = "renorm", fold: bool = False, all_experts: bool = False,

@@ -22,8 +22,14 @@ FOLD_EPS = 1e-3           # ExFold's denominator epsilon
 
 REQUIRED = ("frequency", "mass", "ean", "weighted_ean", "coselect", "beta_hist")
 FOLD = ("fold_uv", "fold_vv", "fold_uu", "fold_count", "norm_sum", "norm_count")
-PAIRS = ("coselect", "fold_uv", "fold_vv", "fold_uu", "fold_count")   # [E, E]; the others [E], beta_hist [BETA_BINS]
-SIGNED = ("fold_uv",)    # a sum of inner products; every other statistic is a sum of counts or norms (>= 0)
+# expert outputs y = E_j(x) (the down projection's output) over the tokens routed to j: files written
+# before these were recorded load without them (plans that need them say to re-run calibrate)
+OUTPUT = ("out_max", "out_sum", "out_sq")
+PAIRS = ("coselect", "fold_uv", "fold_vv", "fold_uu", "fold_count")   # [E, E]; out_sum [E, H]; the others [E], beta_hist [BETA_BINS]
+SIGNED = ("fold_uv", "out_sum")    # sums of inner products / outputs; every other statistic is a sum of counts or norms (>= 0)
+RECALIBRATE_OUTPUTS = ("these statistics hold no expert output statistics (largest output magnitude, mean output, "
+                       "output variance: recorded since super-expert protection and novice experts were added); "
+                       "re-run `moetailor calibrate` on the model to record them")
 
 
 def check_layer_tensors(tensors: dict, num_experts: int, where: str) -> None:
@@ -35,6 +41,8 @@ def check_layer_tensors(tensors: dict, num_experts: int, where: str) -> None:
         if t is None:
             continue
         shape = (E, E) if name in PAIRS else (BETA_BINS,) if name == "beta_hist" else (E,)
+        if name == "out_sum":   # [E, H]: the hidden size is the file's own
+            shape = (E, t.shape[1] if t.dim() == 2 else -1)
         if tuple(t.shape) != shape:
             raise ValueError(f"{where}: {name} has shape {list(t.shape)}, expected {list(shape)} for {E} experts; "
                              "the file is corrupt — rerun `moetailor calibrate`")
@@ -70,13 +78,19 @@ class LayerStats:
     fold_count: torch.Tensor | None = None  # [E, E] observations of the pair
     norm_sum: torch.Tensor | None = None    # [E] sum ||E_j(x)|| over every token the fold pass computed j on
     norm_count: torch.Tensor | None = None  # [E]
+    # expert outputs y over T_j (None in files written before they were recorded)
+    out_max: torch.Tensor | None = None     # [E] max over T_j of max_i |y_i| (super experts' outliers)
+    out_sum: torch.Tensor | None = None     # [E, H] sum over T_j of y (novice constant = out_sum / frequency)
+    out_sq: torch.Tensor | None = None      # [E] sum over T_j of ||y||^2 (with out_sum: the output variance)
 
     @classmethod
-    def zeros(cls, num_experts: int, fold: bool) -> "LayerStats":
+    def zeros(cls, num_experts: int, fold: bool, hidden_size: int | None = None) -> "LayerStats":
         E = num_experts
         z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
         extra = dict(fold_uv=z(E, E), fold_vv=z(E, E), fold_uu=z(E, E), fold_count=z(E, E),
                      norm_sum=z(E), norm_count=z(E)) if fold else {}
+        if hidden_size is not None:
+            extra.update(out_max=z(E), out_sum=z(E, hidden_size), out_sq=z(E))
         return cls(z(E), z(E), z(E), z(E), z(E, E), z(BETA_BINS), **extra)
 
     @property
@@ -86,6 +100,28 @@ class LayerStats:
     @property
     def has_fold(self) -> bool:
         return self.fold_uv is not None
+
+    @property
+    def has_outputs(self) -> bool:
+        return self.out_sum is not None
+
+    def _outputs(self) -> None:
+        if not self.has_outputs:
+            raise ValueError(RECALIBRATE_OUTPUTS)
+
+    @property
+    def mean_output(self) -> torch.Tensor:
+        """MoNE's novice constant c_j: the mean of E_j(x) over T_j, router weights left out (zeros for a
+        never-routed expert: it is never substituted on the calibration data either).  [E, H]"""
+        self._outputs()
+        return self.out_sum / self.frequency.clamp_min(1)[:, None]
+
+    @property
+    def output_variance(self) -> torch.Tensor:
+        """Mean over T_j of ||E_j(x) - c_j||^2: what substituting c_j costs per routed token (MoNE's score).  [E]"""
+        self._outputs()
+        n = self.frequency.clamp_min(1)
+        return (self.out_sq / n - (self.out_sum / n[:, None]).pow(2).sum(-1)).clamp_min(0.0)
 
     @property
     def reap(self) -> torch.Tensor:
@@ -135,7 +171,7 @@ class LayerStats:
         return FoldTables(scale=scale.float(), loss=loss.float(), mean_norm=mean_norm.float())
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        names = REQUIRED + (FOLD if self.has_fold else ())
+        names = REQUIRED + (FOLD if self.has_fold else ()) + (OUTPUT if self.has_outputs else ())
         return {n: getattr(self, n) for n in names}
 
 
@@ -151,6 +187,18 @@ class ExpertStats:
     @property
     def has_fold(self) -> bool:
         return all(l.has_fold for l in self.layers.values())
+
+    @property
+    def has_outputs(self) -> bool:
+        """Whether the file records expert outputs (super experts, novice constants)."""
+        return all(l.has_outputs for l in self.layers.values())
+
+    def require_outputs(self, what: str) -> None:
+        """A one-line error for ``what`` (a plan option) on statistics written before outputs were recorded."""
+        if not self.has_outputs:
+            raise ValueError(f"{what} needs expert output statistics (largest output magnitude, mean output, output "
+                             "variance), which these statistics were written without; re-run `moetailor calibrate` "
+                             "on the model to record them")
 
     def check_model(self, model) -> None:
         """Raise StatsMismatch when these statistics were collected on another model."""
@@ -211,12 +259,13 @@ class ExpertStats:
                              + "); rerun `moetailor calibrate`")
         layers = {}
         for i in meta["model"]["moe_layers"]:
-            got = {n: tensors.get(f"layer{i}.{n}") for n in REQUIRED + FOLD}
+            got = {n: tensors.get(f"layer{i}.{n}") for n in REQUIRED + FOLD + OUTPUT}
             missing = [n for n in REQUIRED if got[n] is None]
             if missing:
                 raise ValueError(f"{path} lacks {missing} for layer {i}; it is incomplete — rerun `moetailor calibrate`")
-            if any(got[n] is None for n in FOLD):
-                got = {n: got[n] for n in REQUIRED}
+            for group in (FOLD, OUTPUT):   # optional groups: all or nothing
+                if any(got[n] is None for n in group):
+                    got = {n: v for n, v in got.items() if n not in group}
             E = meta["model"]["num_experts"]
             if got["frequency"].numel() != E:
                 raise ValueError(f"{path} layer {i} has {got['frequency'].numel()} experts but its metadata says {E}")

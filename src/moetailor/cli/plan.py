@@ -31,6 +31,13 @@ def register(sub) -> None:
                    help="grouped routers (DeepSeek n_group > 1): keep the same number of experts in every routing "
                    "group, ranked inside each group (balanced, default; `moetailor prune` can write it), or rank "
                    "all experts together (ignore; masked serving only)")
+    p.add_argument("--protect-super", type=int, default=0, metavar="N",
+                   help="keep the model's N super experts whatever their score: the experts whose largest output "
+                   "magnitude most exceeds their layer's median (model-wide ranking), each taking one of its "
+                   "layer's kept places (needs statistics from this moetailor's `calibrate`)")
+    p.add_argument("--novice", action="store_true",
+                   help="replace the dropped experts by their mean outputs (MoNE novice experts: the full router's "
+                   "choice, g * c_e added for a dropped expert, no weights read) instead of masking them")
     p.add_argument("--seed", type=int, default=0, help="seed for the random criterion")
     p.add_argument("--model", help="optional: check the statistics against this model first")
     p.add_argument("--out", required=True, help="plan file to write (.json)")
@@ -49,6 +56,8 @@ def run(args) -> int:
     stats = ExpertStats.load(args.stats)
     command = command_line(args, positional=("stats",))
     if args.layers == "search":   # measures each layer's sensitivity: runs the whole model
+        if args.protect_super or args.novice:
+            raise ValueError("--layers search does not take --protect-super or --novice yet; give --keep / --layers")
         from ..models import load_model
         return run_search(args, stats, load_model(args.model) if args.model else None, command)
     model = None
@@ -57,7 +66,7 @@ def run(args) -> int:
         model, _ = skeleton(args.model)
     plan = make_plan(stats, model, args.criterion, keep=args.keep, keep_experts=args.keep_experts, layers=args.layers,
                      phase=args.phase, seed=args.seed, stats_path=str(args.stats), command=command,
-                     groups=args.groups)
+                     groups=args.groups, protect_super=args.protect_super, novice=args.novice)
     plan.save(args.out)
     policy = plan.decode if args.phase != "prefill" else plan.prefill
     E = stats.model["num_experts"]
@@ -75,6 +84,10 @@ def run(args) -> int:
             notes.append(f"layer {i}: experts {dead} are alone in their group, whose score (sum of its top-2 kept "
                          "experts) is then -inf: the masked router never selects them")
     print_table(title, headers, rows)
+    for i, ids in plan.meta.get("super_experts", {}).items():
+        notes.append(f"layer {i}: super experts {ids} protected")
+    if args.novice:
+        notes.append("dropped experts are replaced by their mean outputs (novice experts)")
     for note in notes:
         print(note)
     print(f"peak RSS {peak_rss_gib():.2f} GiB" + (" (read only the routers of --model)" if args.model else ""))

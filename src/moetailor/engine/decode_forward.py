@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from .. import kernels
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from ..models.step import Step
-from ..routing.experts import native_experts_forward, step_weights
+from ..routing.experts import layer_policy, native_experts_forward, step_weights
+from ..routing.router import novice_split
 from .native_layers import NATIVE_LINEAR_ROWS, native_linear, rms_norm
 
 FAMILIES = {"qwen2_moe": (torch.float32, torch.bfloat16), "qwen3_moe": (torch.float32, torch.bfloat16),
@@ -323,6 +324,9 @@ class LeanDecoder:
                                     next_norm.weight, next_norm.eps, self.round_weights)
         x, h, moe_in_out = ops.attention_block(x, h, *attention)             # [B, H] x2, [B, E (+ 2I + 1)]
         _, weights, index = controller._route(moe, h, logits=moe_in_out[:, :E])   # [B, K] each
+        constant, weights, index = novice_split(layer_policy(moe.experts, step), weights, index)
+        if constant is not None:   # novice experts' g * c_e joins the residual the block adds the experts to
+            x = x + constant.to(x.dtype)
         return ops.moe_block(x, h, index.long().contiguous(), weights.float().contiguous(), gate_up, down,
                              step.experts_read, experts_layer, moe_in_out, E, layer.shared_down,
                              *layer.unstacked_shared, next_norm.weight, next_norm.eps)
@@ -332,7 +336,10 @@ class LeanDecoder:
         """The sparse MoE block: routed experts (+ the sigmoid-gated shared expert). The experts run
         the module path's native call directly (not through the module and transformers' dispatch)."""
         _, weights, index = controller._route(layer.moe, h)                   # [B, K] each
+        constant, weights, index = novice_split(layer_policy(layer.moe.experts, step), weights, index)
         out = native_experts_forward(layer.moe.experts, h, index, weights, step)   # [B, H]
+        if constant is not None:
+            out = out + constant.to(out.dtype)
         if layer.shared is None:
             return out
         gate, up = module_linear(h, layer.shared).chunk(2, dim=-1)            # [B, I] each

@@ -125,8 +125,10 @@ class Checkpoint:
     def close(self) -> None:
         self._headers.clear()
 
-    def fused_tensor(self, name: str, model_type: str, num_experts: int) -> torch.Tensor:
-        """The tensor named ``name`` in the in-memory (fused) state dict, read from either layout."""
+    def fused_tensor(self, name: str, model_type: str, num_experts: int,
+                     substituted: dict[int, tuple[int, ...]] | None = None) -> torch.Tensor:
+        """The tensor named ``name`` in the in-memory (fused) state dict, read from either layout.
+        ``substituted``: per layer, experts a novice checkpoint stores no weights for (zero rows)."""
         if name in self.weight_map:
             return self.get(name)
         split = split_layer_key(name)
@@ -139,10 +141,15 @@ class Checkpoint:
         if m:   # read expert by expert straight into the fused tensor: no other copy in memory
             projs = (gate, up) if m["proj"] == "gate_up_proj" else (down,)
             names = [[f"{base}{moe}.experts.{e}.{p}.weight" for p in projs] for e in range(num_experts)]
-            shapes = [self.shape(n) for n in names[0]]
-            dtype = SAFETENSORS_DTYPES[self._entry(names[0][0])[2]["dtype"]]
+            absent = set((substituted or {}).get(layer, ()))
+            stored = next(e for e in range(num_experts) if e not in absent)
+            shapes = [self.shape(n) for n in names[stored]]
+            dtype = SAFETENSORS_DTYPES[self._entry(names[stored][0])[2]["dtype"]]
             out = torch.empty(num_experts, sum(s[0] for s in shapes), shapes[0][1], dtype=dtype)
             for e, expert in enumerate(names):   # gate_up [E, 2I, H]: gate rows then up rows (chunk(2) order)
+                if e in absent:                  # a novice checkpoint's replaced expert: never run
+                    out[e].zero_()
+                    continue
                 start = 0
                 for n, shape in zip(expert, shapes):
                     self.get(n, out=out[e, start:start + shape[0]])
@@ -264,10 +271,13 @@ def load_whole(path: str | Path, dtype: torch.dtype | None = None):
     model = meta_model(config, dtype)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = {}
+    from .novice import read_constants, substituted_experts
+
+    substituted = substituted_experts(config)
     for key, value in model.state_dict().items():   # meta tensors: names, shapes and dtypes only
         if tied and key == "lm_head.weight" and key not in ckpt.weight_map:
             continue
-        state[key] = ckpt.fused_tensor(key, config.model_type, E).to(value.dtype)
+        state[key] = ckpt.fused_tensor(key, config.model_type, E, substituted).to(value.dtype)
     model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.tie_weights()
@@ -281,6 +291,9 @@ def load_whole(path: str | Path, dtype: torch.dtype | None = None):
         raise ValueError(f"{ckpt.path} does not store {', '.join(left[:3])}; the checkpoint is incomplete")
     if (ckpt.path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(ckpt.path, local_files_only=True)
+    if substituted:   # a novice checkpoint: the constants its plan adds (models/novice.py)
+        model.moetailor_substituted = substituted
+        model.moetailor_constants = read_constants(ckpt, config, substituted)
     return model.eval()
 
 

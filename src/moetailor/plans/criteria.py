@@ -9,11 +9,16 @@ over the chosen k) and E_j(x) the expert's output:
   ean            sum_{x in T_j} ||E_j(x)||                   (expert activation norm)
   weighted-ean   sum_{x in T_j} g_j(x) ||E_j(x)||
   reap           (1 / |T_j|) sum_{x in T_j} g_j(x) ||E_j(x)||  (REAP; 0 when T_j is empty)
+  mone           |T_j| x output variance = sum_{x in T_j} ||E_j(x) - c_j||^2, c_j the mean output: the
+                 squared error replacing j by its constant adds (MoNE's novice score)
   random         a seeded uniform draw per expert (the baseline that fails badly)
   structured-even  keep even ids first (0, 2, 4, ...), then odd ids
   structured-first keep the lowest ids (the first m')
 
-A layer keeps its m' highest-scoring experts (ties: the lower id); k stays unchanged. On a grouped
+A layer keeps its m' highest-scoring experts (ties: the lower id); k stays unchanged.
+``protect_super`` N keeps the model's N super experts whatever their score (``super_experts``),
+each taking one of its layer's m' places. ``novice`` replaces the dropped experts by their mean
+outputs instead of masking them (pool_mode "novice": the full router's choice, g * c_j added). On a grouped
 router (DeepSeek n_group > 1) a plan keeps m'/n_group per routing group by default, ranked inside
 each group (``grouped_keep``), so the plan can become a pruned checkpoint.
 """
@@ -37,6 +42,7 @@ CRITERIA: dict[str, str] = {
     "ean": "sum over T_j of ||E_j(x)||: expert activation norm",
     "weighted-ean": "sum over T_j of g_j ||E_j(x)||",
     "reap": "mean over T_j of g_j ||E_j(x)|| (REAP)",
+    "mone": "|T_j| x output variance: squared error of replacing j by its mean output (MoNE)",
     "random": "seeded uniform random scores (baseline)",
     "structured-even": "even expert ids first, then odd (structured baseline)",
     "structured-first": "lowest expert ids first (structured baseline)",
@@ -63,6 +69,9 @@ def expert_scores(stats: ExpertStats, criterion: str, seed: int = 0) -> dict[int
             s = layer.weighted_ean
         elif criterion == "reap":
             s = layer.reap
+        elif criterion == "mone":
+            stats.require_outputs("--criterion mone")
+            s = layer.frequency * layer.output_variance
         elif criterion == "random":
             s = torch.rand(E, generator=torch.Generator().manual_seed(seed * 100_003 + i), dtype=torch.float64)
         elif criterion == "structured-even":
@@ -71,6 +80,36 @@ def expert_scores(stats: ExpertStats, criterion: str, seed: int = 0) -> dict[int
             s = E - ids
         out[i] = s.double().clone()
     return out
+
+
+def super_experts(stats: ExpertStats, count: int) -> dict[int, list[int]]:
+    """The model's ``count`` super experts per MoE layer: the experts whose largest output magnitude
+    most dominates their layer, ranked model-wide by max |E_j(x)_i| over the calibration tokens divided
+    by the median of that maximum over the layer's experts (super experts, arXiv 2507.23279: a few
+    experts make the extreme activation outliers; dropping one collapses quality)."""
+    if count < 0:
+        raise ValueError(f"--protect-super {count} must be a count >= 0")
+    if count == 0:
+        return {}
+    stats.require_outputs("--protect-super")
+    ranked = []
+    for i, layer in sorted(stats.layers.items()):
+        dominance = layer.out_max / layer.out_max.median().clamp_min(1e-30)
+        ranked += [(-float(d), i, e) for e, d in enumerate(dominance.tolist())]
+    out: dict[int, list[int]] = {}
+    for _, i, e in sorted(ranked)[:count]:
+        out.setdefault(i, []).append(e)
+    return {i: sorted(ids) for i, ids in out.items()}
+
+
+def protected_top(scores: torch.Tensor, count: int, protected: list[int], where: str) -> tuple[int, ...]:
+    """``count`` experts: the ``protected`` ones, then the highest scores among the rest."""
+    if len(protected) > count:
+        raise ValueError(f"{where}: {len(protected)} super experts to protect but only {count} kept; lower "
+                         "--protect-super or keep more experts")
+    s = scores.clone()
+    s[protected] = float("inf")
+    return top_experts(s, count)
 
 
 def top_experts(scores: torch.Tensor, count: int) -> tuple[int, ...]:
@@ -169,7 +208,7 @@ def grouped_keep(scores: dict[int, torch.Tensor], budgets: dict[int, int], sem, 
 def make_plan(stats: ExpertStats, model=None, criterion: str = "reap", keep: float | None = None,
               keep_experts: int | None = None, layers: str | dict[int, int] | None = None, phase: str = "decode",
               seed: int = 0, stats_path: str | None = None, command: str | None = None,
-              groups: str = "balanced") -> Plan:
+              groups: str = "balanced", protect_super: int = 0, novice: bool = False) -> Plan:
     """A pruning plan: per layer, the top-m' experts by ``criterion``, in ``phase`` ("decode" by
     default: SlimWise's phase-aware pruning keeps the full pool for prefill). On a grouped router
     (DeepSeek ``n_group`` > 1) ``groups`` says how: "balanced" (default) or "ignore" (``grouped_keep``)."""
@@ -182,11 +221,19 @@ def make_plan(stats: ExpertStats, model=None, criterion: str = "reap", keep: flo
     balanced = sem is not None and groups == "balanced"
     budgets = layer_budgets(stats.model, keep, keep_experts, layers, per_group=sem.n_group if balanced else None)
     group_record = None
+    protected = super_experts(stats, protect_super)
+    if novice:
+        stats.require_outputs("--novice")
+        if not stats_path:
+            raise ValueError("a novice plan reads its constants from the statistics file: give its path")
     if sem is not None:
+        if protected:
+            raise ValueError("--protect-super is not supported on grouped routers (DeepSeek n_group > 1) yet")
         kept, group_record = grouped_keep(scores, budgets, sem, groups)
     else:
-        kept = {i: top_experts(scores[i], n) for i, n in budgets.items()}
-    policy = PhasePolicy({i: LayerPolicy(keep=kept[i]) for i in sorted(budgets)})
+        kept = {i: protected_top(scores[i], n, protected.get(i, []), f"layer {i}") for i, n in budgets.items()}
+    mode = "novice" if novice else "mask"
+    policy = PhasePolicy({i: LayerPolicy(keep=kept[i], pool_mode=mode) for i in sorted(budgets)})
     meta = {"criterion": criterion, "formula": CRITERIA[criterion], "keep_ratio": keep, "keep_experts": keep_experts,
             "layers": layers if isinstance(layers, str) or layers is None else {str(i): n for i, n in layers.items()},
             "budgets": {str(i): n for i, n in sorted(budgets.items())}, "phase": phase, "seed": seed,
@@ -196,9 +243,14 @@ def make_plan(stats: ExpertStats, model=None, criterion: str = "reap", keep: flo
             "command": command}
     if group_record is not None:
         meta["groups"] = group_record
+    if protect_super:
+        meta["protect_super"] = protect_super
+        meta["super_experts"] = {str(i): ids for i, ids in protected.items()}
+    if novice:
+        meta["novice"] = True
     model_fp = dict(stats.model)
     if model is not None and getattr(model, "moetailor_source", None):
         model_fp["source"] = source_name(model.moetailor_source)
     return Plan(model=model_fp, prefill=policy if phase in ("prefill", "both") else FULL_PHASE,
                 decode=policy if phase in ("decode", "both") else FULL_PHASE, meta=meta,
-                fold_stats=stats_path if stats.has_fold else None)
+                fold_stats=stats_path if stats.has_fold or novice else None)

@@ -7,7 +7,7 @@ JSON schema (version 1), documented in docs/plans.md::
      "prefill": {"<layer>": LayerPolicy, ...},   # layers not listed run the full router
      "decode":  {"<layer>": LayerPolicy, ...},
      "meta": {criterion, keep_ratio, keep_experts, stats, created, command, ...},
-     "fold_stats": "stats.safetensors" | null}   # needed only by folding policies
+     "fold_stats": "stats.safetensors" | null}   # needed only by folding and novice policies
 
 ``fold_stats`` is written relative to the plan file's folder when the statistics lie inside it (a plan
 folder, e.g. ``moetailor tune``'s, can move as a whole), else absolute; ``Plan.load`` resolves it to
@@ -73,12 +73,21 @@ class Plan:
     def needs_fold_tables(self) -> bool:
         return self.prefill.needs_fold_statistics or self.decode.needs_fold_statistics
 
+    @property
+    def needs_constants(self) -> bool:
+        """Some phase replaces dropped experts by their constants (novice experts, read from ``fold_stats``)."""
+        return self.prefill.needs_constants or self.decode.needs_constants
+
     def fold_tables_path(self) -> Path | None:
-        """The statistics file this plan's folding policies read, checked to exist; None when no policy
-        needs one. The one place a plan's ``fold_stats`` is turned into a file (every verb calls it)."""
-        if not self.needs_fold_tables:
+        """The statistics file this plan's folding or novice policies read (fold tables, novice constants),
+        checked to exist; None when no policy needs one. The one place a plan's ``fold_stats`` is turned
+        into a file (every verb calls it)."""
+        if not (self.needs_fold_tables or self.needs_constants):
             return None
         where = f"plan {self.source}" if self.source else "the plan"
+        if not self.fold_stats and not self.needs_fold_tables:
+            raise ValueError(f"{where} replaces dropped experts by constants (novice experts) but names no statistics "
+                             "(its \"fold_stats\" is null); remake it with `moetailor plan STATS ... --novice`")
         if not self.fold_stats:
             raise ValueError(f"{where} folds experts but names no fold statistics (its \"fold_stats\" is null); "
                              "remake it from statistics calibrated with --fold (`moetailor calibrate MODEL --fold "
@@ -218,6 +227,8 @@ def describe_phase(plan: Plan, phase: str) -> str:
         parts.append(f"keeps {_counts(kept)} of {E} experts per layer")
         if any(p.keep is not None and p.pool_mode == "fold" for p in layers):
             parts.append("folds the excluded experts' routes onto kept ones")
+        if any(p.needs_constants for p in layers):
+            parts.append("replaces the excluded experts by their mean outputs (novice experts)")
     else:
         parts.append(f"keeps all {E} experts")
     if any(p.top_k is not None for p in layers):

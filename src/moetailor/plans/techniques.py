@@ -204,11 +204,40 @@ def attach_fold_tables(model, stats_path: str | Path) -> None:
 
 
 def attach_plan_fold_tables(model, plan) -> None:
-    """Give ``model`` the fold tables ``plan`` needs (its ``fold_stats``, ``Plan.fold_tables_path``);
-    a no-op for a plan that does not fold. Every consumer of a plan (engine, eval, tune) calls this."""
+    """Give ``model`` the fold tables and novice constants ``plan`` needs (its ``fold_stats``,
+    ``Plan.fold_tables_path``); a no-op for a plan that neither folds nor substitutes constants.
+    Every consumer of a plan (engine, eval, tune) calls this."""
+    carried = getattr(model, "moetailor_constants", None)
+    if plan is not None and plan.needs_constants and carried and not plan.fold_stats:
+        from ..routing import RoutingController   # a novice checkpoint's own constants (models/novice.py)
+        ctl = RoutingController.of(model)
+        if ctl.constants_source != "checkpoint":
+            ctl.set_constants(carried, source="checkpoint")
+        if not plan.needs_fold_tables:
+            return
     path = plan.fold_tables_path() if plan is not None else None
-    if path is not None:
+    if path is None:
+        return
+    if plan.needs_fold_tables:
         attach_fold_tables(model, path)
+    if plan.needs_constants:
+        attach_constants(model, path)
+
+
+def attach_constants(model, stats_path: str | Path) -> None:
+    """Load the novice constants (each expert's mean output, ``LayerStats.mean_output``) from
+    ``stats_path`` into the model's RoutingController (checked against the model)."""
+    from ..calibration import ExpertStats
+    from ..routing import RoutingController
+
+    ctl = RoutingController.of(model)
+    path = str(stats_path)
+    if ctl.constants_source == path and ctl.constants:
+        return
+    stats = ExpertStats.load(path)
+    stats.check_model(model)
+    stats.require_outputs("a novice plan")
+    ctl.set_constants({i: l.mean_output.float() for i, l in stats.layers.items()}, source=path)
 
 
 def default_stats_path(model) -> Path:

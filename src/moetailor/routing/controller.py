@@ -65,6 +65,8 @@ class RoutingController:
         self.layers = moe_layers(model)
         self.fold_tables = fold_tables or {}
         self.fold_source: str | None = None   # where fold_tables came from (a statistics file)
+        self.constants: dict[int, torch.Tensor] = {}   # MoE layer -> [E, H] novice constants (pool_mode "novice")
+        self.constants_source: str | None = None       # where they came from (a statistics file, a checkpoint)
         self.observers: list[Observer] = []
         self._cache: dict[int, tuple[PhasePolicy, dict[int, CompiledPolicy]]] = {}
         self._full: dict[int, CompiledPolicy] = {}   # layer -> the full router compiled (per-token budgets only)
@@ -100,7 +102,8 @@ class RoutingController:
                 if not p.is_identity:
                     try:
                         compiled[layer.index] = CompiledPolicy.build(p, layer.semantics, device,
-                                                                     self.fold_tables.get(layer.index))
+                                                                     self.fold_tables.get(layer.index),
+                                                                     self.constants.get(layer.index))
                     except ValueError as e:
                         raise ValueError(f"layer {layer.index}: {e}") from None
             self._cache[key] = (policy, compiled)
@@ -110,6 +113,12 @@ class RoutingController:
         """Replace the ExFold tables folding policies compile with (compiled policies hold the old ones)."""
         self.fold_tables = dict(tables)
         self.fold_source = source
+        self._cache.clear()
+
+    def set_constants(self, constants: dict[int, torch.Tensor], source: str | None = None) -> None:
+        """Replace the novice constants (MoE layer -> [E, H]) novice policies compile with."""
+        self.constants = dict(constants)
+        self.constants_source = source
         self._cache.clear()
 
     @contextmanager

@@ -14,7 +14,8 @@ routing controller) and it takes its path from the forward's step (``models.step
   the routed experts (``loop_experts_forward``), which runs any expert layout but the one packed
   for the native kernel; a module an engine packed runs on that kernel on every path.
 
-All share one contract: sentinel routes (index E, from ``route``) cost nothing, and inside a step
+Every path first hands a novice policy's routes to ``router.novice_split`` (a dropped expert's route
+becomes g * c_e, added to the output, and a sentinel). All share one contract: sentinel routes (index E, from ``route``) cost nothing, and inside a step
 each call writes how many distinct experts it read into the step's ``experts_read`` (a device
 value, read once after the forward: ``models.step.read_experts``), the quantity decode speed is
 bound by. The experts module knows its layer from ``_moetailor_layer`` (set once, at install).
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..models.step import Step, current
+from .router import novice_split
 
 IMPLEMENTATION = "moetailor"
 GROUPED_IMPLEMENTATION = "moetailor_grouped"
@@ -186,6 +188,17 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     """The registered implementation: the step's path (native, grouped) where the layout allows, the
     loop otherwise."""
     step = current()
+    constant, top_k_weights, top_k_index = novice_split(layer_policy(self, step), top_k_weights, top_k_index)
+    out = _experts_forward(self, hidden_states, top_k_index, top_k_weights, step)
+    return out if constant is None else out + constant.to(out.dtype)
+
+
+def layer_policy(experts_module, step: Step | None):
+    """The compiled policy ``step`` routes this experts module's layer with (None: the full router)."""
+    return None if step is None else step.routing.policy.get(getattr(experts_module, "_moetailor_layer", -1))
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights, step: Step | None) -> torch.Tensor:
     mode = step.experts if step is not None else "loop"
     if mode == "native" and getattr(self, "_moetailor_native", False) and step.experts_read is not None:
         return native_experts_forward(self, hidden_states, top_k_index, top_k_weights, step)

@@ -9,7 +9,10 @@ Order of application for one layer and one token (see ``route``):
      "mask" re-routes top-k among kept experts (logits of dropped experts set to -inf before
      softmax/top-k: equals a pruned checkpoint), "drop" keeps the full router's choice and drops
      routes outside the pool, "fold" keeps the full router's choice and folds outside routes onto
-     the lowest-loss pool expert (ExFold).
+     the lowest-loss pool expert (ExFold), "novice" keeps the full router's choice and replaces an
+     outside expert by its constant (MoNE): the route keeps its expert id and gate weight g, and the
+     experts implementation adds g * c_e instead of running the expert (``router.novice_split``;
+     c_e = the expert's mean output on calibration tokens, ``CompiledPolicy.constants``).
   2. top-k: ``top_k`` (< model k) selects fewer experts per token (expert skipping).
   3. dynamic skipping: ranks whose weight ratio to the top expert is below ``skip_beta`` drop out
      (the rest renormalised).
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-POOL_MODES = ("mask", "drop", "fold")
+POOL_MODES = ("mask", "drop", "fold", "novice")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,11 @@ class LayerPolicy:
         return self == LayerPolicy()
 
     @property
+    def needs_constants(self) -> bool:
+        """Novice experts: the dropped experts' constant outputs (from calibration statistics)."""
+        return self.keep is not None and self.pool_mode == "novice"
+
+    @property
     def needs_fold_tables(self) -> bool:
         return (self.keep is not None and self.pool_mode == "fold") or (
             self.fold and (self.token_keep is not None or self.batch_pool is not None))
@@ -67,6 +75,9 @@ class LayerPolicy:
                 raise ValueError(
                     f"keeping {len(self.keep)} experts is fewer than top-k={self.top_k or top_k}{at}: a masked "
                     f"router still routes each token to k experts, so keep at least k (or lower top_k explicitly)")
+        if self.pool_mode == "novice" and (self.token_keep is not None or self.batch_pool is not None):
+            raise ValueError(f"pool_mode \"novice\" cannot be combined with token_keep or batch_pool{at}: those "
+                             "would pool the novice routes as if their experts ran; use one or the other")
         if self.top_k is not None and not 1 <= self.top_k <= top_k:
             raise ValueError(f"top_k={self.top_k} must be in [1, {top_k}] (the model's k){at}")
         if self.token_keep is not None and not 1 <= self.token_keep <= (self.top_k or top_k):
@@ -126,6 +137,11 @@ class PhasePolicy:
     def needs_fold_statistics(self) -> bool:
         """Some layer folds, or picks a batch pool by calibrated importance (both read fold tables)."""
         return any(p.needs_fold_tables or p.batch_pool is not None for p in self.layers.values())
+
+    @property
+    def needs_constants(self) -> bool:
+        """Some layer replaces dropped experts by their constant outputs (novice experts)."""
+        return any(p.needs_constants for p in self.layers.values())
 
     def to_json(self) -> dict:
         return {str(i): p.to_json() for i, p in sorted(self.layers.items()) if not p.is_identity}

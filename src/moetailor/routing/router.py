@@ -34,10 +34,17 @@ class CompiledPolicy:
     pool_target: torch.Tensor | None = None  # [E] long: best kept expert per source (static fold)
     pool_scale: torch.Tensor | None = None   # [E] float: S[src, target], 0 where unobserved
     fold: FoldTables | None = None
+    constants: torch.Tensor | None = None    # [E, H] float: novice constant c_e per expert (pool_mode "novice")
 
     @classmethod
-    def build(cls, policy: LayerPolicy, sem: RouterSemantics, device, fold: FoldTables | None = None) -> "CompiledPolicy":
+    def build(cls, policy: LayerPolicy, sem: RouterSemantics, device, fold: FoldTables | None = None,
+              constants: torch.Tensor | None = None) -> "CompiledPolicy":
         policy.validate(sem.num_experts, sem.top_k)
+        if policy.needs_constants and constants is None:
+            raise ValueError("this policy replaces dropped experts by their constant outputs (novice experts) but no "
+                             "constants were loaded: a plan names the statistics they come from in its \"fold_stats\" "
+                             "(`moetailor plan STATS ... --novice` records them; calibrated with `moetailor calibrate`), "
+                             "a novice checkpoint holds them as approx_value tensors")
         if policy.needs_fold_tables and fold is None:
             raise ValueError("this policy folds experts but no fold statistics were loaded: a plan names them in "
                              "its \"fold_stats\" (`moetailor plan`/`tune` record the statistics they were made from, "
@@ -57,7 +64,13 @@ class CompiledPolicy:
                 pool_target = kept[best]
                 pool_scale = fold.scale.gather(1, pool_target[:, None])[:, 0].float()
                 pool_scale = torch.where(torch.isinf(loss.min(dim=1).values), 0.0, pool_scale)
-        return cls(policy, keep_mask, pool_target, pool_scale, fold)
+        if policy.needs_constants:
+            if constants.shape[0] != sem.num_experts:
+                raise ValueError(f"novice constants hold {constants.shape[0]} experts, the layer has {sem.num_experts}")
+            constants = constants.to(device=device, dtype=torch.float32)
+        else:
+            constants = None
+        return cls(policy, keep_mask, pool_target, pool_scale, fold, constants)
 
 
 def select(logits: torch.Tensor, sem: RouterSemantics, k: int, allowed: torch.Tensor | None,
@@ -117,7 +130,7 @@ def route(logits: torch.Tensor, sem: RouterSemantics, cp: CompiledPolicy, bias: 
     if token_top_k is not None:
         beyond = torch.arange(k, device=index.device)[None, :] >= token_top_k[:, None]  # [T, k]
         weights, index = _drop(weights, index, beyond, E, renormalise=sem.normalise)
-    if p.keep is not None and p.pool_mode != "mask":
+    if p.keep is not None and p.pool_mode not in ("mask", "novice"):   # novice routes stay: novice_split
         safe = index.clamp_max(E - 1)                                       # sentinels stay sentinels
         outside = (index < E) & ~cp.keep_mask[safe]                         # [T, k]
         if p.pool_mode == "fold":
@@ -136,6 +149,23 @@ def route(logits: torch.Tensor, sem: RouterSemantics, cp: CompiledPolicy, bias: 
     if p.batch_pool is not None:
         weights, index = _batch_pool(weights, index, p.batch_pool, cp.fold, p.fold, E, graph_safe, counted)
     return weights, index
+
+
+def novice_split(cp: CompiledPolicy | None, weights: torch.Tensor, index: torch.Tensor):
+    """Routes of a novice policy [T, K] -> (constant output [T, H] fp32 or None, weights, index): each
+    route to an expert outside the pool adds g * c_e (summed per token through a [T, E] x [E, H]
+    product, as vLLM's expert substitution does) and becomes a sentinel route, so no expert weight is
+    read for it. Any other policy: (None, weights, index) unchanged. Every experts path calls it."""
+    if cp is None or cp.constants is None:
+        return None, weights, index
+    E = cp.keep_mask.numel()
+    valid = index < E
+    safe = index.clamp_max(E - 1)
+    novice = valid & ~cp.keep_mask[safe]                                   # [T, K]
+    scales = torch.zeros(index.shape[0], E + 1, device=index.device, dtype=torch.float32)
+    scales.scatter_add_(1, torch.where(novice, safe, E), weights.float().masked_fill(~novice, 0.0))
+    constant = scales[:, :E] @ cp.constants                                # [T, H]
+    return constant, weights.masked_fill(novice, 0.0), index.masked_fill(novice, E)
 
 
 def _drop(weights, index, drop, sentinel: int, renormalise: bool):

@@ -64,6 +64,27 @@ def checkpoint_kept(plan: Plan, config, phase: str = "decode") -> dict[int, tupl
     return kept
 
 
+def novice_substituted(plan: Plan, config, phase: str = "decode") -> dict[int, tuple[int, ...]] | None:
+    """Per MoE layer, the experts a novice plan's ``phase`` replaces by constants (what a novice
+    checkpoint lists in ``approximate_experts``, ``models/novice.py``); None for a plan that is not novice.
+    A plan that mixes novice layers with other settings gets a clear error."""
+    policy = plan.phase(phase)
+    layers = {i: policy.for_layer(i) for i in plan.model["moe_layers"]}
+    if not any(p.needs_constants for p in layers.values()):
+        return None
+    E = arch_spec(config).num_experts(config)
+    out = {}
+    for i, p in layers.items():
+        extra = sorted(k for k in p.to_json() if k not in ("keep", "pool_mode"))
+        if extra or (p.keep is not None and p.pool_mode != "novice"):
+            raise ValueError(f"the plan's {phase} layer {i} sets {extra or ['pool_mode ' + p.pool_mode]}, which a novice "
+                             "checkpoint cannot hold (it holds retained experts and the replaced ones' constants); "
+                             "make every layer a novice pool (`moetailor plan STATS ... --novice`)")
+        if p.keep is not None:
+            out[i] = tuple(e for e in range(E) if e not in p.keep)
+    return out
+
+
 def kept_per_layer(plan: Plan, model, phase: str = "decode") -> dict[int, tuple[int, ...]]:
     """``checkpoint_kept`` after checking the plan was made for this model."""
     plan.check_model(model)
@@ -137,6 +158,9 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
         plan = Plan.load(plan)
     if getattr(model, "_moetailor_controller", None) is not None:
         raise ValueError("this model has a RoutingController installed; prune a freshly loaded model")
+    if novice_substituted(plan, model.config, phase) is not None:
+        raise ValueError("a novice plan's checkpoint is written from the checkpoint on disk: use `moetailor prune "
+                         "MODEL PLAN --out DIR` (transforms.streaming.prune_checkpoint_streamed)")
     kept = kept_per_layer(plan, model, phase)
     spec = arch_spec(model.config)
     original_E = spec.num_experts(model.config)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..plans.plan import Plan
 from .artifacts import checkpoint_directory, copy_tokenizer, refuse_existing
-from .prune import kept_per_layer, pruned_config, pruned_name, write_sidecar
+from .prune import kept_per_layer, novice_substituted, pruned_config, pruned_name, write_sidecar
 
 COPIED = ("generation_config.json",)
 
@@ -35,8 +35,13 @@ def prune_checkpoint_streamed(source: str | Path, plan: Plan | str | Path, out: 
     model, ckpt = skeleton(source, stored_dtype(source))
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
-    kept = kept_per_layer(plan, model, phase)
     config = AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
+    plan.check_model(model)
+    substituted = novice_substituted(plan, config, phase)
+    if substituted is not None:
+        return write_novice(ckpt, model, config, plan, substituted, out, overwrite, inputs, phase, command,
+                            shard_bytes, progress)
+    kept = kept_per_layer(plan, model, phase)
     spec = arch_spec(config)
     original_E = spec.num_experts(config)
     config = pruned_config(config, len(next(iter(kept.values()))))
@@ -63,3 +68,63 @@ def prune_checkpoint_streamed(source: str | Path, plan: Plan | str | Path, out: 
         copy_tokenizer(ckpt.path, tmp)
         write_sidecar(tmp, model, plan, kept, phase, original_E, command, streamed=True)
     return out
+
+
+def write_novice(ckpt, model, config, plan: Plan, substituted: dict[int, tuple[int, ...]], out: Path, overwrite: bool,
+                 inputs, phase: str, command: str | None, shard_bytes: int, progress: bool) -> Path:
+    """A novice checkpoint (``models/novice.py``; stock vLLM >= 0.34 loads it): the retained experts under
+    their own ids, no weights for the replaced ones, their constants (the plan's statistics' mean outputs,
+    fp32) as ``approx_value`` tensors, and ``config.approximate_experts``. One tensor at a time."""
+    from tqdm import tqdm
+
+    from ..calibration import ExpertStats
+    from ..models.checkpoint import EXPERT_KEY, FUSED_KEY, ShardWriter, split_layer_key
+    from ..models.novice import approx_name
+
+    stats = ExpertStats.load(plan.fold_tables_path())
+    stats.check_model(model)
+    stats.require_outputs("a novice checkpoint")
+    names = ckpt.keys()
+    prefixes: dict[int, str] = {}
+    with checkpoint_directory(out, overwrite, inputs) as tmp:
+        writer = ShardWriter(tmp, shard_bytes)
+        with tqdm(total=len(names), unit="tensor", desc="pruning", disable=not progress, file=sys.stderr,
+                  mininterval=2) as bar:
+            for name in names:
+                bar.update(1)
+                split = split_layer_key(name)
+                if split is not None and split[0] in substituted:
+                    layer, rest = split
+                    if FUSED_KEY.match(rest):
+                        raise ValueError(f"{ckpt.path} stores layer {layer}'s experts fused ({name}); a novice "
+                                         "checkpoint names retained experts one by one (the hub layout vLLM loads): "
+                                         "save the model with `save_pretrained` first, which writes that layout")
+                    m = EXPERT_KEY.match(rest)
+                    if m:
+                        prefixes[layer] = f"{name[: len(name) - len(rest)]}{m['moe']}.experts"
+                        if int(m["expert"]) in substituted[layer]:
+                            continue                        # a replaced expert: never read
+                writer.add(name, ckpt.get(name))
+            for layer, ids in sorted(substituted.items()):
+                constants = stats.layers[layer].mean_output.float()
+                for e in ids:
+                    writer.add(approx_name(prefixes[layer], e), constants[e].contiguous())
+            writer.close()
+        ckpt.close()
+        config.approximate_experts = {str(i): list(ids) for i, ids in sorted(substituted.items())}
+        config.save_pretrained(tmp)
+        for extra in COPIED:
+            if (ckpt.path / extra).is_file():
+                shutil.copy2(ckpt.path / extra, tmp / extra)
+        copy_tokenizer(ckpt.path, tmp)
+        E = model_experts(config)
+        kept = {i: tuple(e for e in range(E) if e not in ids) for i, ids in substituted.items()}
+        write_sidecar(tmp, model, plan, kept, phase, E, command, streamed=True, novice=True,
+                      substituted={str(i): list(ids) for i, ids in sorted(substituted.items())})
+    return out
+
+
+def model_experts(config) -> int:
+    from ..models.architectures import arch_spec
+
+    return arch_spec(config).num_experts(config)

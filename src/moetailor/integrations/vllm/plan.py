@@ -75,6 +75,10 @@ def load_checked_plan(path: str | Path, mode: str, checkpoint: str | Path) -> Pl
     plan = Plan.load(path)
     if mode == "decode":
         plan = plan.phase_aware()
+    if plan.prefill.needs_constants or plan.decode.needs_constants:
+        raise ValueError(f"plan {path} replaces dropped experts by constants (novice experts), which the plugin's "
+                         "routing hooks do not add; write a novice checkpoint with `moetailor prune MODEL PLAN --out "
+                         "DIR` and serve DIR with stock vLLM >= 0.34 (it loads the constants itself, no plugin)")
     fp = checkpoint_fingerprint(checkpoint)
     problem = fingerprint_mismatch(plan.model, fp)
     if problem:

@@ -1,0 +1,87 @@
+"""Novice checkpoints: the format stock vLLM (>= 0.34, ``fused_moe/expert_substitution.py``) loads.
+
+A MoNE-pruned checkpoint keeps the router whole and the config's expert count, lists the replaced
+experts per decoder layer in ``config.approximate_experts`` (``{"3": [5, 9, ...]}``), stores no
+weights for them, stores the retained experts under their own (logical) ids in the hub's per-expert
+layout, and one constant per replaced expert, ``<experts prefix>.<expert id>.approx_value`` [H]
+(``model.layers.3.mlp.experts.5.approx_value``). The router's choice and weights are unchanged
+(no renormalisation): a replaced expert's route adds g * c_e. That is moetailor's
+``pool_mode="novice"``, so ``load_model`` reads such a checkpoint into the full-size model (the
+replaced experts' rows zero, never read) plus the plan and constants that serve it
+(``checkpoint_plan``, ``model.moetailor_constants``).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+APPROX_SUFFIX = ".approx_value"
+APPROX_KEY = re.compile(r"^(?P<moe>mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.approx_value$")
+
+
+def substituted_experts(config) -> dict[int, tuple[int, ...]]:
+    """Per decoder layer, the experts ``config.approximate_experts`` replaces by constants ({} if none)."""
+    raw = getattr(config, "approximate_experts", None)
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError("config.json's approximate_experts must map layer indices to lists of expert ids; "
+                         "restore the checkpoint's config.json")
+    try:
+        out = {int(layer): tuple(sorted(int(e) for e in ids)) for layer, ids in raw.items()}
+    except (TypeError, ValueError):
+        raise ValueError("config.json's approximate_experts must map layer indices to lists of expert ids; "
+                         "restore the checkpoint's config.json") from None
+    return {i: ids for i, ids in out.items() if ids}
+
+
+def approx_name(experts_prefix: str, expert: int) -> str:
+    """``model.layers.3.mlp.experts`` + 5 -> ``model.layers.3.mlp.experts.5.approx_value``."""
+    return f"{experts_prefix}.{expert}{APPROX_SUFFIX}"
+
+
+def read_constants(ckpt, config, substituted: dict[int, tuple[int, ...]]) -> dict[int, torch.Tensor]:
+    """Per MoE layer, [E, H] fp32 constants: the ``approx_value`` rows of the replaced experts, zeros
+    for the retained ones (never used: their routes run the expert). A one-line error names a missing one."""
+    from .architectures import arch_spec
+    from .checkpoint import split_layer_key
+
+    E = arch_spec(config).num_experts(config)
+    found: dict[tuple[int, int], str] = {}
+    for name in ckpt.keys():
+        split = split_layer_key(name)
+        m = APPROX_KEY.match(split[1]) if split else None
+        if m:
+            found[(split[0], int(m["expert"]))] = name
+    out = {}
+    for layer, ids in substituted.items():
+        missing = [e for e in ids if (layer, e) not in found]
+        if missing:
+            raise ValueError(f"{ckpt.path} lists experts {missing[:8]} of layer {layer} in approximate_experts but "
+                             "stores no approx_value for them; the checkpoint is incomplete — write it again with "
+                             "`moetailor prune`")
+        rows = {e: ckpt.get(found[(layer, e)]).float() for e in ids}
+        table = torch.zeros(E, next(iter(rows.values())).numel())
+        for e, value in rows.items():
+            table[e] = value
+        out[layer] = table
+    return out
+
+
+def checkpoint_plan(model):
+    """The plan a novice checkpoint is served with: every layer with replaced experts keeps the others and
+    replaces those (``pool_mode="novice"``) in both phases; None for any other checkpoint."""
+    from ..plans.plan import Plan
+    from ..routing.policy import LayerPolicy, PhasePolicy
+    from .loading import model_fingerprint
+
+    substituted = getattr(model, "moetailor_substituted", None)
+    if not substituted:
+        return None
+    fp = model_fingerprint(model)
+    E = fp["num_experts"]
+    policy = PhasePolicy({i: LayerPolicy(keep=tuple(e for e in range(E) if e not in ids), pool_mode="novice")
+                          for i, ids in sorted(substituted.items())})
+    return Plan(model=fp, prefill=policy, decode=policy,
+                meta={"novice_checkpoint": getattr(model, "moetailor_source", None)})
