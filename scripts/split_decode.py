@@ -23,7 +23,7 @@ import torch
 def build_split(original: str, parts: int, out: Path) -> Path:
     """A split checkpoint of ``original`` (random neuron grouping: its speed does not depend on the grouping)."""
     subprocess.run([sys.executable, "-m", "moetailor.cli.main", "split", original, "--parts", str(parts),
-                    "--method", "random", "--tokens", "2048", "--out", str(out)], check=True,
+                    "--method", "random", "--data", "text", "--tokens", "2048", "--out", str(out)], check=True,
                    stdout=subprocess.DEVNULL)
     return out
 
