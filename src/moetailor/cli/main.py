@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _terminated)
     try:
+        from .options import resolve_device_option
+        resolve_device_option(args)   # a GPU torch does not see: exit 2 before any model loads
         result = args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         message = " ".join(str(e).split()) or type(e).__name__   # one line, whatever the message holds

@@ -78,7 +78,8 @@ class LLM:
                 except Exception:   # no tokenizer files: token-id prompts only
                     tokenizer = None
         else:
-            dtype = next(model.parameters()).dtype   # a given model keeps its own dtype
+            first = next(model.parameters())
+            dtype, device = first.dtype, first.device   # a given model keeps its own dtype and device
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
