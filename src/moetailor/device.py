@@ -107,37 +107,39 @@ class Placement:
     most bytes placed at once (weights + the activations a step holds there)."""
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    spread: bool = False         # a model too large for one GPU may go across all of them (accelerate)
     resident: int = 0
     peak: int = 0
-    spread: dict | None = None   # module name -> device, when accelerate spread the model over GPUs
+    device_map: dict | None = None   # module name -> GPU, when accelerate spread the model
 
     @classmethod
-    def of(cls, device: str | torch.device | None) -> "Placement":
-        return cls(resolve_device("cpu" if device is None else device))
+    def of(cls, device: str | torch.device | None, spread: bool = False) -> "Placement":
+        return cls(resolve_device("cpu" if device is None else device), spread)
 
     def _note(self, transient: int = 0) -> None:
         self.peak = max(self.peak, self.resident + transient)
 
-    def model(self, model: nn.Module, spread_ok: bool = True) -> nn.Module:
+    def model(self, model: nn.Module) -> nn.Module:
         """The whole model on the device. On a GPU whose free memory it does not fit, across every
-        visible GPU (``device_map="auto"`` through accelerate) when ``spread_ok``, accelerate is
-        installed and there are several GPUs; otherwise a one-line error naming the fix."""
+        visible GPU (``device_map="auto"`` through accelerate) when ``spread``, accelerate is installed
+        and there are several GPUs; otherwise a one-line error naming the fix."""
         need = module_bytes(model)
         if self.device.type == "cuda":
             free = free_bytes(self.device)
             if free is not None and need > SPREAD_SHARE * free:
-                return self._spread(model, need, free, spread_ok)
+                return self._spread(model, need, free)
         model.to(self.device)
         self.resident += need
         self._note()
         return model
 
-    def _spread(self, model: nn.Module, need: int, free: int, spread_ok: bool) -> nn.Module:
+    def _spread(self, model: nn.Module, need: int, free: int) -> nn.Module:
         gib = lambda b: f"{b / 2**30:.1f} GiB"   # noqa: E731
         where = f"the model's {gib(need)} of weights do not fit the {gib(free)} free on {self.device}"
-        if not spread_ok:
-            raise ValueError(f"{where}, and this verb needs the model on one device; use a larger GPU or "
-                             "--device cpu")
+        if not self.spread:
+            raise ValueError(f"{where}, and this verb runs the whole model on one device; use a GPU with more free "
+                             "memory, --device cpu, or a layer-streamed verb (calibrate, eval --metric kl, tune "
+                             "--max-kl)")
         try:
             from accelerate import dispatch_model, infer_auto_device_map
         except ImportError:
@@ -152,7 +154,7 @@ class Placement:
         if any(d in ("cpu", "disk") for d in device_map.values()):
             raise ValueError(f"{where}, and all {gpu_count()} GPUs together hold less than it; use a layer-streamed "
                              "verb (calibrate --stream on, eval --metric kl) or --device cpu")
-        self.spread = device_map
+        self.device_map = device_map
         self.resident += need
         self._note()
         return dispatch_model(model, device_map=device_map)

@@ -64,7 +64,7 @@ def test_calibrate_on_cpu_and_auto_gives_the_same_statistics(work, tmp_path, cap
             args = verbs(str(work / "model"), str(work / "plan.json"), tmp_path / f"{name}-{device}")[name]
             assert main([*args, "--device", device]) == 0
             printed = " ".join(capsys.readouterr().out.split())
-            assert f" on {'cuda:0' if device == 'auto' and not NO_GPU else 'cpu'}, peak " in printed
+            assert f" on {'cuda:0' if device == 'auto' and not NO_GPU else 'cpu'}: peak " in printed
             got[name, device] = ExpertStats.load(args[-1])
     reference = got["calibrate", "cpu"]
     for key, stats in got.items():

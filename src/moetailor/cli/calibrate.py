@@ -85,11 +85,11 @@ def run(args) -> int:
         print(f"note: {args.data} held {stats.meta['tokens']:,} tokens, fewer than --tokens {args.tokens:,}; "
               "calibrated on each once (more traffic gives steadier statistics)")
     mode = "layer-streamed" if stats.meta.get("streamed") else "in memory"
-    mode += f" on {placement.device}, peak {placement.device_peak_bytes() / 2**20:,.1f} MiB placed there"
+    where = f"on {placement.device}: peak {placement.device_peak_bytes() / 2**20:,.1f} MiB placed there"
     print(f"calibrated on: {describe_calibration(calibration_record(stats.meta))}")
     print_table(f"calibrated {stats.meta['tokens']:,} tokens of {stats.meta['data']} in {stats.meta['seconds']:.1f}s "
                 f"({stats.meta['tokens'] / max(stats.meta['seconds'], 1e-9):,.0f} tok/s, {mode}, {stats.meta['dtype']}, "
-                f"peak RSS {peak_rss_gib():.2f} GiB) -> {args.out}",
+                f"peak RSS {peak_rss_gib():.2f} GiB; {where}) -> {args.out}",
                 ["layer", "experts used", "max freq", "min freq", "mean ||E(x)||", "beta"], rows)
     return 0
 

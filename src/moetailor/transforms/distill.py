@@ -616,7 +616,9 @@ def distill_checkpoint(model_name: str | Path, plan: str | Path | Plan, data: st
             raise FileExistsError(f"an interrupted run exists at {state_dir}; pass --resume to continue it or "
                                   "--overwrite to start over")
         shutil.rmtree(state_dir)
-    model = load_model(source, device=device)
+    from ..device import Placement
+
+    model = load_model(source, placement=Placement.of(device, spread=True))   # training runs HF forwards only
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     student = Student(model, plan, se2=cfg.se2, experts=cfg.experts)
     tokenizer = load_tokenizer(source)

@@ -124,9 +124,12 @@ def profile_neurons(model, batches, progress: bool = True) -> dict[int, LayerPro
     first = next(iter(layers.values()))
     E, I = first.num_experts, int(first.experts.down_proj.shape[-1])
     H = first.experts.gate_up_proj.shape[-1]
-    f64 = dict(dtype=torch.float64, device=first.router.weight.device)   # the sums live beside the model
-    prof = {i: LayerProfile(torch.zeros(E, **f64), torch.zeros(E, I, **f64), torch.zeros(E, I, I, **f64),
-                            torch.zeros(H, **f64), torch.zeros(H, H, **f64)) for i in layers}
+
+    def zeros(*shape, layer):   # the sums live beside their layer (a model spread over GPUs: per layer)
+        return torch.zeros(*shape, dtype=torch.float64, device=layer.router.weight.device)
+
+    prof = {i: LayerProfile(zeros(E, layer=l), zeros(E, I, layer=l), zeros(E, I, I, layer=l), zeros(H, layer=l),
+                            zeros(H, H, layer=l)) for i, l in layers.items()}
 
     def observe(layer: MoeLayer, hidden, logits, weights, index):
         p = prof[layer.index]
@@ -495,7 +498,9 @@ def split_checkpoint(model, data, parts: int, out: str | Path, *, method: str = 
     spec = parse_data_spec(data)
     tokenizer = load_tokenizer(source_dir) if source_dir is not None else None
     if isinstance(model, (str, Path)):
-        model = load_model(source_dir, device=device)
+        from ..device import Placement
+
+        model = load_model(source_dir, placement=Placement.of(device, spread=True))   # HF forwards only
     if tokenizer is None:
         raise ValueError("splitting needs the model's tokenizer to read calibration text; pass a checkpoint path")
     _check_splittable(model, parts)
