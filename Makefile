@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm setup-vllm-nixl setup-llamacpp demo test test-vllm test-llamacpp train-reference train-reference-qwen3 clean
+.PHONY: setup setup-vllm setup-vllm-nixl setup-llamacpp demo test test-vllm test-llamacpp train-reference train-reference-qwen3 clean gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -81,6 +81,23 @@ train-reference: setup
 # The second reference model (Qwen3-MoE family, no shared expert), bundled as `reference-qwen3`.
 train-reference-qwen3: setup
 	$(PY) -m moetailor.training.reference --family qwen3_moe --out build/reference-qwen3-run
+
+# `make gpu-check` on a GPU machine whose image has torch and transformers but no network: moetailor
+# from this tree (--no-deps) plus what the checked verbs import beyond torch/transformers (rich,
+# matplotlib; pytest for tests/cuda) from $(GPU_WHEELS), which `make gpu-wheels` fills where PyPI is
+# reachable (43 MiB for CPython 3.11 x86_64; set GPU_PY to the GPU image's python to match its tags).
+GPU_PY ?= python3
+GPU_WHEELS := wheels/gpu
+GPU_DEPS := rich matplotlib pytest
+
+gpu-wheels:
+	$(GPU_PY) -m pip download -q --only-binary=:all: -d $(GPU_WHEELS) $(GPU_DEPS)
+
+gpu-check:
+	$(GPU_PY) -m pip install -q --no-deps -e .
+	$(GPU_PY) -c "import rich, matplotlib, pytest" 2>/dev/null || \
+		$(GPU_PY) -m pip install -q --no-index --find-links $(GPU_WHEELS) $(GPU_DEPS)
+	$(GPU_PY) scripts/gpu_check.py --device cuda --out gpu_check.json
 
 clean:
 	rm -rf build .pytest_cache

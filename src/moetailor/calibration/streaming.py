@@ -24,9 +24,10 @@ def calibrate_streamed(source: str | Path, tokenizer, data_spec: str, tokens: in
                        seed: int = 0, batch_tokens: int = 4096, seq_len: int = 512, gate: str = "renorm",
                        all_experts: bool = False, fold: bool = False, progress: bool = True,
                        command: str | None = None, spill_dir: str | Path | None = None,
-                       spill_bytes: int = 4 << 30):
+                       spill_bytes: int = 4 << 30, placement=None):
     """Calibrate the checkpoint at ``source`` layer by layer (arguments as ``calibrate``; ``dtype``
-    None = the checkpoint's stored dtype). Deterministic given ``seed``."""
+    None = the checkpoint's stored dtype), each layer on ``placement``'s device in turn (default the
+    CPU). Deterministic given ``seed``."""
     from tqdm import tqdm
 
     from ..memory import peak_rss_gib
@@ -38,7 +39,7 @@ def calibrate_streamed(source: str | Path, tokenizer, data_spec: str, tokens: in
     if gate not in GATES:
         raise ValueError(f"unknown gate definition {gate!r}; choose from {', '.join(GATES)}")
     t0 = time.time()
-    stream = LayerStream(source, dtype)
+    stream = LayerStream(source, dtype, placement)
     fingerprint = model_fingerprint(stream.model)
     torch.manual_seed(seed)
     batches = list(iter_token_batches(tokenizer, spec, tokens, batch_tokens, seq_len, seed, repeat=False))
@@ -67,5 +68,6 @@ def calibrate_streamed(source: str | Path, tokenizer, data_spec: str, tokens: in
         digest.update(b.numpy().astype("<i8").tobytes())
     meta = {"data": spec.name, "data_sha256": digest.hexdigest()[:16], "seed": seed, "seq_len": min(seq_len, batch_tokens), "batch_tokens": batch_tokens,
             "command": command, "dtype": str(stream.dtype).replace("torch.", ""), "streamed": True,
-            "peak_rss_gib": round(peak_rss_gib(), 2)}
+            "peak_rss_gib": round(peak_rss_gib(), 2), "device": str(stream.placement.device),
+            "peak_device_bytes": stream.placement.device_peak_bytes()}
     return stats_of(collector, fingerprint, seen, all_experts, t0, meta)

@@ -5,7 +5,7 @@ import shlex
 from pathlib import Path
 
 from ..tables import print_table
-from .options import add_dtype_option, add_overwrite_option
+from .options import add_device_option, add_dtype_option, add_overwrite_option
 
 
 
@@ -30,9 +30,11 @@ def register(sub) -> None:
     p.add_argument("--all-experts", action="store_true",
                    help="compute every expert on every token (implies --fold; folding then sees every pair)")
     add_dtype_option(p, "working dtype for calibration", "auto")
+    add_device_option(p)
     p.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
-                   help="load one decoder layer at a time from the shards (memory: one layer + activations); "
-                        "auto (default): when the model would take over 60%% of the available memory")
+                   help="load one decoder layer at a time from the shards onto --device (memory: one layer + "
+                        "activations); auto (default): when the model would take over 60%% of the memory available "
+                        "on --device")
     p.add_argument("--spill-dir", default=None,
                    help="with streaming: keep the activations of all batches on disk here (default: in memory "
                         "up to 4 GiB, then a temporary directory)")
@@ -46,6 +48,7 @@ def run(args) -> int:
     from ..models import load_model, load_tokenizer, resolve_model_path
     from ..outputs import check_output
 
+    from ..device import Placement
     from ..memory import peak_rss_gib
     from ..models.checkpoint import should_stream, working_dtype
 
@@ -62,12 +65,15 @@ def run(args) -> int:
     command = command_line(args, positional=("model",))
     kw = dict(seed=args.seed, batch_tokens=args.batch_tokens, seq_len=args.seq_len, gate=args.gate,
               all_experts=args.all_experts, fold=args.fold, command=command)
-    if should_stream(path, dtype, args.stream):
+    placement = Placement.of(args.device)
+    if should_stream(path, dtype, args.stream, device=placement.device):
         from ..calibration.streaming import calibrate_streamed
 
-        stats = calibrate_streamed(path, tokenizer, args.data, args.tokens, dtype=dtype, spill_dir=args.spill_dir, **kw)
+        stats = calibrate_streamed(path, tokenizer, args.data, args.tokens, dtype=dtype, spill_dir=args.spill_dir,
+                                   placement=placement, **kw)
     else:
-        stats = calibrate(load_model(args.model, dtype=dtype), tokenizer, args.data, args.tokens, **kw)
+        stats = calibrate(load_model(args.model, dtype=dtype, placement=placement), tokenizer, args.data, args.tokens,
+                          **kw)
     stats.save(args.out)
     rows = []
     for i, layer in stats.layers.items():
@@ -79,10 +85,11 @@ def run(args) -> int:
         print(f"note: {args.data} held {stats.meta['tokens']:,} tokens, fewer than --tokens {args.tokens:,}; "
               "calibrated on each once (more traffic gives steadier statistics)")
     mode = "layer-streamed" if stats.meta.get("streamed") else "in memory"
+    where = f"on {placement.device}: peak {placement.device_peak_bytes() / 2**20:,.1f} MiB placed there"
     print(f"calibrated on: {describe_calibration(calibration_record(stats.meta))}")
     print_table(f"calibrated {stats.meta['tokens']:,} tokens of {stats.meta['data']} in {stats.meta['seconds']:.1f}s "
                 f"({stats.meta['tokens'] / max(stats.meta['seconds'], 1e-9):,.0f} tok/s, {mode}, {stats.meta['dtype']}, "
-                f"peak RSS {peak_rss_gib():.2f} GiB) -> {args.out}",
+                f"peak RSS {peak_rss_gib():.2f} GiB; {where}) -> {args.out}",
                 ["layer", "experts used", "max freq", "min freq", "mean ||E(x)||", "beta"], rows)
     return 0
 

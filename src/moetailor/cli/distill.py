@@ -7,7 +7,7 @@ import shlex
 import sys
 
 from ..tables import print_table
-from .options import add_overwrite_option
+from .options import add_device_option, add_overwrite_option
 
 
 def register(sub) -> None:
@@ -35,6 +35,7 @@ def register(sub) -> None:
                    "decode checkpoint gets its own copies; prefill keeps the original's)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the matmuls (faster on AMX CPUs)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    add_device_option(p, what="where the teacher and the student train")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run in OUT.partial")
     add_overwrite_option(p, help="replace --out (and any interrupted run) if it exists")
     p.set_defaults(func=run, report_peak_rss=True)
@@ -54,7 +55,7 @@ def run(args) -> int:
     command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
     from ..calibration.data import default_data_spec
     out, result = distill_checkpoint(args.model, args.plan, default_data_spec(args.model, args.data), cfg, args.out, overwrite=args.overwrite,
-                                     resume=args.resume, command=command)
+                                     resume=args.resume, command=command, device=args.device)
     counts = result.student.counts()
     first, last = result.log[0], result.log[-1]
     print_table(f"distilled decoder -> {out}", ["property", "value"], [

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..tables import print_table
-from .options import add_dtype_option, add_overwrite_option
+from .options import add_device_option, add_dtype_option, add_overwrite_option
 
 
 def register(sub) -> None:
@@ -58,6 +58,8 @@ def register(sub) -> None:
                         "for random-weight checkpoints), of --plan (masked on every token) or --pruned DIR")
     p.add_argument("--pruned", default=None, help="with --metric kl: a pruned checkpoint of MODEL to compare")
     add_dtype_option(p, "working dtype for --metric kl", "auto")
+    add_device_option(p, what="where the model runs: the engine on one device for tasks, one layer at a time for "
+                              "--metric kl")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="with --budgets: a budget is usable within this accuracy drop of the full budget (0.05)")
     p.set_defaults(func=run, report_peak_rss=True)
@@ -77,7 +79,8 @@ def run(args) -> int:
         model=args.model, tasks=[e.strip() for e in args.tasks.split(",") if e.strip()], n=args.n, seeds=args.seeds,
         sampling=[s.strip() for s in args.sampling.split(",") if s.strip()], configs=parse_configs(args.configs),
         plan=args.plan, sweep=args.sweep, max_tokens=args.max_tokens, kl_docs=args.kl_docs,
-        kl_window=args.kl_window, calib_tokens=args.calib_tokens, calib_data=args.calib_data, max_num_seqs=args.max_num_seqs)
+        kl_window=args.kl_window, calib_tokens=args.calib_tokens, calib_data=args.calib_data, max_num_seqs=args.max_num_seqs,
+        device=str(args.device))
     if args.budgets:   # the budget comparison brings its own topk configurations
         settings.configs = parse_configs("baseline")
         settings.validate()
@@ -203,8 +206,11 @@ def run_kl(args) -> int:
     out = check_output(args.out, overwrite=True, inputs=inputs, directory=True, replaces=False)
     check_output(out / "kl.json", overwrite=args.overwrite, inputs=inputs)
     windows = heldout_windows(load_tokenizer(args.model), bundled_documents("heldout"), args.kl_docs, args.kl_window)
+    from ..device import Placement
+
+    placement = Placement.of(args.device)
     result = heldout_kl_streamed(path, windows, plan=args.plan, pruned=args.pruned,
-                                 dtype=working_dtype(args.dtype, path))
+                                 dtype=working_dtype(args.dtype, path), placement=placement)
     out.mkdir(parents=True, exist_ok=True)
     record = {"model": str(path), "plan": args.plan, "pruned": args.pruned, "dtype": args.dtype,
               "windows": len(windows), "window": args.kl_window, **result.to_json()}

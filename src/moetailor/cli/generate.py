@@ -66,7 +66,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-timeout", type=float, default=10.0,
                    help="with --decode-model: seconds a worker may send no heartbeat before it is treated as hung "
                         "(killed, its requests ended with an error, replaced)")
-    p.add_argument("--device", default="cpu")
+    from .options import add_device_option
+    add_device_option(p, default="cpu", what="where the engine runs")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     from .techniques import add_policy_arguments
     add_policy_arguments(p)   # --prefill-policy / --decode-policy / --fold-stats (folding, skipping)

@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _terminated)
     try:
+        from .options import resolve_device_option
+        resolve_device_option(args)   # a GPU torch does not see: exit 2 before any model loads
         result = args.func(args)
         if getattr(args, "report_peak_rss", False) and not result:   # verbs that run a model say what it took
             from ..memory import peak_rss_gib

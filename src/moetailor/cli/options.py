@@ -42,3 +42,30 @@ def torch_name(name: str | None) -> str | None:
 
 def add_overwrite_option(parser, help: str = "replace --out if it exists") -> None:
     parser.add_argument("--overwrite", "--force", dest="overwrite", action="store_true", help=help + " (--force: the same)")
+
+
+def device_value(text: str) -> str:
+    """An argparse ``type`` for ``--device``: the spelling only (whether torch sees that GPU is checked
+    when the verb starts, before any model loads: ``resolve_device_option``)."""
+    from ..device import parse_device
+
+    try:
+        return parse_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--device ")) from None
+
+
+def add_device_option(parser, default: str = "auto", what: str = "where the model's weights run") -> None:
+    """``--device {auto,cpu,cuda,cuda:N}``; auto = the first GPU torch sees, else the CPU."""
+    parser.add_argument("--device", type=device_value, default=default, metavar="{auto,cpu,cuda,cuda:N}",
+                        help=f"{what} (default {default}; auto: a GPU when torch sees one, else the CPU; "
+                             "docs/scale.md#devices)")
+
+
+def resolve_device_option(args) -> None:
+    """``args.device`` as a torch device; a GPU torch does not see is a one-line error (exit 2) here,
+    before the verb loads a model or writes anything."""
+    from ..device import resolve_device
+
+    if isinstance(getattr(args, "device", None), str):
+        args.device = resolve_device(args.device)

@@ -7,7 +7,7 @@ import shlex
 import sys
 
 from ..tables import print_table
-from .options import add_overwrite_option
+from .options import add_device_option, add_overwrite_option
 
 
 def register(sub) -> None:
@@ -33,6 +33,7 @@ def register(sub) -> None:
                    help="also report greedy task accuracy (full, uniform, searched) on N prompts per task")
     p.add_argument("--tasks", default="all", help="tasks for --accuracy-n")
     p.add_argument("--seed", type=int, default=0)
+    add_device_option(p)
     p.set_defaults(func=run, report_peak_rss=True)
 
 
@@ -44,17 +45,18 @@ def run(args) -> int:
     from ..outputs import check_output
     from ..plans.techniques import Shape
 
+    from ..calibration.data import default_data_spec
+
     if args.tokens < 1 or args.window < 4:
         raise ValueError("--tokens must be >= 1 and --window >= 4")
-    out = check_output(args.out, overwrite=args.overwrite,
-                       inputs=(resolve_model_path(args.model), data_file(args.data)))
-    model = load_model(args.model)
+    data = default_data_spec(args.model, args.data)   # --data is required beyond the bundled models
+    out = check_output(args.out, overwrite=args.overwrite, inputs=(resolve_model_path(args.model), data_file(data)))
+    model = load_model(args.model, device=args.device)
     tokenizer = load_tokenizer(args.model)
     shape = Shape.of(model)
     budget = args.budget if args.budget is not None else int(round(args.mean_k * len(shape.layers)))
     command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["search-k"] else None
-    from ..calibration.data import default_data_spec
-    plan, summary = search_plan(model, tokenizer, budget, data=default_data_spec(args.model, args.data), tokens=args.tokens, window=args.window,
+    plan, summary = search_plan(model, tokenizer, budget, data=data, tokens=args.tokens, window=args.window,
                                 phase=args.phase, max_rounds=args.max_rounds, tol=args.tol,
                                 heldout_docs=args.heldout_docs, accuracy_n=args.accuracy_n, tasks=args.tasks,
                                 seed=args.seed, command=command)

@@ -9,7 +9,7 @@ import shlex
 import sys
 
 from ..tables import print_table
-from .options import add_overwrite_option
+from .options import add_device_option, add_overwrite_option
 
 
 def register(sub) -> None:
@@ -30,6 +30,7 @@ def register(sub) -> None:
     p.add_argument("--anneal-steps", type=int, default=4000, help="simulated-annealing swap steps per layer")
     p.add_argument("--finetune-steps", type=int, default=60, help="router training steps for --gate finetune")
     p.add_argument("--seed", type=int, default=0)
+    add_device_option(p, what="where the model runs while it is profiled (and its router fine-tuned)")
     add_overwrite_option(p, help="replace --out if it exists")
     p.set_defaults(func=run, report_peak_rss=True)
 
@@ -44,7 +45,8 @@ def run(args) -> int:
 
     out, result = split_checkpoint(args.model, default_data_spec(args.model, args.data), args.parts, args.out, method=args.method, gate=args.gate,
                                    tokens=args.tokens, seq_len=args.seq_len, steps=args.anneal_steps, seed=args.seed,
-                                   overwrite=args.overwrite, finetune_steps=args.finetune_steps, command=command)
+                                   overwrite=args.overwrite, finetune_steps=args.finetune_steps, command=command,
+                                   device=args.device)
     cfg = result.model.config
     k = int(cfg.num_experts_per_tok)
     rows = [("experts per layer", f"{len(next(iter(result.layers.values())).groups)} -> "

@@ -72,7 +72,8 @@ class LLM:
                 except Exception:   # no tokenizer files: token-id prompts only
                     tokenizer = None
         else:
-            config.dtype = next(model.parameters()).dtype   # a given model keeps its own dtype
+            first = next(model.parameters())
+            config.dtype, config.device = first.dtype, str(first.device)   # a given model keeps its dtype and device
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config

@@ -123,6 +123,7 @@ class EvalSettings:
     calib_data: str | None = None      # calibration data spec (moetailor.calibration.data); None = the
                                        # bundled model's task domain (required for other models)
     max_num_seqs: int = 64
+    device: str = "cpu"                # --device: where the model (and the engine) run
     temperature: float = 1.0
     top_p: float = 0.95
 
@@ -383,7 +384,7 @@ class Sweep:
                           settings.max_tokens is not None)
         if model is None:
             from ..models import load_model
-            model = load_model(settings.model)
+            model = load_model(settings.model, device=settings.device)
         self.model, self.tokenizer = model, tokenizer
         for t in self.tasks:
             if not isinstance(t, Task) and len(t.items) > settings.n:

@@ -34,12 +34,13 @@ class StreamedKL:
 
 
 def heldout_kl_streamed(model: str | Path, windows: list[list[int]], *, plan=None, pruned: str | Path | None = None,
-                        dtype: torch.dtype | None = None, batch_size: int = 8, progress: bool = True) -> StreamedKL:
-    """KL of ``plan`` (masked on every token) or of the checkpoint ``pruned`` from ``model``."""
+                        dtype: torch.dtype | None = None, batch_size: int = 8, progress: bool = True,
+                        placement=None) -> StreamedKL:
+    """KL of ``plan`` (masked on every token) or of the checkpoint ``pruned`` from ``model``; each layer
+    runs where ``placement`` (``device.Placement``, default the CPU) puts it."""
     from tqdm import tqdm
 
     from ..memory import peak_rss_gib
-    from ..models.checkpoint import free_module
     from ..models.streamed import LayerStream
     from ..models.loading import load_checked
     from ..plans.plan import Plan
@@ -48,7 +49,7 @@ def heldout_kl_streamed(model: str | Path, windows: list[list[int]], *, plan=Non
     if (plan is None) == (pruned is None):
         raise ValueError("held-out KL needs exactly one candidate: --plan PLAN or --pruned DIR")
     t0 = time.time()
-    full = LayerStream(model, dtype)
+    full = LayerStream(model, dtype, placement)
     batches = [torch.tensor(windows[i:i + batch_size], dtype=torch.long) for i in range(0, len(windows), batch_size)]
     shapes = [tuple(b.shape) for b in batches]
     policy = None
@@ -57,7 +58,7 @@ def heldout_kl_streamed(model: str | Path, windows: list[list[int]], *, plan=Non
         policy = plan.decode
         other = full
     else:
-        other = LayerStream(pruned, full.dtype)
+        other = LayerStream(pruned, full.dtype, full.placement)
     ctl = RoutingController.of(other.model)
     a, b = full.embed(batches), other.embed(batches)
     bar = tqdm(total=len(full.layers) * 2 * sum(x.numel() for x in batches), unit="tok", desc="held-out KL (streamed)",
@@ -65,17 +66,12 @@ def heldout_kl_streamed(model: str | Path, windows: list[list[int]], *, plan=Non
     tick = lambda i, j: bar.update(batches[j].numel())  # noqa: E731
     try:
         if other is full:   # one load per layer: full router, then the plan's mask
-            with torch.no_grad():
-                for i, layer in enumerate(full.layers):
-                    full._load(layer, f"model.layers.{i}")
-                    for acts, pol in ((a, None), (b, policy)):
-                        with ctl.policy(pol):
-                            for j, shape in enumerate(shapes):
-                                args, kwargs = full.layer_inputs(shape, i)
-                                out = layer(acts[j], *args, **kwargs)
-                                acts[j] = out[0] if isinstance(out, tuple) else out
-                                tick(i, j)
-                    free_module(layer)
+            for i in range(len(full.layers)):
+                full.load_layer(i)
+                for acts, pol in ((a, None), (b, policy)):
+                    with ctl.policy(pol):
+                        full.forward_layer(i, acts, shapes, on_batch=tick)
+                full.free_layer(i)
         else:
             full.run_layers(a, shapes, on_batch=tick)
             other.run_layers(b, shapes, on_batch=tick)

@@ -364,10 +364,12 @@ def working_dtype(name: str, path: str | Path) -> torch.dtype:
     return DTYPES[name]
 
 
-def should_stream(path: str | Path, dtype: torch.dtype, mode: str = "auto", share: float = 0.6) -> bool:
+def should_stream(path: str | Path, dtype: torch.dtype, mode: str = "auto", share: float = 0.6,
+                  device: torch.device | None = None) -> bool:
     """``--stream``: 'on', 'off', or 'auto' = when the weights in ``dtype`` exceed ``share`` of the
-    memory available now (then one decoder layer at a time)."""
-    from ..memory import available_gib
+    memory available now on ``device`` (host memory for the CPU, the GPU's free memory for a GPU;
+    then one decoder layer at a time)."""
+    from ..device import free_bytes
 
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"unknown --stream {mode!r}; choose from auto, on, off")
@@ -375,5 +377,5 @@ def should_stream(path: str | Path, dtype: torch.dtype, mode: str = "auto", shar
         return mode == "on"
     ckpt = Checkpoint(path)
     need = ckpt.nbytes() / stored_dtype(path).itemsize * dtype.itemsize
-    free = available_gib()
-    return free is not None and need > share * free * 2**30
+    free = free_bytes(device if device is not None else torch.device("cpu"))
+    return free is not None and need > share * free

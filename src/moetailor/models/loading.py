@@ -12,9 +12,11 @@ from .paths import REFERENCE_DIR, bundled_name, resolve_model_path  # noqa: F401
 from .sidecars import DISTILL_PLAN_FILE, DISTILL_SIDECAR, SPLIT_SIDECAR, DistillSidecar, Sidecars, SplitSidecar
 
 
-def load_model(name: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_model(name: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               placement=None):
     """Load a supported MoE causal LM (fp32 by default: fastest for decode on CPU). Safetensors checkpoints
     are read tensor by tensor (``checkpoint.load_whole``): resident memory is the weights, not twice them.
+    The weights then go where ``placement`` (``device.Placement``; default: one for ``device``) puts them.
     The model carries where it came from (``moetailor_source``) and what transforms recorded beside it
     (``moetailor_sidecars``, see ``sidecars.py``)."""
     from safetensors import SafetensorError
@@ -22,17 +24,21 @@ def load_model(name: str | Path, dtype: torch.dtype = torch.float32, device: str
 
     from .architectures import arch_spec
 
+    from ..device import Placement
+
+    placement = placement or Placement.of(device)
     path = resolve_model_path(name)
     arch_spec(read_config(path))  # clear error before loading weights
     try:
         if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
             from .checkpoint import load_whole   # plain reads: resident memory = the weights
-            model = load_whole(path, dtype).to(device)
+            model = load_whole(path, dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, SafetensorError, ValueError, KeyError) as e:   # incl. a truncated or incomplete checkpoint
         raise ValueError(f"cannot read the weights of {name} ({_first_line(e)}); a weights file may be truncated or "
                          "missing: copy or export the checkpoint again") from None
+    model = placement.model(model)
     model.eval()
     model.moetailor_source = str(path)
     model.moetailor_sidecars = read_sidecars(path)

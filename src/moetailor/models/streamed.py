@@ -6,8 +6,11 @@ inputs the stock model gives it: the attention mask, position ids and rotary tab
 running the stock base model's forward once per batch shape with its decoder layers replaced by
 recorders, so every architecture's mask rules (causal, sliding window) are the stock ones.
 
-``LayerStream(path, dtype)`` holds the meta-device skeleton (``checkpoint.skeleton``): a
+``LayerStream(path, dtype, placement)`` holds the meta-device skeleton (``checkpoint.skeleton``): a
 RoutingController installed on it (observers, plans) acts on each layer while it is loaded.
+``placement`` (``device.Placement``, default the CPU) puts each layer on the compute device in turn,
+with one batch's activations and the layer's inputs: device memory holds one decoder layer plus one
+batch's activations; the activations of the other batches wait in host memory (or on disk).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch.nn as nn
 
 from .adapters import decoder_layers
 from .architectures import arch_spec
-from .checkpoint import free_module, load_module, skeleton, stored_dtype
+from .checkpoint import load_module, skeleton, stored_dtype
 
 
 class _Recorder(nn.Module):
@@ -38,6 +41,8 @@ class _Recorder(nn.Module):
 
 class Activations:
     """Per-batch hidden states [B, S, H], in memory or (``spill_dir``) one file per batch on disk."""
+
+    device = torch.device("cpu")   # where the activations wait between layers
 
     def __init__(self, spill_dir: Path | None = None):
         self.spill_dir = spill_dir
@@ -60,7 +65,10 @@ class Activations:
 class LayerStream:
     """A checkpoint run layer-major over a fixed list of token batches (see the module docstring)."""
 
-    def __init__(self, path: str | Path, dtype: torch.dtype | None = None):
+    def __init__(self, path: str | Path, dtype: torch.dtype | None = None, placement=None):
+        from ..device import Placement
+
+        self.placement = placement or Placement.of("cpu")
         self.dtype = dtype or stored_dtype(path)
         self.model, self.ckpt = skeleton(path, self.dtype)
         self.config = self.model.config
@@ -71,6 +79,29 @@ class LayerStream:
 
     def _load(self, module: nn.Module, prefix: str) -> nn.Module:
         return load_module(module, prefix, self.ckpt, self.config.model_type, self.num_experts, self.dtype)
+
+    def load_layer(self, i: int) -> nn.Module:
+        """Decoder layer ``i`` read from the shards onto the compute device."""
+        return self.placement.layer(self._load(self.layers[i], f"model.layers.{i}"))
+
+    def free_layer(self, i: int) -> None:
+        self.placement.release(self.layers[i])
+
+    def forward_layer(self, i: int, acts: "Activations", shapes: list[tuple[int, int]],
+                      on_batch: Callable[[int, int], None] | None = None) -> None:
+        """Every batch through the loaded decoder layer ``i``, one batch on the device at a time."""
+        layer = self.layers[i]
+        with torch.no_grad():
+            for b, shape in enumerate(shapes):
+                args, kwargs = self.placement.inputs(self.layer_inputs(shape, i))
+                hidden = self.placement.inputs(acts[b])                                 # [B, S, H]
+                out = layer(hidden, *args, **kwargs)
+                out = out[0] if isinstance(out, tuple) else out
+                self.placement.step(hidden, out, args, kwargs)
+                acts[b] = out.to(acts.device)
+                del hidden, out
+                if on_batch is not None:
+                    on_batch(i, b)
 
     def layer_inputs(self, shape: tuple[int, int], index: int) -> tuple[tuple, dict]:
         """The (args, kwargs) the stock model passes decoder layer ``index`` for a batch [B, S]."""
@@ -90,29 +121,26 @@ class LayerStream:
     def embed(self, batches: list[torch.Tensor], spill_dir: Path | None = None) -> Activations:
         """Hidden states after the embeddings, one entry per batch (LongTensor [B, S] each)."""
         acts = Activations(spill_dir)
-        embed = self._load(self.base.embed_tokens, "model.embed_tokens")
+        embed = self.placement.layer(self._load(self.base.embed_tokens, "model.embed_tokens"))
         with torch.no_grad():
             for b, ids in enumerate(batches):
-                acts[b] = embed(ids)                                                     # [B, S, H]
-        free_module(embed)
+                ids = self.placement.inputs(ids)
+                hidden = embed(ids)                                                      # [B, S, H]
+                self.placement.step(ids, hidden)
+                acts[b] = hidden.to(acts.device)
+        self.placement.release(embed)
         return acts
 
     def run_layers(self, acts: Activations, shapes: list[tuple[int, int]],
                    on_batch: Callable[[int, int], None] | None = None,
                    after_layer: Callable[[int], None] | None = None) -> Activations:
         """Push every batch through every decoder layer, loading one layer at a time."""
-        with torch.no_grad():
-            for i, layer in enumerate(self.layers):
-                self._load(layer, f"model.layers.{i}")
-                for b, shape in enumerate(shapes):
-                    args, kwargs = self.layer_inputs(shape, i)
-                    out = layer(acts[b], *args, **kwargs)
-                    acts[b] = out[0] if isinstance(out, tuple) else out
-                    if on_batch is not None:
-                        on_batch(i, b)
-                free_module(layer)
-                if after_layer is not None:
-                    after_layer(i)
+        for i in range(len(self.layers)):
+            self.load_layer(i)
+            self.forward_layer(i, acts, shapes, on_batch)
+            self.free_layer(i)
+            if after_layer is not None:
+                after_layer(i)
         return acts
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -123,9 +151,12 @@ class LayerStream:
             weight = self.ckpt.get("model.embed_tokens.weight")
         else:
             weight = self.ckpt.get("lm_head.weight")
-        with torch.no_grad():
-            h = self.base.norm(hidden)
-            return torch.nn.functional.linear(h, weight.to(h.dtype)).float()
+        with torch.no_grad(), self.placement.visiting(self.base.norm) as norm:
+            h = norm(self.placement.inputs(hidden))
+            weight = self.placement.inputs(weight.to(h.dtype))                           # [V, H]
+            logits = torch.nn.functional.linear(h, weight).float()                       # [B, S, V]
+            self.placement.step(h, weight, logits)
+        return logits.to("cpu")
 
     def close(self) -> None:
         self.ckpt.close()

@@ -318,7 +318,7 @@ def distill_loss(student: Student, batch: torch.Tensor, splits: list[int], cfg: 
     ``backward`` the gradients of the mean per-token loss are accumulated row by row (bounded memory)."""
     inputs, targets = batch[:, :-1], batch[:, 1:]                            # [B, L] each
     B, L = inputs.shape
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16 and inputs.device.type == "cpu")
+    autocast = torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
     with torch.no_grad(), autocast:
         out = student.teacher(inputs, use_cache=True)
         top_ids, t_top, t_rest = teacher_targets(out.logits, cfg.kd_top)     # [B, L, k], [B, L, k], [B, L]
@@ -467,8 +467,9 @@ def train(student: Student, batches: Callable[[int], Iterator[torch.Tensor]], cf
     data = batches(start)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="distilling", disable=not progress,
                mininterval=5)
+    device = next(student.model.parameters()).device
     for step in bar:
-        batch = next(data)
+        batch = next(data).to(device)
         if batch.shape[1] != cfg.seq_len + 1:
             raise ValueError(f"batch of {batch.shape[1]} tokens per row; expected seq_len + 1 = {cfg.seq_len + 1}")
         for g in opt.param_groups:
@@ -594,8 +595,9 @@ def token_batches(tokenizer, spec: str, cfg: DistillConfig) -> Callable[[int], I
 
 def distill_checkpoint(model_name: str | Path, plan: str | Path | Plan, data: str, cfg: DistillConfig, out: str | Path,
                        overwrite: bool = False, resume: bool = False, progress: bool = True,
-                       command: str | None = None) -> tuple[Path, DistillResult]:
-    """The `moetailor distill` pipeline: load, check, train (resumable from ``OUT.partial``), export."""
+                       command: str | None = None, device="cpu") -> tuple[Path, DistillResult]:
+    """The `moetailor distill` pipeline: load (onto ``device``), check, train (resumable from
+    ``OUT.partial``), export."""
     from ..calibration.data import data_file, parse_data_spec
     from ..models.loading import load_model, load_tokenizer, resolve_model_path
 
@@ -614,7 +616,9 @@ def distill_checkpoint(model_name: str | Path, plan: str | Path | Plan, data: st
             raise FileExistsError(f"an interrupted run exists at {state_dir}; pass --resume to continue it or "
                                   "--overwrite to start over")
         shutil.rmtree(state_dir)
-    model = load_model(source)
+    from ..device import Placement
+
+    model = load_model(source, placement=Placement.of(device, spread=True))   # training runs HF forwards only
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     student = Student(model, plan, se2=cfg.se2, experts=cfg.experts)
     tokenizer = load_tokenizer(source)

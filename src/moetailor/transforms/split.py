@@ -124,9 +124,12 @@ def profile_neurons(model, batches, progress: bool = True) -> dict[int, LayerPro
     first = next(iter(layers.values()))
     E, I = first.num_experts, int(first.experts.down_proj.shape[-1])
     H = first.experts.gate_up_proj.shape[-1]
-    prof = {i: LayerProfile(torch.zeros(E, dtype=torch.float64), torch.zeros(E, I, dtype=torch.float64),
-                            torch.zeros(E, I, I, dtype=torch.float64), torch.zeros(H, dtype=torch.float64),
-                            torch.zeros(H, H, dtype=torch.float64)) for i in layers}
+
+    def zeros(*shape, layer):   # the sums live beside their layer (a model spread over GPUs: per layer)
+        return torch.zeros(*shape, dtype=torch.float64, device=layer.router.weight.device)
+
+    prof = {i: LayerProfile(zeros(E, layer=l), zeros(E, I, layer=l), zeros(E, I, I, layer=l), zeros(H, layer=l),
+                            zeros(H, H, layer=l)) for i, l in layers.items()}
 
     def observe(layer: MoeLayer, hidden, logits, weights, index):
         p = prof[layer.index]
@@ -145,7 +148,8 @@ def profile_neurons(model, batches, progress: bool = True) -> dict[int, LayerPro
     with ctl.observing(observe):
         for ids in tqdm(batches, desc="profile neurons", unit="batch", disable=not progress):
             model(input_ids=ids.to(device), use_cache=False)
-    return prof
+    return {i: LayerProfile(p.count.cpu(), p.sum_a.cpu(), p.sum_aa.cpu(), p.hidden_sum.cpu(), p.hidden_outer.cpu(),
+                            p.tokens) for i, p in prof.items()}   # the partition search runs on the CPU
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,7 +482,7 @@ def write_split(result: SplitResult, source_model, out: str | Path, overwrite: b
 def split_checkpoint(model, data, parts: int, out: str | Path, *, method: str = "anneal", gate: str = "proxy",
                      tokens: int = 16384, seq_len: int = 256, steps: int = 4000, seed: int = 0,
                      overwrite: bool = False, finetune_steps: int = 60, finetune_tokens: int | None = None,
-                     progress: bool = True, command: str | None = None) -> tuple[Path, SplitResult]:
+                     progress: bool = True, command: str | None = None, device="cpu") -> tuple[Path, SplitResult]:
     """Profile, partition, slice (and optionally fine-tune the router), then write the checkpoint."""
     from ..calibration.data import data_file, iter_token_batches, parse_data_spec
     from ..models.loading import load_model, load_tokenizer
@@ -494,7 +498,9 @@ def split_checkpoint(model, data, parts: int, out: str | Path, *, method: str = 
     spec = parse_data_spec(data)
     tokenizer = load_tokenizer(source_dir) if source_dir is not None else None
     if isinstance(model, (str, Path)):
-        model = load_model(source_dir)
+        from ..device import Placement
+
+        model = load_model(source_dir, placement=Placement.of(device, spread=True))   # HF forwards only
     if tokenizer is None:
         raise ValueError("splitting needs the model's tokenizer to read calibration text; pass a checkpoint path")
     _check_splittable(model, parts)

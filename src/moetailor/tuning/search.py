@@ -69,6 +69,7 @@ class TuneSettings:
     seed: int = 0
     stream: str = "auto"
     dtype: str = "auto"
+    device: str = "cpu"                # --device: where the weights run (``device.Placement``)
     overwrite: bool = False
     command: str = ""
 
@@ -196,7 +197,9 @@ class Tuner:
             raise ValueError("--min-quality needs prompts with answers: pass --tasks FILE.jsonl (lines with "
                              "\"prompt\" and \"answer\", as for `moetailor eval --tasks`) or use --max-kl")
         self.dtype = working_dtype(s.dtype, self.path)
-        self.streamed = should_stream(self.path, self.dtype, s.stream)
+        from ..device import Placement
+        self.placement = Placement.of(s.device)
+        self.streamed = should_stream(self.path, self.dtype, s.stream, device=self.placement.device)
         if self.streamed and self.tasks and s.min_quality is not None:
             raise ValueError("this checkpoint is evaluated layer by layer (it does not fit in memory), where the "
                              "engine cannot run tasks; use --max-kl NATS as the floor (or --stream off)")
@@ -208,10 +211,10 @@ class Tuner:
         (self.out / "plans").mkdir(exist_ok=True)
         if self.streamed:
             from ..models.streamed import LayerStream
-            self.model = LayerStream(self.path, self.dtype).model    # meta skeleton: fingerprint and routers
+            self.model = LayerStream(self.path, self.dtype, self.placement).model   # meta skeleton: fingerprint, routers
         else:
             from ..models import load_model
-            self.model = load_model(s.model, dtype=self.dtype)
+            self.model = load_model(s.model, dtype=self.dtype, placement=self.placement)
         from ..models.loading import model_fingerprint, weights_hash
         self.fp = model_fingerprint(self.model)
         self.E, self.k, self.layers = self.fp["num_experts"], self.fp["top_k"], list(self.fp["moe_layers"])
@@ -281,7 +284,8 @@ class Tuner:
         if self.streamed:
             from ..calibration.streaming import calibrate_streamed
             stats = calibrate_streamed(self.path, self.tokenizer, data, self.s.calib_tokens, dtype=self.dtype,
-                                       seed=self.s.seed, progress=self.progress, command=self.s.command)
+                                       seed=self.s.seed, progress=self.progress, command=self.s.command,
+                                       placement=self.placement)
         else:
             stats = calibrate(self.model, self.tokenizer, data, self.s.calib_tokens, seed=self.s.seed,
                               fold=self.s.fold, progress=self.progress, command=self.s.command)
@@ -329,7 +333,7 @@ class Tuner:
             elif self.streamed:
                 from ..eval.streamed_kl import heldout_kl_streamed
                 kl = heldout_kl_streamed(self.path, self.windows, plan=self.plan(c), dtype=self.dtype,
-                                         progress=False).kl
+                                         progress=False, placement=self.placement).kl
             else:
                 kl = self.scorer.score(None, self.plan(c).decode).kl
             record = {"identity": self.identity, "candidate": c.to_json(), "kl": kl,
@@ -637,7 +641,7 @@ class Tuner:
 
     def _load(self, path: Path):
         from ..models import load_model
-        return load_model(path)
+        return load_model(path, device=self.placement.device)
 
     # ---- the whole run ---------------------------------------------------------------------------
     def run(self) -> TuneResult:
