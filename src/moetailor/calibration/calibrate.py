@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -30,13 +31,30 @@ GATES = {
 ALL_EXPERTS_CHUNK_BYTES = 64 << 20  # all-experts mode computes [chunk, E, H] outputs at a time
 
 
+# expert_outputs(layer, hidden [S, H], experts [S] sorted) -> [S, H]: E_j(x) of each route, without the gate weight
+ExpertOutputs = Callable[[MoeLayer, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def module_expert_outputs(layer: MoeLayer, hidden: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """E_j(x) for rows sorted by expert, one expert's rows at a time through the module's weights."""
+    out = torch.empty(hidden.shape[0], hidden.shape[1], dtype=torch.float32, device=hidden.device)   # [S, H]
+    ids, counts = torch.unique_consecutive(experts, return_counts=True)
+    start = 0
+    for e, n in zip(ids.tolist(), counts.tolist()):
+        out[start:start + n] = layer.expert_forward(e, hidden[start:start + n]).float()             # [n, H]
+        start += n
+    return out
+
+
 class Collector:
     """The observer: turns one layer's hidden states and routes into additions to LayerStats."""
 
-    def __init__(self, layers: list[MoeLayer], gate: str = "renorm", fold: bool = False, all_experts: bool = False):
+    def __init__(self, layers: list[MoeLayer], gate: str = "renorm", fold: bool = False, all_experts: bool = False,
+                 expert_outputs: ExpertOutputs | None = None):
         if gate not in GATES:
             raise ValueError(f"unknown gate definition {gate!r}; choose from {', '.join(GATES)}")
         self.gate, self.fold, self.all_experts = gate, fold or all_experts, all_experts
+        self.expert_outputs = expert_outputs or module_expert_outputs
         self.stats = {l.index: LayerStats.zeros(l.num_experts, self.fold, l.router.weight.shape[1]) for l in layers}
 
     @torch.no_grad()
@@ -72,19 +90,15 @@ class Collector:
         outputs = torch.zeros(T, K, hidden.shape[1], device=hidden.device) if self.fold else None  # [T, K, H]
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        start = 0
-        for e, n in zip(experts.tolist(), counts.tolist()):
-            slots = order[start:start + n]
-            start += n
-            if e >= E:
-                continue
-            rows, cols = slots // K, slots % K
-            y = layer.expert_forward(e, hidden[rows]).float()               # [n, H]
-            norms[rows, cols] = y.norm(dim=-1)
-            add_outputs(st, e, y)
-            if outputs is not None:
-                outputs[rows, cols] = y
+        slots = order[flat[order] < E]                                      # [S] live routes, sorted by expert
+        rows, cols = slots // K, slots % K
+        y = self.expert_outputs(layer, hidden[rows], flat[slots]).float()   # [S, H] E_j(x) per route
+        norms[rows, cols] = y.norm(dim=-1)
+        experts, counts = torch.unique_consecutive(flat[slots], return_counts=True)
+        for e, part in zip(experts.tolist(), y.split(counts.tolist())):     # output statistics per expert
+            add_outputs(st, e, part)
+        if outputs is not None:
+            outputs[rows, cols] = y
         st.ean.index_add_(0, index[valid].cpu(), norms[valid].double().cpu())
         st.weighted_ean.index_add_(0, index[valid].cpu(), (g * norms)[valid].double().cpu())
         if outputs is None:

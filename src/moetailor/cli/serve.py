@@ -46,6 +46,13 @@ def register(sub) -> None:
     p.add_argument("--no-guard", action="store_true",
                    help="serve reduced pools as planned even when they collapse (measuring a plan, e.g. with "
                         "lm-eval); by default the collapse guard sends requests back to the full pool")
+    p.add_argument("--observe", metavar="STATS", default=None,
+                   help="accumulate the served traffic's calibration statistics (the file `moetailor calibrate` "
+                        "writes; `moetailor plan --stats` reads it) and write them to STATS at shutdown, on "
+                        "POST /observe/save, and every --observe-every steps")
+    p.add_argument("--observe-every", type=int, default=0, metavar="N",
+                   help="with --observe: also write the statistics every N engine steps (0: at shutdown and on "
+                        "demand only)")
     from ..integrations.vllm.options import add_backend_arguments
     add_backend_arguments(p)   # --backend engine|vllm (vLLM: the plugin, colocated or a disaggregated pair)
     p.set_defaults(func=run)
@@ -93,11 +100,31 @@ def run(args) -> int:
     name = served_model_name(args.model, args.served_model_name)
     if args.expert_plan and args.decode_model:   # refused before either worker loads a model
         raise ValueError(PLANS_NEED_COLOCATED)
+    if args.observe is not None or args.observe_every:
+        check_observe_arguments(args)            # before the model loads
     llm = build_engine(args)
+    if args.observe is not None:
+        from .calibrate import command_line
+        llm.observe(args.observe, args.observe_every, command=command_line(args, positional=("model",)))
     plans = parse_named_plans(args.expert_plan, llm.model)
     serve(llm, host=args.host, port=args.port, model_name=name, plans=plans, limits=limits, api_key=api_key,
           guard=not args.no_guard)
     return 0
+
+
+def check_observe_arguments(args) -> None:
+    """--observe's path must be writable and the engine colocated (the disaggregated pair's decode worker
+    runs another process's model)."""
+    from ..calibration.observe import check_observe_path
+
+    if args.observe is None:
+        raise ValueError("--observe-every needs --observe STATS (the statistics file to write)")
+    if args.observe_every < 0:
+        raise ValueError(f"--observe-every {args.observe_every} must be 0 (at shutdown and on demand only) or a "
+                         "positive step count")
+    if args.decode_model:
+        raise ValueError("--observe needs a colocated engine: drop --decode-model (or observe with the vLLM plugin)")
+    check_observe_path(args.observe)
 
 
 def served_model_name(model: str, given: str | None) -> str:

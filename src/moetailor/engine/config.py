@@ -56,7 +56,7 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
                             f"the options are {', '.join(names)} (and tokenizer, guard, k_cost, decode_pools, "
-                            "step_log_size)")
+                            "step_log_size, observe, observe_every)")
         return cls(**{**options, "device": str(options.get("device", cls.device))})
 
     def __post_init__(self) -> None:

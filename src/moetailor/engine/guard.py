@@ -74,9 +74,17 @@ class Admission:
     shadow: object = None
 
 
+SHADOW_SUFFIX = "~shadow"
+
+
 def shadow_id(request_id: str) -> str:
     """The request id of a request's full-pool shadow."""
-    return f"{request_id}~shadow"
+    return f"{request_id}{SHADOW_SUFFIX}"
+
+
+def is_shadow(seq) -> bool:
+    """Whether ``seq`` is a guard's full-pool shadow (a copy of a request, not traffic)."""
+    return seq.request_id.endswith(SHADOW_SUFFIX)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from .k_tiers import StepCost
 from .load_pools import PoolsByLoad
 from .logprobs import record_logprobs, take_prompt_logprobs
 from .model_runner import ModelRunner, StepOutput
+from .observe import observed_step
 from .sampling import NonFiniteLogits, SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, StreamDelta, delta
@@ -56,12 +57,19 @@ class LLM:
 
     def __init__(self, model, plan: Plan | str | Path | None = None, *, tokenizer=None,
                  guard: GuardConfig | bool | None = None, k_cost: StepCost | None = None,
-                 decode_pools: PoolsByLoad | None = None, step_log_size: int = 10_000, **options):
+                 decode_pools: PoolsByLoad | None = None, step_log_size: int = 10_000,
+                 observe: str | Path | None = None, observe_every: int = 0, **options):
         """``model``: a checkpoint folder, a bundled name or a loaded model (which keeps its own dtype);
-        ``options``: the fields of ``EngineConfig`` (max_num_seqs, block_size, dtype, device, ...)."""
+        ``options``: the fields of ``EngineConfig`` (max_num_seqs, block_size, dtype, device, ...);
+        ``observe``: write the served traffic's calibration statistics there (``calibration.observe``)."""
+        from ..calibration.observe import check_observe_path
         from ..models.loading import load_model, load_tokenizer
 
         config = EngineConfig.of(options)   # an unknown or bad option fails here, before the model loads
+        if observe is not None:   # a path that cannot be written fails before the model loads
+            check_observe_path(observe, "observe")
+            if observe_every < 0:
+                raise ValueError(f"observe_every={observe_every} must be >= 0 (0: write at close and on demand only)")
         owns_model = isinstance(model, (str, Path))   # then the runner may pack its experts in place
         if owns_model:
             name = model
@@ -97,6 +105,20 @@ class LLM:
         self.tokens_generated = 0
         if guard:   # off unless asked for (the server turns it on): measurements see the raw plan
             self.enable_guard(guard if isinstance(guard, GuardConfig) else GuardConfig())
+        self.observer = None
+        if observe is not None:
+            self.observe(observe, observe_every)
+
+    def observe(self, path: str | Path, every: int = 0, command: str | None = None):
+        """Accumulate the served traffic's calibration statistics (``calibration.observe``) and write
+        them to ``path`` every ``every`` steps (0: only on ``observer.save()`` and ``close()``)."""
+        from .observe import engine_observer
+
+        with self.lock:
+            if self.observer is not None:
+                raise ValueError(f"this engine already observes into {self.observer.path}")
+            self.observer = engine_observer(self.model, self.controller, path, every, command)
+        return self.observer
 
     # ---- configuration -------------------------------------------------------------------------
     def set_plan(self, plan: Plan | str | Path | None) -> None:
@@ -257,7 +279,12 @@ class LLM:
         return {"ok": True, "workers": {}}
 
     def close(self) -> None:
-        """Nothing to release beyond memory (``engine/client.py``)."""
+        """Write the observed statistics, if observing; nothing else to release beyond memory
+        (``engine/client.py``)."""
+        with self.lock:
+            observer, self.observer = self.observer, None
+        if observer is not None:
+            observer.close()
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
@@ -289,10 +316,11 @@ class LLM:
                           uniform=top_k is not None and mean_k == k_max)               # one budget: the native path
         every = [is_prefill and s.sampling.prompt_logprobs is not None and s.prompt_logprobs is None
                  for s in seqs]                                                    # prompt logprobs still to compute
-        out = self.runner.run(seqs, is_prefill, self.block_manager, routing, every if any(every) else None)
-        if any(every):
-            out = replace(out, logits=take_prompt_logprobs(seqs, every, out.logits))   # [B, V]
-        tokens = sample(out.logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        with observed_step(self.observer, seqs, is_prefill):   # counted once the step's tokens are sampled
+            out = self.runner.run(seqs, is_prefill, self.block_manager, routing, every if any(every) else None)
+            if any(every):
+                out = replace(out, logits=take_prompt_logprobs(seqs, every, out.logits))   # [B, V]
+            tokens = sample(out.logits, [s.sampling for s in seqs], [s.generator for s in seqs])
         record_logprobs(seqs, out.logits, tokens)
         return out, tokens, mean_k
 

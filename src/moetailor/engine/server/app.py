@@ -180,6 +180,15 @@ def create_app(llm: EngineClient, model_name: str = "moetailor", plans: dict | N
                     f"{kind} worker {w['state']}" for kind, w in info["workers"].items() if w["state"] != "ready")
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    @app.post("/observe/save")
+    async def observe_save():
+        """Write the observed statistics now (``--observe``): 200 with the path, tokens and steps counted."""
+        observer = getattr(llm, "observer", None)
+        if observer is None:
+            return error(404, "this server does not observe its traffic; start it with --observe STATS")
+        meta = await asyncio.to_thread(observer.save)
+        return {"path": str(observer.path), "tokens": meta["tokens"], "steps": meta["observed"]["steps"]}
+
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(prometheus_text(llm), media_type="text/plain; version=0.0.4")
