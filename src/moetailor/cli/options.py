@@ -42,3 +42,14 @@ def torch_name(name: str | None) -> str | None:
 
 def add_overwrite_option(parser, help: str = "replace --out if it exists") -> None:
     parser.add_argument("--overwrite", "--force", dest="overwrite", action="store_true", help=help + " (--force: the same)")
+
+
+def add_backend_options(parser) -> None:
+    """``--backend`` / ``--vllm-url`` of the verbs that score plans (eval, tune): where candidates run."""
+    parser.add_argument("--backend", choices=("engine", "vllm"), default="engine",
+                        help="where candidate plans run: engine (moetailor's embedded engine, default) or vllm (one "
+                             "vLLM engine with moetailor's plugin, plans switched between candidates: vllm.LLM in this "
+                             "process from .venv-vllm/bin/moetailor, or the server at --vllm-url)")
+    parser.add_argument("--vllm-url", default=None, metavar="URL",
+                        help="with --backend vllm: a running `moetailor serve MODEL --backend vllm` (e.g. "
+                             "http://127.0.0.1:8000) instead of an engine in this process")
