@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..tables import print_table
-from .options import add_device_option, add_dtype_option, add_overwrite_option
+from .options import add_backend_options, add_device_option, add_dtype_option, add_overwrite_option
 
 
 def register(sub) -> None:
@@ -42,6 +42,7 @@ def register(sub) -> None:
                    "text, mix, mixture:...; default for the bundled models: tasks, required otherwise). A sweep axis "
                    "'data=tasks|text|mix' (or data=domains) calibrates per domain for the cross-domain matrix")
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch size")
+    add_backend_options(p)
     p.add_argument("--out", required=True, help="output directory (an interrupted run resumes from its cells; cells "
                    "another plan, model or setting wrote there are an error)")
     add_overwrite_option(p,
@@ -70,6 +71,9 @@ def run(args) -> int:
     from ..eval.report import write_docs
     from ..eval.runner import EvalSettings, Sweep
     t0 = time.time()
+    if args.backend != "engine" and (args.metric == "kl" or args.budgets):
+        raise ValueError("--backend vllm evaluates the task suite and held-out KL of plans (--plan/--sweep); "
+                         "--metric kl and --budgets run on moetailor's engine only")
     if args.metric == "kl":
         return run_kl(args)
     args.configs = plan_configs(args.plan, args.configs)
@@ -80,7 +84,7 @@ def run(args) -> int:
         sampling=[s.strip() for s in args.sampling.split(",") if s.strip()], configs=parse_configs(args.configs),
         plan=args.plan, sweep=args.sweep, max_tokens=args.max_tokens, kl_docs=args.kl_docs,
         kl_window=args.kl_window, calib_tokens=args.calib_tokens, calib_data=args.calib_data, max_num_seqs=args.max_num_seqs,
-        device=str(args.device))
+        device=str(args.device), backend=args.backend, vllm_url=args.vllm_url)
     if args.budgets:   # the budget comparison brings its own topk configurations
         settings.configs = parse_configs("baseline")
         settings.validate()

@@ -69,3 +69,14 @@ def resolve_device_option(args) -> None:
 
     if isinstance(getattr(args, "device", None), str):
         args.device = resolve_device(args.device)
+
+
+def add_backend_options(parser) -> None:
+    """``--backend`` / ``--vllm-url`` of the verbs that score plans (eval, tune): where candidates run."""
+    parser.add_argument("--backend", choices=("engine", "vllm"), default="engine",
+                        help="where candidate plans run: engine (moetailor's embedded engine, default) or vllm (one "
+                             "vLLM engine with moetailor's plugin, plans switched between candidates: vllm.LLM in this "
+                             "process from .venv-vllm/bin/moetailor, or the server at --vllm-url)")
+    parser.add_argument("--vllm-url", default=None, metavar="URL",
+                        help="with --backend vllm: a running `moetailor serve MODEL --backend vllm` (e.g. "
+                             "http://127.0.0.1:8000) instead of an engine in this process")

@@ -84,6 +84,9 @@ def run(args) -> int:
     if args.vllm_experts_kernel:
         raise ValueError("--vllm-experts-kernel is for --backend vllm; moetailor's engine always runs its own experts "
                          "kernel")
+    if args.vllm_no_prefix_caching:
+        raise ValueError("--vllm-no-prefix-caching is for --backend vllm; moetailor's engine switches plans per "
+                         "request and keeps its prefix cache per plan")
 
     if args.k_schedule == "tiers":
         raise ValueError("--k-schedule tiers plans a known set of requests offline (`moetailor generate`); a server "

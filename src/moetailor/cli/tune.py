@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..tables import print_table
-from .options import add_device_option, add_dtype_option, add_overwrite_option
+from .options import add_backend_options, add_device_option, add_dtype_option, add_overwrite_option
 
 
 def register(sub) -> None:
@@ -62,6 +62,7 @@ def register(sub) -> None:
                    help="score layer by layer from the shards (auto: when the model does not fit in memory)")
     add_dtype_option(p, "working dtype for calibration and scoring", "auto")
     add_device_option(p)
+    add_backend_options(p)
     p.add_argument("--out", required=True, help="output folder (an earlier run's cache there is reused)")
     add_overwrite_option(p, help="recompute cached results that do not fit this run")
     p.set_defaults(func=run, report_peak_rss=True)
@@ -81,7 +82,8 @@ def run(args) -> int:
         fold=not args.no_fold, allocation=not args.no_allocation, top_k=not args.no_top_k, servable=args.servable,
         calib_tokens=args.calib_tokens, kl_tokens=args.kl_tokens, kl_window=args.kl_window, n=args.n,
         evaluate=args.evaluate, distill_steps=args.distill, distill_lr=args.distill_lr, seed=args.seed,
-        stream=args.stream, dtype=args.dtype, device=str(args.device), overwrite=args.overwrite, command=command)
+        stream=args.stream, dtype=args.dtype, device=str(args.device), overwrite=args.overwrite, command=command,
+        backend=args.backend, vllm_url=args.vllm_url)
     tuner = Tuner(settings)
     result = tuner.run()
     cols, table = rows(tuner, result, result.front)

@@ -270,6 +270,15 @@ def heldout_windows(tokenizer, documents: dict[str, list[str]], docs_per_domain:
     return out
 
 
+def _cache_argument(model) -> str:
+    """The keyword a model's forward takes its KV cache by: ``cache`` (transformers >= 5.24) or
+    ``past_key_values`` (earlier releases, e.g. the one vLLM's CPU build pins in ``.venv-vllm``,
+    whose forward would swallow ``cache=`` unread and run the continuation without its prefix)."""
+    import inspect
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params or "past_key_values" not in params else "past_key_values"
+
+
 @torch.no_grad()
 def _split_forward(model, ctl: RoutingController, ids: torch.Tensor, split: int,
                    prefill: PhasePolicy | None, decode: PhasePolicy | None, decode_model=None) -> torch.Tensor:
@@ -284,7 +293,7 @@ def _split_forward(model, ctl: RoutingController, ids: torch.Tensor, split: int,
     if decode_model is not None:
         model, ctl = decode_model, RoutingController.of(decode_model)
     with ctl.policy(decode):
-        rest = model(input_ids=ids[:, split:], cache=cache, use_cache=True)
+        rest = model(input_ids=ids[:, split:], use_cache=True, **{_cache_argument(model): cache})
     logits = rest.logits[:, :-1].float()                                     # [B, T-split-1, V]
     logits = torch.cat([first.logits[:, -1:].float(), logits], dim=1)        # [B, T-split, V]
     return F.log_softmax(logits, dim=-1)

@@ -44,6 +44,7 @@ from ..data.tasks import TASKS, Task, eval_rng
 from .user_tasks import DEFAULT_BUDGET, check_prompts_fit, select_tasks, task_examples
 
 SAMPLING_MODES = ("greedy", "sample")
+ENGINE_ONLY_CONFIGURATIONS = ("guarded", "distilled")   # served by moetailor's engine only
 DEFAULT_KEEPS = (0.75, 0.5, 0.25)
 # Named sweeps: (criteria, keep ratios). "paper" is what docs/results.md reports.
 SWEEPS = {
@@ -126,8 +127,16 @@ class EvalSettings:
     device: str = "cpu"                # --device: where the model (and the engine) run
     temperature: float = 1.0
     top_p: float = 0.95
+    backend: str = "engine"            # where the cells run (eval/backends.py): engine | vllm
+    vllm_url: str | None = None        # --backend vllm: a running `moetailor serve --backend vllm`
 
     def validate(self) -> list[Task]:
+        from .backends import check_backend
+        check_backend(self.backend, self.vllm_url, self.model)
+        engine_only = [c.label for c in self.configs if c.name in ENGINE_ONLY_CONFIGURATIONS]
+        if self.backend != "engine" and engine_only:
+            raise ValueError(f"configurations {engine_only} run on moetailor's engine only (the collapse guard, a "
+                             "distilled decoder); drop them or use --backend engine")
         tasks = select_tasks(self.tasks)
         if self.n <= 0:
             raise ValueError(f"--n must be a positive number of prompts per task, got {self.n}")
@@ -169,7 +178,7 @@ def task_budget(task: Task, tokenizer, factor: float = BUDGET_FACTOR) -> int:
     return int(math.ceil(factor * longest))
 
 
-def _versions() -> dict:
+def _versions(backend: str = "engine") -> dict:
     import torch
     import transformers
     from importlib.metadata import PackageNotFoundError, version
@@ -177,8 +186,14 @@ def _versions() -> dict:
         mt = version("moetailor")
     except PackageNotFoundError:
         mt = "unknown"
-    return {"moetailor": mt, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}
+    out = {"moetailor": mt, "torch": torch.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version()}
+    if backend == "vllm":
+        import importlib.util
+        if importlib.util.find_spec("vllm") is not None:
+            import vllm
+            out["vllm"] = vllm.__version__
+    return out
 
 
 CELL_IDENTITY_VERSION = 1
@@ -215,7 +230,7 @@ class CellMismatch(ValueError):
 IDENTITY_FIELDS = {"version": "cell format", "model": "model (weights hash)", "tokenizer": "tokenizer (hash)",
                    "plan": "plan (content hash)", "configuration": "configuration",
                    "serving": "serving (guard, decode model)", "sampling": "sampling",
-                   "seed": "seed", "tasks": "tasks", "n": "n", "max_tokens": "max tokens",
+                   "seed": "seed", "tasks": "tasks", "n": "n", "max_tokens": "max tokens", "backend": "backend",
                    "heldout": "held-out settings", "data": "prompts/data (hash)"}
 
 
@@ -396,17 +411,18 @@ class Sweep:
         self.identity = {"version": CELL_IDENTITY_VERSION, "model": weights_hash(model),
                          "tokenizer": tokenizer_hash(tokenizer), "tasks": tasks,
                          "n": settings.n, "max_tokens": self.budgets}
-        self._llm = None
-        self._scorer = None
+        if settings.backend != "engine":   # the engine's cells keep their identity (no backend field)
+            self.identity["backend"] = settings.backend
+        from .backends import make_backend
+        self.backend = make_backend(settings.backend, model, tokenizer, settings.model,
+                                    url=settings.vllm_url, max_num_seqs=settings.max_num_seqs)
         self._windows = None
 
-    # -- engine and held-out scorer, built on first use ---------------------------------------
+    # -- engine and held-out windows, built on first use ---------------------------------------
     @property
     def llm(self):
-        if self._llm is None:
-            from ..engine import LLM
-            self._llm = LLM(self.model, tokenizer=self.tokenizer, max_num_seqs=self.settings.max_num_seqs)
-        return self._llm
+        """The embedded engine (the guard's cells drive it step by step)."""
+        return self.backend.llm
 
     @property
     def windows(self) -> list[list[int]]:
@@ -418,9 +434,7 @@ class Sweep:
 
     @property
     def scorer(self) -> HeldoutScorer:
-        if self._scorer is None:
-            self._scorer = HeldoutScorer(self.model, self.windows)
-        return self._scorer
+        return self.backend.scorer(self.windows)
 
     # -- cells -----------------------------------------------------------------------------------
     def cell_identity(self, variant: Variant, mode: str, seed: int | None) -> dict:
@@ -477,7 +491,9 @@ class Sweep:
                 "tokens": sum(g.length for g in gens), "prompts": len(examples), **extra}
 
     def _generate(self, variant: Variant, prompts: list[str], params) -> tuple[list, dict]:
-        guarded = variant.serving.guard   # the guarded:CONFIG configurations
+        guarded = variant.serving.guard   # the guarded:CONFIG configurations (engine only)
+        if not guarded:
+            return self.backend.generate(variant.plan, prompts, params), {}
         self.llm.guard = None
         if guarded:
             self.llm.enable_guard()
@@ -504,16 +520,24 @@ class Sweep:
     def heldout_cell(self, variant: Variant) -> dict:
         t0 = time.time()
         path = variant.serving.decode_model
-        decode_model = None
-        if path:
+        if path:   # a distilled decoder continues the original model's cache (engine backend only)
             from ..models import load_model
-            decode_model = load_model(path)
-        from ..plans.techniques import attach_plan_fold_tables
-        attach_plan_fold_tables(self.model, variant.plan)   # as the engine does for its generation cells
-        s = self.scorer.score(variant.plan.prefill, variant.plan.decode, decode_model)
+            from ..plans.techniques import attach_plan_fold_tables
+            attach_plan_fold_tables(self.model, variant.plan)
+            s = self.scorer.score(variant.plan.prefill, variant.plan.decode, load_model(path))
+        else:
+            s = self.backend.heldout(variant.plan, self.windows)
         return {**s.to_json(), "seconds": time.time() - t0}
 
     def run(self) -> dict:
+        from tqdm import tqdm
+
+        try:
+            return self._run()
+        finally:
+            self.backend.close()
+
+    def _run(self) -> dict:
         from tqdm import tqdm
 
         t_start = time.time()
@@ -606,7 +630,8 @@ class Sweep:
                                          if src.plan is not None and src.plan.meta.get("calibration")] or None
                          if self.settings.sweep else None},
             "plans": {src.label: src.plan.to_json() for src in sources if src.plan is not None},
-            "versions": _versions(),
+            "versions": _versions(self.settings.backend),
+            "backend": self.settings.backend if not self.settings.vllm_url else f"vllm at {self.settings.vllm_url}",
             "rows": rows,
             "histograms": histograms,
         }

@@ -72,11 +72,24 @@ class TuneSettings:
     device: str = "cpu"                # --device: where the weights run (``device.Placement``)
     overwrite: bool = False
     command: str = ""
+    backend: str = "engine"             # where candidates run (eval/backends.py): engine | vllm
+    vllm_url: str | None = None         # --backend vllm: a running `moetailor serve --backend vllm`
 
     def validate(self) -> None:
         from ..calibration.data import parse_data_spec
         from ..plans.criteria import CRITERIA as KNOWN
 
+        from ..eval.backends import check_backend
+
+        check_backend(self.backend, self.vllm_url, self.model)
+        if self.backend == "vllm":
+            if self.servable != "vllm":
+                raise ValueError("--backend vllm scores the plans vLLM's plugin runs: add --servable vllm")
+            if self.stream == "on":
+                raise ValueError("--backend vllm reads the model in memory for its plans; drop --stream on")
+            if self.min_tok_s is not None and self.gpu is None:
+                raise ValueError("--backend vllm does not time candidates: give --budget, or project --min-tok-s with "
+                                 "--gpu/--model-shape (time vLLM with `moetailor bench vllm`)")
         parse_data_spec(self.data)
         if self.min_quality is None and self.max_kl is None:
             raise ValueError("give a quality floor: --min-quality SHARE (of the full model's task accuracy) "
@@ -203,6 +216,9 @@ class Tuner:
         if self.streamed and self.tasks and s.min_quality is not None:
             raise ValueError("this checkpoint is evaluated layer by layer (it does not fit in memory), where the "
                              "engine cannot run tasks; use --max-kl NATS as the floor (or --stream off)")
+        if self.streamed and s.backend != "engine":
+            raise ValueError("this checkpoint does not fit in memory, where --backend vllm cannot make its plans yet; "
+                             "use --backend engine (layer-streamed scoring)")
         if self.streamed and s.min_tok_s is not None and s.gpu is None:
             raise ValueError("a layer-streamed checkpoint cannot be timed by the engine; project the speed with "
                              "--gpu and --model-shape, or use --budget")
@@ -226,6 +242,9 @@ class Tuner:
         self.min_pool = max(self.k, n_group * min_per_group(sem)) if sem is not None else self.k
         self.weights = weights_hash(self.model) if not self.streamed else _digest(
             [self.fp, sorted((p.name, p.stat().st_size) for p in self.path.glob("*.safetensors"))])
+        if not self.streamed:
+            from ..eval.backends import make_backend
+            self.backend = make_backend(s.backend, self.model, self.tokenizer, self.path, url=s.vllm_url)
 
     def _tasks(self) -> list:
         from ..eval.user_tasks import select_tasks
@@ -294,8 +313,11 @@ class Tuner:
 
     # ---- scoring ---------------------------------------------------------------------------------
     def _identity(self) -> dict:
-        return {"version": CACHE_VERSION, "weights": self.weights, "stats": self.stats.meta.get("data_sha256"),
-                "windows": _digest(self.windows), "kind": "streamed" if self.streamed else "phase-aware"}
+        ident = {"version": CACHE_VERSION, "weights": self.weights, "stats": self.stats.meta.get("data_sha256"),
+                 "windows": _digest(self.windows), "kind": "streamed" if self.streamed else "phase-aware"}
+        if self.s.backend != "engine":   # the engine's caches keep their identity (no backend field)
+            ident["backend"] = self.s.backend
+        return ident
 
     def plan(self, c: Candidate):
         if c.key not in self.plans:
@@ -335,7 +357,8 @@ class Tuner:
                 kl = heldout_kl_streamed(self.path, self.windows, plan=self.plan(c), dtype=self.dtype,
                                          progress=False, placement=self.placement).kl
             else:
-                kl = self.scorer.score(None, self.plan(c).decode).kl
+                plan = self.plan(c)
+                kl = self.backend.heldout(plan.with_phases(None, plan.decode), self.windows).kl
             record = {"identity": self.identity, "candidate": c.to_json(), "kl": kl,
                       "kl_seconds": round(time.time() - t0, 2)}
             write_json(self._cache(c), record)
@@ -461,28 +484,15 @@ class Tuner:
         return True
 
     # ---- stage 4: task accuracy on the few best ----------------------------------------------------
-    def _llm(self):
-        if not hasattr(self, "_engine"):
-            from ..engine import LLM
-            self._engine = LLM(self.model, tokenizer=self.tokenizer, max_num_seqs=64)
-        return self._engine
-
     def _generate(self, plan, prompts: list[str], budgets: list[int]):
-        from ..engine import SamplingParams
-
-        llm = self._llm()
-        llm.set_plan(plan)
-        try:
-            return llm.generate(prompts, self._params(prompts, budgets))
-        finally:
-            llm.set_plan(None)
+        return self.backend.generate(plan, prompts, self._params(prompts, budgets))
 
     def _params(self, prompts: list[str], budgets: list[int]) -> list:
         """Greedy sampling within each task's length budget and the model's context (a user task's default
         budget may exceed a small model's context)."""
         from ..engine import SamplingParams
 
-        limit = self._llm().max_model_len
+        limit = self.backend.max_model_len
         room = [limit - len(self.tokenizer(p)["input_ids"]) - 1 for p in prompts]
         if min(room) < 1:
             raise ValueError(f"a prompt leaves no room to generate within the model's {limit} tokens; shorten it")
@@ -645,6 +655,13 @@ class Tuner:
 
     # ---- the whole run ---------------------------------------------------------------------------
     def run(self) -> TuneResult:
+        try:
+            return self._run()
+        finally:
+            if hasattr(self, "backend"):
+                self.backend.close()
+
+    def _run(self) -> TuneResult:
         t0 = time.time()
         self._setup()
         self.calib_data = self._traces() if self.task_traffic else self.s.data
@@ -657,9 +674,9 @@ class Tuner:
                                                self.s.kl_window)
         self.identity = self._identity()
         if not self.streamed:
-            from ..eval.metrics import HeldoutScorer
             from ..plans.techniques import attach_fold_tables
-            self.scorer = HeldoutScorer(self.model, self.windows)
+            if self.backend.name == "engine":
+                self.scorer = self.backend.scorer(self.windows)   # the distilled decoder's KL reads it too
             if self.stats.has_fold:
                 attach_fold_tables(self.model, str(self.stats_path.resolve()))
         full = self.score(Candidate("reap", (self.E,) * len(self.layers)))

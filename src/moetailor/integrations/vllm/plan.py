@@ -29,6 +29,10 @@ from ...routing.router import CompiledPolicy
 PLAN_KEY = "moetailor_plan"
 DECODE_PLAN_KEY = "moetailor_decode_plan"
 EXPERT_TOP_K = "expert_top_k"  # SamplingParams.extra_args key (OpenAI: top-level field or vllm_xargs)
+# SamplingParams.extra_args key: prompt positions from this one on run under the decode policy, as
+# generated tokens would (how ``moetailor eval --backend vllm`` scores a plan's decode phase on held-out
+# text through prompt logprobs: the prefix under the prefill policy, the rest under the decode policy)
+DECODE_FROM = "moetailor_decode_from"
 
 
 def plan_settings(additional_config) -> tuple[str, str] | None:

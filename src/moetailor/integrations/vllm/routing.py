@@ -32,7 +32,7 @@ import torch
 from ...engine.budgets import budget_of
 from ...models.architectures import RouterSemantics
 from ...routing.router import CompiledPolicy, route
-from .plan import EXPERT_TOP_K, RouterTables
+from .plan import DECODE_FROM, EXPERT_TOP_K, RouterTables
 
 
 class StepTokens:
@@ -47,6 +47,14 @@ class StepTokens:
     def request_k(self, sampling_params) -> int:
         """A request's budget (``expert_top_k``; none: the model's k)."""
         return request_top_k(sampling_params, self.model_k)
+
+    @staticmethod
+    def decode_from(sampling_params, prompt_len: int) -> int:
+        """Where a request's decode tokens start: its prompt length, or an earlier position it asks for
+        (``moetailor_decode_from``)."""
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        start = extra.get(DECODE_FROM)
+        return prompt_len if start is None else min(int(start), prompt_len)
 
     def write(self, decode: np.ndarray, k: np.ndarray) -> None:
         """The step's T tokens: decode flags [T] and budgets [T]; the rest of the buffers is padding."""
@@ -173,14 +181,16 @@ def install(model: torch.nn.Module, tables: RouterTables, tokens: StepTokens, re
 def swap_tables(keys: dict[int, str], tables: RouterTables) -> None:
     """Route the hooked layers by ``tables`` from the next step on. The traced graph holds only the
     op and its key, so this holds in the compiled mode too, provided each layer's emitted width
-    (its largest top_k) is unchanged; a plan that changes it is refused, naming the layer."""
+    (its largest top_k) does not grow: a narrower plan's routes are padded to the traced width with
+    dropped routes, as per-request budgets are; a wider one is refused, naming the layer."""
     new = {}
     for layer, key in keys.items():
         old = _ROUTINGS[key]
         routing = layer_routing(tables, layer, old.correction_bias)
-        if routing.width != old.width:
+        if routing.width > old.width:
             raise ValueError(f"layer {layer} would route {routing.width} experts per token where the running graph "
-                             f"was traced for {old.width}: start a new engine for a plan that changes top_k")
+                             f"was traced for {old.width}: start a new engine for a plan that raises top_k")
+        routing.width = old.width      # a narrower plan pads with dropped routes (weight 0), as budgets do
         new[key] = routing
     _ROUTINGS.update(new)
 

@@ -8,7 +8,8 @@ tokens reach ``StepTokens`` (per token: decode or prefill, and its request's ``e
     with the step's ``InputBatch`` and the runner's ``RequestState``.
 
 A token is a decode token when its position (the request's computed tokens before the step plus its
-place in the step) is at or past its request's prompt length, in both generations.
+place in the step) is at or past its request's prompt length (or the earlier position the request
+names in ``extra_args["moetailor_decode_from"]``), in both generations.
 """
 from __future__ import annotations
 
@@ -99,9 +100,10 @@ class V1Adapter(RunnerAdapter):
         num_reqs = batch.num_reqs
         counts = np.asarray(num_scheduled_tokens[:num_reqs])
         rows = np.arange(num_reqs)
-        req, decode = step_phases(counts, batch.num_computed_tokens_cpu[rows], batch.num_prompt_tokens[rows])
-        ks = np.array([tokens.request_k(runner.requests[rid].sampling_params) for rid in batch.req_ids[:num_reqs]],
-                      dtype=np.int64)
+        params = [runner.requests[rid].sampling_params for rid in batch.req_ids[:num_reqs]]
+        starts = [tokens.decode_from(p, int(n)) for p, n in zip(params, batch.num_prompt_tokens[rows])]
+        req, decode = step_phases(counts, batch.num_computed_tokens_cpu[rows], starts)
+        ks = np.array([tokens.request_k(p) for p in params], dtype=np.int64)
         tokens.write(decode, ks[req])
 
 
@@ -134,16 +136,18 @@ def watch_model_state(state, req_states, tokens) -> None:
     """Wrap this ``ModelState`` object's ``add_request`` (each request's budget, by its slot) and
     ``prepare_inputs`` (the step's tokens into ``tokens``, before the forward)."""
     budgets: dict[int, int] = {}
+    starts: dict[int, int | None] = {}     # a request's moetailor_decode_from, by its slot
     add_request, prepare_inputs = state.add_request, state.prepare_inputs
 
     @functools.wraps(add_request)
     def add(req_index, new_req_data, *args, **kwargs):
         budgets[int(req_index)] = tokens.request_k(new_req_data.sampling_params)
+        starts[int(req_index)] = tokens.decode_from(new_req_data.sampling_params, 1 << 62)
         return add_request(req_index, new_req_data, *args, **kwargs)
 
     @functools.wraps(prepare_inputs)
     def prepare(input_batch, req_states_, *args, **kwargs):
-        V2Adapter.prepare(input_batch, req_states_, budgets, tokens)
+        V2Adapter.prepare(input_batch, req_states_, budgets, tokens, starts)
         return prepare_inputs(input_batch, req_states_, *args, **kwargs)
 
     state.add_request = add
@@ -151,13 +155,16 @@ def watch_model_state(state, req_states, tokens) -> None:
     state._moetailor_budgets = budgets
 
 
-def _v2_prepare(input_batch, req_states, budgets: dict[int, int], tokens) -> None:
+def _v2_prepare(input_batch, req_states, budgets: dict[int, int], tokens, starts: dict | None = None) -> None:
     n = input_batch.num_reqs
     slots = np.asarray(input_batch.idx_mapping_np[:n])
     prompt_len = req_states.prompt_len          # a UVA-backed buffer (.np), or a CPU tensor (standalone runner)
     prompt_len = prompt_len.np if hasattr(prompt_len, "np") else prompt_len.numpy()
+    prompt_len = np.asarray(prompt_len)[slots]
+    if starts:
+        prompt_len = np.minimum(prompt_len, [starts.get(int(s), 1 << 62) for s in slots])
     req, decode = step_phases(input_batch.num_scheduled_tokens[:n], input_batch.num_computed_tokens_np[:n],
-                              np.asarray(prompt_len)[slots])
+                              prompt_len)
     ks = np.array([budgets.get(int(s), tokens.model_k) for s in slots], dtype=np.int64)
     tokens.write(decode, ks[req])
 

@@ -4,7 +4,15 @@ prefill one on MODEL and the decode one on ``--decode-model``, and a proxy in fr
 
 ``ExpertTopKMiddleware`` (passed to ``vllm serve --middleware``) accepts ``expert_top_k`` as a
 top-level request field, as moetailor's own server does, by moving it into ``vllm_xargs``; the
-plugin validates it at admission (vLLM answers 400 outside [1, k]).
+plugin validates it at admission (vLLM answers 400 outside [1, k]). It also answers moetailor's two
+evaluator routes (``moetailor eval/tune --backend vllm --vllm-url URL``):
+
+  * ``GET /moetailor/fingerprint``: ``{"fingerprint": ..., "model": path, "prefix_caching": bool}`` of
+    the served checkpoint, so a client checks it evaluates the model it means on a server whose cache
+    never hands one plan's blocks to the next (``--vllm-no-prefix-caching``);
+  * ``POST /moetailor/plan`` ``{"plan": PLAN_JSON | null}``: route the next requests by that plan (the
+    full router for null), through ``rpc.use_plan`` on every worker (``collective_rpc``; the server
+    runs with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which ``moetailor serve --backend vllm`` sets).
 """
 from __future__ import annotations
 
@@ -32,6 +40,8 @@ class ExpertTopKMiddleware:
         self.app = app
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] in PLAN_ROUTES:
+            return await plan_route(scope, receive, send)
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTES:
             return await self.app(scope, receive, send)
         chunks, more = [], True
@@ -61,6 +71,56 @@ class ExpertTopKMiddleware:
         return await self.app(scope, replay, send)
 
 
+PLAN_ROUTES = ("/moetailor/fingerprint", "/moetailor/plan")
+
+
+async def _read_body(receive) -> bytes:
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(chunks)
+
+
+async def _answer(send, status: int, data) -> None:
+    body = json.dumps(data).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def plan_route(scope, receive, send) -> None:
+    """The evaluator routes (module docstring), answered from the API server's engine client."""
+    import asyncio
+
+    engine = scope["app"].state.engine_client
+    checkpoint = engine.model_config.model
+    try:
+        if scope["path"] == "/moetailor/fingerprint":
+            from .plan import checkpoint_fingerprint
+            fp = await asyncio.to_thread(checkpoint_fingerprint, checkpoint)
+            caching = bool(engine.vllm_config.cache_config.enable_prefix_caching)
+            return await _answer(send, 200, {"fingerprint": fp, "model": str(checkpoint), "prefix_caching": caching})
+        if scope["method"] != "POST":
+            return await _answer(send, 405, {"error": "POST {\"plan\": PLAN_JSON | null}"})
+        plan = json.loads(await _read_body(receive)).get("plan")
+        from .rpc import SERIALIZATION_ENV, use_plan
+        if os.environ.get(SERIALIZATION_ENV) != "1":
+            return await _answer(send, 400, {"error": f"start the server with {SERIALIZATION_ENV}=1 (moetailor serve "
+                                                      "--backend vllm sets it): plan switches reach the workers "
+                                                      "as functions"})
+        path = None
+        if plan is not None:
+            from ...outputs import write_json
+            folder = tempfile.mkdtemp(prefix="moetailor-plan-")
+            path = str(write_json(os.path.join(folder, "plan.json"), plan))
+        done = await engine.collective_rpc(use_plan, args=(path, "plan"))
+        return await _answer(send, 200, {"plan": done[0]})
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        return await _answer(send, 400, {"error": str(e)})
+
+
 def vllm_command(kwargs: dict, host: str, port: int, served_name: str | None) -> list[str]:
     from .launch import cli_flags
 
@@ -79,6 +139,7 @@ def common_kwargs(args) -> dict:
                 kv_cache_mib=args.vllm_kv_cache_mib, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 experts_kernel=getattr(args, "vllm_experts_kernel", False),
+                **({"enable_prefix_caching": False} if getattr(args, "vllm_no_prefix_caching", False) else {}),
                 **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
 
 
@@ -101,7 +162,12 @@ def run(args) -> int:
     from .launch import engine_kwargs
 
     kwargs = engine_kwargs(args.model, plan=args.plan, decode_plan=args.decode_plan, **common_kwargs(args))
-    return subprocess.call(vllm_command(kwargs, args.host, args.port, name))
+    from ...models.loading import read_config, resolve_model_path
+    # the evaluator's held-out KL reads prompt logprobs over the whole vocabulary
+    kwargs.setdefault("max_logprobs", int(read_config(resolve_model_path(args.model)).vocab_size))
+    from .rpc import SERIALIZATION_ENV
+    # the evaluator's plan switches (POST /moetailor/plan) reach the workers as functions
+    return subprocess.call(vllm_command(kwargs, args.host, args.port, name), env={**os.environ, SERIALIZATION_ENV: "1"})
 
 
 def run_pair(args, name: str) -> int:
