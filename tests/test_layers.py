@@ -12,8 +12,8 @@ from pathlib import Path
 import moetailor
 
 # lowest first: a module may import modules of its own layer or of an earlier one
-LAYERS = ["tables", "outputs", "memory", "kernels", "data", "models", "routing", "calibration", "plans", "transforms", "engine", "eval", "bench", "tuning",
-          "integrations", "cli", "training"]
+LAYERS = ["tables", "outputs", "memory", "device", "kernels", "data", "models", "routing", "calibration", "plans", "transforms", "engine", "bench", "integrations", "eval", "tuning",
+          "cli", "training"]
 ROOT = Path(moetailor.__file__).parent
 
 

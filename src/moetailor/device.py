@@ -179,7 +179,7 @@ class Placement:
 
     def release(self, module: nn.Module) -> None:
         """A streamed layer leaves the device (its weights go back to the meta device)."""
-        from .models.checkpoint import free_module
+        from .memory import free_module
 
         self.resident -= module_bytes(module)
         free_module(module)

@@ -21,3 +21,21 @@ def available_gib() -> float | None:
     except OSError:
         return None
     return None
+
+
+def free_module(module) -> None:
+    """Return a materialised module's weights to the meta device and hand the freed memory back to
+    the system (glibc keeps freed heap chunks otherwise, so resident memory would grow per layer)."""
+    module.to("meta")
+    release_memory()
+
+
+def release_memory() -> None:
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc: nothing to trim
+        pass

@@ -1,4 +1,4 @@
-"""Third reliability round, command line (issue 30; docs/reliability.md): corrupt statistics refused
+"""Third reliability round, command line (docs/reliability.md): corrupt statistics refused
 when they load, distillation hyper-parameters checked before training and never an export of
 non-finite weights, and one-line errors (exit 2, no traceback) for deep metadata, a folder as a plan,
 a --seq-len past the model's positions, non-UTF-8 files and plan metadata with terminal escapes."""

@@ -190,9 +190,9 @@ def test_cli_pools_by_load_need_a_step_slo(capsys):
     assert code == 2 and "--step-slo-ms" in err and "Traceback" not in err
     assert main(["generate", "reference", "--prompt", "hi", "--max-tokens", "4", "--ignore-eos",
                  "--decode-pools-by-load", str(plan), "--step-slo-ms", "5"]) == 0
-    out = capsys.readouterr().out
-    assert "decode steps per pool (experts per layer)" in out          # which pool the steps ran
-    assert "moetailor generate: peak RSS" in out
+    captured = capsys.readouterr()
+    assert "decode steps per pool (experts per layer)" in captured.out          # which pool the steps ran
+    assert "moetailor generate: peak RSS" in captured.err
     code = main(["generate", "reference", "--prompt", "hi", "--step-slo-ms", "5"])   # no pools: not ignored
     err = capsys.readouterr().err
     assert code == 2 and "--decode-pools-by-load" in err and len(err.strip().splitlines()) == 1

@@ -135,7 +135,10 @@ class ObservedStats:
             for i, st in step.stats.items():
                 total = self.totals.stats[i]
                 for name, t in st.tensors().items():
-                    getattr(total, name).add_(t)
+                    if name == "out_max":       # a running maximum, not a sum
+                        torch.maximum(total.out_max, t, out=total.out_max)
+                    else:
+                        getattr(total, name).add_(t)
             self.tokens += len(self._ids)
             self.phase_tokens[self._phase] += len(self._ids)
             self.digest.update(torch.tensor(self._ids, dtype=torch.long).numpy().astype("<i8").tobytes())

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         result = args.func(args)
         if getattr(args, "report_peak_rss", False) and not result:   # verbs that run a model say what it took
             from ..memory import peak_rss_gib
-            print(f"moetailor {args.command}: peak RSS {peak_rss_gib():.2f} GiB")
+            print(f"moetailor {args.command}: peak RSS {peak_rss_gib():.2f} GiB", file=sys.stderr)   # stdout may be data
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         message = " ".join(str(e).split()) or type(e).__name__   # one line, whatever the message holds
         print(f"moetailor {args.command}: error: {message}", file=sys.stderr)

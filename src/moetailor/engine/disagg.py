@@ -346,6 +346,7 @@ class DisaggregatedLLM:
         self.tokenizer = tokenizer
         self.model = None                  # the weights live in the workers
         self.guard = None                  # the guard watches one engine's pools; none here
+        self.observer = None               # observing runs in one engine (serve refuses --observe with --decode-model)
         self.engine_kwargs = dict(engine_kwargs, tokenizer=tokenizer)
         self.worker_specs = {"prefill": (prefill_worker, (model,)),
                              "decode": (decode_worker, (decode_model if decode_model is not None else model,

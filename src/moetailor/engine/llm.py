@@ -94,8 +94,8 @@ class LLM:
         self.guard: Guard | None = None
         self._seqs: dict[str, Sequence] = {}
         if plan is None:   # a novice checkpoint serves its replaced experts' constants (models/novice.py)
-            from ..models.novice import checkpoint_plan
-            plan = checkpoint_plan(self.model)
+            from ..plans.plan import novice_checkpoint_plan
+            plan = novice_checkpoint_plan(self.model)
         self.set_plan(plan)
         self.decode_pools: PoolsByLoad | None = None
         self.set_decode_pools(decode_pools)

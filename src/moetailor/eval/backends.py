@@ -163,7 +163,7 @@ class VLLMBackend:
 
     def use_plan(self, plan) -> None:
         """Route the engine's next requests by ``plan`` (None: the full router)."""
-        from .runner import plan_hash
+        from ..plans.plan import plan_hash
         key = None if plan is None else plan_hash(plan)
         if key == self._plan_key:
             return

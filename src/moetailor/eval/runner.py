@@ -38,6 +38,7 @@ from ..engine.model_runner import default_max_model_len
 from ..models.loading import load_checked, model_fingerprint, read_config, weights_hash
 from ..outputs import MARKER, write_json
 from ..plans import Plan
+from ..plans.plan import plan_hash  # noqa: F401  (cells are keyed by it)
 from .configurations import ConfigSpec, Serving
 from .metrics import Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output
 from ..data.tasks import TASKS, Task, eval_rng
@@ -197,22 +198,8 @@ def _versions(backend: str = "engine") -> dict:
 
 
 CELL_IDENTITY_VERSION = 1
-VOLATILE_PLAN_META = ("created", "command", "stats")   # provenance only (when, how, from which path)
-
-
 def _digest(data) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def plan_hash(plan: Plan) -> str:
-    """Content hash of what a plan makes the model do (its provenance fields excluded), plus the
-    content of the fold statistics it reads."""
-    data = plan.to_json()
-    data["meta"] = {k: v for k, v in data["meta"].items() if k not in VOLATILE_PLAN_META}
-    data["model"] = {k: v for k, v in data["model"].items() if k != "source"}   # where it was loaded from
-    if plan.fold_stats and Path(plan.fold_stats).is_file():
-        data["fold_stats"] = hashlib.sha256(Path(plan.fold_stats).read_bytes()).hexdigest()
-    return _digest(data)
 
 
 def tokenizer_hash(tokenizer) -> str:

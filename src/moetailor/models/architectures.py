@@ -8,6 +8,7 @@ sigmoid), whether the top-k weights are renormalised, and the shared expert.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -64,3 +65,12 @@ def arch_spec(config) -> ArchSpec:
         raise UnsupportedArchitecture(
             f"architecture {model_type!r} is not supported; moetailor supports: {', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[model_type]
+
+
+LAYER_KEY = re.compile(r"^(?P<base>.*?\blayers\.)(?P<layer>\d+)\.(?P<rest>.+)$")
+
+
+def split_layer_key(name: str) -> tuple[int, str] | None:
+    """'model.layers.3.mlp.gate.weight' -> (3, 'mlp.gate.weight'); None outside the decoder layers."""
+    m = LAYER_KEY.match(name)
+    return (int(m["layer"]), m["rest"]) if m else None

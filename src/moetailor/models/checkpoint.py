@@ -21,6 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..memory import free_module, release_memory  # noqa: F401  (re-exported)
+from .architectures import LAYER_KEY, split_layer_key  # noqa: F401  (re-exported)
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -28,7 +31,6 @@ SINGLE = "model.safetensors"
 HUB_MOE = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
 HUB_MOE_DEFAULT = ("mlp", "gate_proj", "up_proj", "down_proj")
 
-LAYER_KEY = re.compile(r"^(?P<base>.*?\blayers\.)(?P<layer>\d+)\.(?P<rest>.+)$")
 EXPERT_KEY = re.compile(r"^(?P<moe>mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>[^.]+)\.weight$")
 FUSED_KEY = re.compile(r"^(?P<moe>mlp|block_sparse_moe)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
 ROUTER_KEY = re.compile(r"^(?P<moe>mlp|block_sparse_moe)\.gate\.(?P<what>weight|e_score_correction_bias)$")
@@ -37,12 +39,6 @@ ROUTER_KEY = re.compile(r"^(?P<moe>mlp|block_sparse_moe)\.gate\.(?P<what>weight|
 def hub_layout(model_type: str) -> tuple[str, str, str, str]:
     """(MoE block attribute, gate, up, down projection names) of the hub's per-expert layout."""
     return HUB_MOE.get(model_type, HUB_MOE_DEFAULT)
-
-
-def split_layer_key(name: str) -> tuple[int, str] | None:
-    """'model.layers.3.mlp.gate.weight' -> (3, 'mlp.gate.weight'); None outside the decoder layers."""
-    m = LAYER_KEY.match(name)
-    return (int(m["layer"]), m["rest"]) if m else None
 
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -203,24 +199,6 @@ def load_module(module: nn.Module, prefix: str, ckpt: Checkpoint, model_type: st
     for p in module.parameters():
         p.requires_grad_(False)
     return module
-
-
-def free_module(module: nn.Module) -> None:
-    """Return a materialised module's weights to the meta device and hand the freed memory back to
-    the system (glibc keeps freed heap chunks otherwise, so resident memory would grow per layer)."""
-    module.to("meta")
-    release_memory()
-
-
-def release_memory() -> None:
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):   # not glibc: nothing to trim
-        pass
 
 
 def skeleton(path: str | Path, dtype: torch.dtype | None = None):

@@ -8,7 +8,7 @@ layout, and one constant per replaced expert, ``<experts prefix>.<expert id>.app
 (no renormalisation): a replaced expert's route adds g * c_e. That is moetailor's
 ``pool_mode="novice"``, so ``load_model`` reads such a checkpoint into the full-size model (the
 replaced experts' rows zero, never read) plus the plan and constants that serve it
-(``checkpoint_plan``, ``model.moetailor_constants``).
+(``plans.plan.novice_checkpoint_plan``, ``model.moetailor_constants``).
 """
 from __future__ import annotations
 
@@ -44,8 +44,7 @@ def approx_name(experts_prefix: str, expert: int) -> str:
 def read_constants(ckpt, config, substituted: dict[int, tuple[int, ...]]) -> dict[int, torch.Tensor]:
     """Per MoE layer, [E, H] fp32 constants: the ``approx_value`` rows of the replaced experts, zeros
     for the retained ones (never used: their routes run the expert). A one-line error names a missing one."""
-    from .architectures import arch_spec
-    from .checkpoint import split_layer_key
+    from .architectures import arch_spec, split_layer_key
 
     E = arch_spec(config).num_experts(config)
     found: dict[tuple[int, int], str] = {}
@@ -67,21 +66,3 @@ def read_constants(ckpt, config, substituted: dict[int, tuple[int, ...]]) -> dic
             table[e] = value
         out[layer] = table
     return out
-
-
-def checkpoint_plan(model):
-    """The plan a novice checkpoint is served with: every layer with replaced experts keeps the others and
-    replaces those (``pool_mode="novice"``) in both phases; None for any other checkpoint."""
-    from ..plans.plan import Plan
-    from ..routing.policy import LayerPolicy, PhasePolicy
-    from .loading import model_fingerprint
-
-    substituted = getattr(model, "moetailor_substituted", None)
-    if not substituted:
-        return None
-    fp = model_fingerprint(model)
-    E = fp["num_experts"]
-    policy = PhasePolicy({i: LayerPolicy(keep=tuple(e for e in range(E) if e not in ids), pool_mode="novice")
-                          for i, ids in sorted(substituted.items())})
-    return Plan(model=fp, prefill=policy, decode=policy,
-                meta={"novice_checkpoint": getattr(model, "moetailor_source", None)})

@@ -19,6 +19,8 @@ The plan is the one artifact every technique writes: pruning sets ``keep``, skip
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -256,3 +258,32 @@ def uniform_plan(model, decode: LayerPolicy | None = None, prefill: LayerPolicy 
     def phase(p):
         return PhasePolicy.uniform(fp["moe_layers"], p) if p is not None else FULL_PHASE
     return Plan(model=fp, prefill=phase(prefill), decode=phase(decode), meta=dict(meta))
+
+
+def novice_checkpoint_plan(model):
+    """The plan a novice checkpoint is served with: every layer with replaced experts keeps the others and
+    replaces those (``pool_mode="novice"``) in both phases; None for any other checkpoint."""
+
+    substituted = getattr(model, "moetailor_substituted", None)
+    if not substituted:
+        return None
+    fp = model_fingerprint(model)
+    E = fp["num_experts"]
+    policy = PhasePolicy({i: LayerPolicy(keep=tuple(e for e in range(E) if e not in ids), pool_mode="novice")
+                          for i, ids in sorted(substituted.items())})
+    return Plan(model=fp, prefill=policy, decode=policy,
+                meta={"novice_checkpoint": getattr(model, "moetailor_source", None)})
+
+
+VOLATILE_PLAN_META = ("created", "command", "stats")   # provenance only (when, how, from which path)
+
+
+def plan_hash(plan: Plan) -> str:
+    """Content hash of what a plan makes the model do (its provenance fields excluded), plus the
+    content of the fold statistics it reads."""
+    data = plan.to_json()
+    data["meta"] = {k: v for k, v in data["meta"].items() if k not in VOLATILE_PLAN_META}
+    data["model"] = {k: v for k, v in data["model"].items() if k != "source"}   # where it was loaded from
+    if plan.fold_stats and Path(plan.fold_stats).is_file():
+        data["fold_stats"] = hashlib.sha256(Path(plan.fold_stats).read_bytes()).hexdigest()
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -1,4 +1,4 @@
-"""Third reliability round (docs/reliability.md, issue 30): stop strings that span tokens, the API
+"""Third reliability round (docs/reliability.md): stop strings that span tokens, the API
 key, the collapse guard on ordinary traffic, malformed text and token ids, OpenAI message forms,
 stream usage, size limits and the small HTTP details. A real uvicorn server on 127.0.0.1 over the
 bundled ``reference`` model (a tiny Qwen2-MoE with a real tokenizer) unless a test says otherwise."""

@@ -183,7 +183,7 @@ def create_app(llm: EngineClient, model_name: str = "moetailor", plans: dict | N
     @app.post("/observe/save")
     async def observe_save():
         """Write the observed statistics now (``--observe``): 200 with the path, tokens and steps counted."""
-        observer = getattr(llm, "observer", None)
+        observer = llm.observer
         if observer is None:
             return error(404, "this server does not observe its traffic; start it with --observe STATS")
         meta = await asyncio.to_thread(observer.save)
