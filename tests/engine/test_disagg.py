@@ -44,6 +44,8 @@ def test_disaggregated_equals_colocated_and_frees_kv_capacity(checkpoints):
         outs = dis.generate(prompts, params)
         cap = dis.capacity()
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.token_ids for o in ref] != [o.token_ids for o in colocated(model, None, prompts, params)], \
+        "the pruned decode pool should change some output"
     assert [o.finish_reason for o in outs] == ["length"] * 4
     assert cap["decode_weight_bytes"] < cap["prefill_weight_bytes"]
     assert cap["decode_blocks"] > cap["decode_blocks_with_full_weights"] == cap["prefill_blocks"]
@@ -56,6 +58,7 @@ def test_disaggregated_masked_decode_equals_colocated(checkpoints):
     with DisaggregatedLLM(str(root / "full"), plan=plan, block_size=4) as dis:
         outs = dis.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in colocated(model, plan, prompts, params)]
+    assert [o.token_ids for o in outs] != [o.token_ids for o in colocated(model, None, prompts, params)]
 
 
 def test_decode_worker_death_ends_requests_with_error_and_serving_continues(checkpoints):

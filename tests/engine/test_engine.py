@@ -8,9 +8,9 @@ import torch
 from moetailor.engine import LLM, SamplingParams
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
-from moetailor.routing import LayerPolicy, RoutingController
+from moetailor.routing import LayerPolicy
 
-from engine_helpers import hf_greedy, random_prompts
+from engine_helpers import hf_greedy, random_prompts, stock_handover, stock_pruned_twin, stock_twin
 
 LENGTHS = [3, 9, 17, 5, 1, 12, 30, 7]
 
@@ -18,46 +18,37 @@ LENGTHS = [3, 9, 17, 5, 1, 12, 30, 7]
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral"])
 def test_greedy_matches_transformers_batch_8_mixed_lengths(arch):
     model = tiny_model(arch)
+    reference = stock_twin(model)
     prompts = random_prompts(LENGTHS)
     llm = LLM(model, block_size=4, num_kv_blocks=128)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(model, prompt, 8), f"{arch}: prompt of {len(prompt)} tokens"
+        assert out.token_ids == hf_greedy(reference, prompt, 8), f"{arch}: prompt of {len(prompt)} tokens"
         assert out.finish_reason == "length" and out.prompt_token_ids == prompt
     assert llm.block_manager.num_free == 128  # every block came back
 
 
 def test_greedy_matches_transformers_batch_1():
     model = tiny_model("qwen2_moe", seed=3)
+    reference = stock_twin(model)
     prompt = random_prompts([11], seed=3)[0]
     out = LLM(model, block_size=4).generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0]
-    assert out.token_ids == hf_greedy(model, prompt, 20)
-
-
-def handover_reference(model, plan, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Full model on the prompt, then its transformers cache handed to the masked model for decoding."""
-    ctl = RoutingController.of(model)
-    with torch.no_grad():
-        out = model(torch.tensor([prompt]), use_cache=True)
-        cache, tokens = out.cache, [int(out.logits[0, -1].argmax())]
-        with ctl.policy(plan.decode):
-            for _ in range(max_new_tokens - 1):
-                out = model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
-                cache = out.cache
-                tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
+    assert out.token_ids == hf_greedy(reference, prompt, 20)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])
 def test_phase_aware_decode_matches_cache_handover(arch):
+    """The masked decode pool equals SlimWise's pair of stock models: transformers' full model prefills, its
+    cache goes to the stock pruned checkpoint of the plan, which decodes."""
     model = tiny_model(arch, seed=1)
     plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 2, 5)))
+    full_ref, pruned_ref = stock_twin(model), stock_pruned_twin(model, plan)
     prompts = random_prompts([4, 13, 8], seed=1)
     llm = LLM(model, plan, block_size=4)
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     full = LLM(model, block_size=4).generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == handover_reference(model, plan, prompt, 10)
+        assert out.token_ids == stock_handover(full_ref, pruned_ref, prompt, 10)
     assert any(a.token_ids != b.token_ids for a, b in zip(outs, full)), "the plan should change some output"
     decode = [r for r in llm.step_log if r.phase == "decode"]
     prefill = [r for r in llm.step_log if r.phase == "prefill"]
@@ -67,13 +58,19 @@ def test_phase_aware_decode_matches_cache_handover(arch):
 
 
 def test_per_request_expert_top_k_equals_plan_top_k():
+    """A per-request budget, a plan's top-k and a stock model configured with that top-k agree, and differ
+    from the full budget."""
     model = tiny_model("qwen2_moe", seed=2)
+    top1 = stock_twin(model, num_experts_per_tok=1)
     prompts = random_prompts([6, 10], seed=2)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
     plan = uniform_plan(model, decode=LayerPolicy(top_k=1), prefill=LayerPolicy(top_k=1))
-    by_plan = LLM(model, plan).generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    by_plan = LLM(model, plan).generate(prompts, params)
     by_request = LLM(model).generate(prompts, [SamplingParams(max_tokens=6, ignore_eos=True, expert_top_k=1),
                                                SamplingParams(max_tokens=6, ignore_eos=True, expert_top_k=1)])
-    assert [o.token_ids for o in by_plan] == [o.token_ids for o in by_request]
+    full = LLM(model).generate(prompts, params)
+    assert [o.token_ids for o in by_plan] == [o.token_ids for o in by_request] == [hf_greedy(top1, p, 6) for p in prompts]
+    assert [o.token_ids for o in by_request] != [o.token_ids for o in full], "top-1 should change some output"
 
 
 def test_pool_exhaustion_preempts_and_every_request_finishes():

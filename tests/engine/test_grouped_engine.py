@@ -10,34 +10,38 @@ from moetailor.models.tiny import tiny_grouped_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
 
-from engine_helpers import hf_greedy, random_prompts
-from test_engine import handover_reference
+from engine_helpers import hf_greedy, random_prompts, stock_handover, stock_pruned_twin, stock_twin
 from test_guard import length_hits, with_and_without_guard
 
 BALANCED = (0, 1, 4, 5, 8, 9, 12, 13)      # 2 of 4 in every group: a prunable decode pool
 DROPPED = (2, 3, 6, 7, 10, 11, 14, 15)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def model():
+    """A fresh model per test: an engine installs its kernels on the model it is given."""
     return tiny_grouped_model(seed=4)
 
 
 def test_greedy_matches_transformers(model):
+    reference = stock_twin(model)
     prompts = random_prompts([3, 11, 7, 1, 19], seed=4)
     llm = LLM(model, block_size=4, num_kv_blocks=128)
     for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))):
-        assert out.token_ids == hf_greedy(model, prompt, 8), f"prompt of {len(prompt)} tokens"
+        assert out.token_ids == hf_greedy(reference, prompt, 8), f"prompt of {len(prompt)} tokens"
     assert llm.block_manager.num_free == 128
 
 
 def test_phase_aware_decode_with_a_balanced_pool(model):
     plan = uniform_plan(model, decode=LayerPolicy(keep=BALANCED))
+    full_ref, pruned_ref = stock_twin(model), stock_pruned_twin(model, plan)
     prompts = random_prompts([4, 13, 8], seed=5)
     llm = LLM(model, plan, block_size=4)
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    full = LLM(model, block_size=4).generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == handover_reference(model, plan, prompt, 10)
+        assert out.token_ids == stock_handover(full_ref, pruned_ref, prompt, 10)
+    assert [o.token_ids for o in outs] != [o.token_ids for o in full], "the balanced pool should change some output"
     decode = [r for r in llm.step_log if r.phase == "decode"]
     assert decode and all(max(r.distinct_experts.values()) <= len(BALANCED) for r in decode)
 

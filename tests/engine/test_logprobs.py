@@ -11,9 +11,9 @@ import torch
 
 from moetailor.engine import LLM, SamplingParams
 from moetailor.engine.server import create_app
-from moetailor.models import load_model, load_tokenizer
+from moetailor.models import load_tokenizer
 
-from engine_helpers import start_server
+from engine_helpers import assert_stock, start_server
 
 TOL = 1e-4
 PROMPTS = ["add 12 + 34\n", "sort 5 3 9 1\n", "reverse a b c d\n"]
@@ -21,7 +21,14 @@ PROMPTS = ["add 12 + 34\n", "sort 5 3 9 1\n", "reverse a b c d\n"]
 
 @pytest.fixture(scope="module")
 def reference():
-    return load_model("reference"), load_tokenizer("reference")
+    """The bundled checkpoint as stock transformers loads it, on its own (engines load their own copy)."""
+    from transformers import AutoModelForCausalLM
+
+    from moetailor.models.loading import resolve_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("reference"), dtype=torch.float32).eval()
+    assert_stock(model)
+    return model, load_tokenizer("reference")
 
 
 def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
@@ -43,7 +50,7 @@ def check_entries(model, ids: list[int], start: int, values: list[float], tops: 
 
 def test_engine_logprobs_equal_a_transformers_forward(reference):
     model, tok = reference
-    llm = LLM(model, tokenizer=tok, max_num_seqs=8)
+    llm = LLM("reference", tokenizer=tok, max_num_seqs=8)
     params = [SamplingParams(max_tokens=10, logprobs=3, prompt_logprobs=2),
               SamplingParams(max_tokens=10, temperature=1.0, seed=7, logprobs=0),   # a sampled token: raw logprob
               SamplingParams(max_tokens=10)]                                         # no logprobs in the same batch
@@ -76,7 +83,7 @@ def test_logprob_settings_are_validated():
 @pytest.fixture(scope="module")
 def server(reference):
     model, tok = reference
-    base, _, stop = start_server(create_app(LLM(model, tokenizer=tok, max_num_seqs=8), model_name="reference"))
+    base, _, stop = start_server(create_app(LLM("reference", tokenizer=tok, max_num_seqs=8), model_name="reference"))
     yield base
     stop()
 

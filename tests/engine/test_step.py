@@ -14,13 +14,14 @@ from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
 
-from engine_helpers import hf_greedy, random_prompts
+from engine_helpers import hf_greedy, random_prompts, stock_twin
 
 
 def test_implementations_are_installed_once_and_the_step_is_cleared():
     import dataclasses
 
     model = tiny_model("qwen2_moe", seed=4)
+    reference = stock_twin(model)
     llm = LLM(model, block_size=4)
     impl = (model.config._attn_implementation, model.config._experts_implementation)
     seen = []
@@ -33,9 +34,9 @@ def test_implementations_are_installed_once_and_the_step_is_cleared():
         seen[0].is_prefill = False
     assert current() is None                                  # and nothing is left behind
     assert not any(k.startswith("_moetailor_meter") for l in llm.controller.layers for k in vars(l.experts))
-    prompt = random_prompts([7], seed=5)[0]                   # the same model object still generates stock
+    prompt = random_prompts([7], seed=5)[0]                   # a second engine on the same object: still stock
     assert LLM(model, block_size=4).generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0] \
-        .token_ids == hf_greedy(model, prompt, 6)
+        .token_ids == hf_greedy(reference, prompt, 6)
 
 
 @pytest.mark.parametrize("lengths", [[9], [6, 6, 6], [3, 11, 6]])
@@ -43,11 +44,12 @@ def test_decode_attention_reads_the_cache_in_place(lengths):
     """A lone sequence with contiguous blocks (a view), equal lengths (no mask), mixed lengths (mask),
     and a fragmented pool (blocks handed out out of order): all equal transformers."""
     model = tiny_model("qwen3_moe", seed=7)
+    reference = stock_twin(model)
     prompts = random_prompts(lengths, seed=7)
     llm = LLM(model, block_size=4, num_kv_blocks=64)
     llm.block_manager.free_blocks.rotate(5)                   # block tables start mid-pool, wrap around
     outs = llm.generate(prompts, SamplingParams(max_tokens=7, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 7) for p in prompts]
+    assert [o.token_ids for o in outs] == [hf_greedy(reference, p, 7) for p in prompts]
 
 
 def test_step_log_is_bounded():
