@@ -117,8 +117,11 @@ def test_anneal_delta_bookkeeping_matches_objective():
     a = torch.randn(3, 12, 12, generator=g)
     corr = (a + a.transpose(1, 2)) / 2
     start = random_partition(3, 12, 3, seed=1)
-    best = anneal_partition(corr, start, steps=2000, seed=2)
+    best, tracked = anneal_partition(corr, start, steps=2000, seed=2, return_score=True)
     check_partition(best, 12)
+    # the score the swaps accumulated is the objective of the partition they ended on
+    assert torch.allclose(tracked, objective(corr.double(), best), atol=1e-9)
+    assert (objective(corr, best) > objective(corr, start)).all()
     # exhaustive check is too big; compare with many random partitions instead
     rand = torch.stack([objective(corr, random_partition(3, 12, 3, seed=s)) for s in range(200)])
     assert (objective(corr, best) >= rand.max(0).values - 1e-9).all()

@@ -204,8 +204,9 @@ def greedy_partition(corr: torch.Tensor, mass: torch.Tensor, parts: int) -> torc
 
 
 def anneal_partition(corr: torch.Tensor, groups: torch.Tensor, steps: int = 4000, t_start: float | None = None,
-                     t_end: float = 1e-3, seed: int = 0) -> torch.Tensor:
-    """Simulated annealing over swaps, all experts in parallel; returns the best partition seen.
+                     t_end: float = 1e-3, seed: int = 0, return_score: bool = False):
+    """Simulated annealing over swaps, all experts in parallel; returns the best partition seen (and,
+    with ``return_score``, its objective as tracked incrementally, which must equal ``objective``).
 
     For a swap of neuron i (group A) with j (group B) the change of J is
     S[i,B] + S[j,A] - S[i,A] - S[j,B] + C_ii + C_jj - 2 C_ij, with S[n, g] = sum_{m in g} C[n, m]."""
@@ -242,7 +243,8 @@ def anneal_partition(corr: torch.Tensor, groups: torch.Tensor, steps: int = 4000
             better = score > best_score + 1e-12
             best_score = torch.where(better, score, best_score)
             best_assign[better] = assign[better]
-    return torch.stack([torch.stack([(best_assign[e] == p).nonzero()[:, 0] for p in range(N)]) for e in range(E)])
+    best = torch.stack([torch.stack([(best_assign[e] == p).nonzero()[:, 0] for p in range(N)]) for e in range(E)])
+    return (best, best_score) if return_score else best
 
 
 def partition_neurons(profile: LayerProfile, parts: int, method: str = "anneal", steps: int = 4000,

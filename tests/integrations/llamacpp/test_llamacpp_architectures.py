@@ -44,12 +44,15 @@ def test_tiny_model_full_and_pruned_match_the_engine(arch, tmp_path):
     assert main(["export", "gguf", str(src), "--out", str(full_gguf)]) == 0
     assert main(["export", "gguf", str(src), "--plan", str(plan), "--out", str(pruned_gguf)]) == 0
 
+    wants = []
     for gguf_path, engine in ((full_gguf, LLM(str(src))), (pruned_gguf, LLM(str(src), plan))):
         want, firsts, prompt_ids = engine_run(engine, PROMPTS, max_tokens=12)
+        wants.append(want)
         llm = load(gguf_path)
         for ids, first, expected in zip(prompt_ids, firsts, want):
             assert top_logprob_gap(first, last_logits(llm, ids)) < TOLERANCE, (arch, gguf_path.name)
             assert greedy(llm, ids, 12, {0}) == expected, (arch, gguf_path.name)
+    assert wants[0] != wants[1], f"{arch}: the plan must change some output for the pruned file to be tested"
 
 
 def test_split_checkpoint_and_its_elastic_budget(tmp_path):

@@ -6,16 +6,16 @@ import contextlib
 
 import pytest
 
-from vllm_helpers import BUNDLED_PLAN, MAX_TOKENS, SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
+from vllm_helpers import MAX_TOKENS, SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
 
 @pytest.fixture(scope="module")
-def pruned(tmp_path_factory):
+def pruned(tmp_path_factory, quarter_plan):
     from moetailor.transforms import prune_checkpoint
 
-    return prune_checkpoint("reference", BUNDLED_PLAN, tmp_path_factory.mktemp("vllm") / "pruned")
+    return prune_checkpoint("reference", quarter_plan, tmp_path_factory.mktemp("vllm") / "pruned")
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def pair(pruned, tmp_path_factory):
         yield stack.enter_context(vllm_engine(**prefill)), stack.enter_context(vllm_engine(**decode)), storage
 
 
-def test_disaggregated_pair_equals_phase_aware_engine(pair, prompts):
+def test_disaggregated_pair_equals_phase_aware_engine(pair, prompts, quarter_plan):
     from vllm import SamplingParams
 
     from moetailor.engine import LLM
@@ -38,8 +38,9 @@ def test_disaggregated_pair_equals_phase_aware_engine(pair, prompts):
     prefill_llm, decode_llm, storage = pair
     tok = LLM("reference").tokenizer
     ids = [tok.encode(p) for p in prompts]
-    plan = Plan.load(BUNDLED_PLAN)
+    plan = Plan.load(quarter_plan)
     expected = engine_token_ids(plan.phase_aware(), ids)
+    assert expected != engine_token_ids(None, ids), "the plan must change outputs to be tested"
     got = generate_pair(prefill_llm, decode_llm, ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert got == expected
     # the decode instance alone (its own prefill on the pruned model) gives other outputs: the

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from vllm_helpers import BUNDLED_PLAN, MAX_TOKENS, SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
+from vllm_helpers import MAX_TOKENS, SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 from moetailor.integrations.vllm import nixl  # noqa: E402
@@ -19,10 +19,10 @@ if not nixl.nixl_available():
 
 
 @pytest.fixture(scope="module")
-def pruned(tmp_path_factory):
+def pruned(tmp_path_factory, quarter_plan):
     from moetailor.transforms import prune_checkpoint
 
-    return prune_checkpoint("reference", BUNDLED_PLAN, tmp_path_factory.mktemp("vllm") / "pruned")
+    return prune_checkpoint("reference", quarter_plan, tmp_path_factory.mktemp("vllm") / "pruned")
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +44,14 @@ def token_ids(prompts):
     return [tok.encode(p) for p in prompts]
 
 
-def test_nixl_pair_equals_phase_aware_engine(pair, token_ids):
+def test_nixl_pair_equals_phase_aware_engine(pair, token_ids, quarter_plan):
     from vllm import SamplingParams
 
     from moetailor.plans import Plan
 
     prefill_llm, decode_llm = pair
-    expected = engine_token_ids(Plan.load(BUNDLED_PLAN).phase_aware(), token_ids)
+    expected = engine_token_ids(Plan.load(quarter_plan).phase_aware(), token_ids)
+    assert expected != engine_token_ids(None, token_ids), "the plan must change outputs to be tested"
     got = nixl.generate_pair(prefill_llm, decode_llm, token_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert got == expected
     # the pruned decoder alone gives other outputs: the pulled KV is what makes the pair phase-aware

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from vllm_helpers import BUNDLED_PLAN, SKIP_REASON, engine_token_ids
+from vllm_helpers import SKIP_REASON, engine_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 httpx = pytest.importorskip("httpx", reason="httpx is needed to talk to the server")
@@ -68,30 +68,31 @@ def complete(url: str, prompt: str, **extra) -> httpx.Response:
                       json={"model": "reference", "prompt": prompt, "max_tokens": 24, "temperature": 0.0, **extra})
 
 
-def test_colocated_server_decode_plan_and_expert_top_k(prompts, tmp_path):
+def test_colocated_server_decode_plan_and_expert_top_k(prompts, quarter_plan, tmp_path):
     from moetailor.plans import Plan
 
-    plan = Plan.load(BUNDLED_PLAN)
-    plan = plan.phase_aware()
+    plan = Plan.load(quarter_plan).phase_aware()
     prompts = prompts[:N_PROMPTS]
-    with moetailor_serve("reference", "--backend", "vllm", "--decode-plan", str(BUNDLED_PLAN),
+    with moetailor_serve("reference", "--backend", "vllm", "--decode-plan", str(quarter_plan),
                          "--served-model-name", "reference", log_path=tmp_path / "serve.log") as url:
         plain = [complete(url, p, return_token_ids=True) for p in prompts]
         budget = [complete(url, p, return_token_ids=True, expert_top_k=3) for p in prompts]
         bad = complete(url, prompts[0], expert_top_k=9)
     assert all(r.status_code == 200 for r in plain + budget)
-    assert [r.json()["choices"][0]["token_ids"] for r in plain] == engine_token_ids(plan, prompts, max_tokens=24)
+    expected = engine_token_ids(plan, prompts, max_tokens=24)
+    assert expected != engine_token_ids(None, prompts, max_tokens=24), "the plan must change outputs to be tested"
+    assert [r.json()["choices"][0]["token_ids"] for r in plain] == expected
     assert [r.json()["choices"][0]["token_ids"] for r in budget] == engine_token_ids(
         plan, prompts, expert_top_k=[3] * len(prompts), max_tokens=24)
     assert bad.status_code == 400
     assert "expert_top_k=9 is out of range" in bad.text
 
 
-def test_disaggregated_pair_behind_the_proxy(prompts, tmp_path):
+def test_disaggregated_pair_behind_the_proxy(prompts, quarter_plan, tmp_path):
     from moetailor.plans import Plan
     from moetailor.transforms import prune_checkpoint
 
-    plan = Plan.load(BUNDLED_PLAN)
+    plan = Plan.load(quarter_plan)
     pruned = prune_checkpoint("reference", plan, tmp_path / "pruned")
     prompts = prompts[:N_PROMPTS]
     with moetailor_serve("reference", "--backend", "vllm", "--decode-model", str(pruned),
@@ -100,5 +101,6 @@ def test_disaggregated_pair_behind_the_proxy(prompts, tmp_path):
         streamed = complete(url, prompts[0], stream=True)
     assert all(r.status_code == 200 for r in got), [r.text for r in got]
     expected = engine_token_ids(plan.phase_aware(), prompts, max_tokens=24)
+    assert expected != engine_token_ids(None, prompts, max_tokens=24), "the plan must change outputs to be tested"
     assert [r.json()["choices"][0]["token_ids"] for r in got] == expected
     assert streamed.status_code == 400
