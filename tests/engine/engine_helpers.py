@@ -37,6 +37,9 @@ def stock_twin(model, **config):
         setattr(cfg, key, value)
     twin = AutoModelForCausalLM.from_config(cfg, dtype=next(model.parameters()).dtype)
     twin.load_state_dict(model.state_dict())
+    for name, buffer in model.named_buffers():      # non-persistent ones too (rotary tables, in their dtype)
+        owner, _, leaf = name.rpartition(".")
+        twin.get_submodule(owner)._buffers[leaf] = buffer.clone()
     assert_stock(twin)
     return twin.eval()
 

@@ -323,7 +323,7 @@ class LeanDecoder:
                                     step.experts_read, experts_layer, E, layer.shared_down, *layer.unstacked_shared,
                                     next_norm.weight, next_norm.eps, self.round_weights)
         x, h, moe_in_out = ops.attention_block(x, h, *attention)             # [B, H] x2, [B, E (+ 2I + 1)]
-        _, weights, index = controller._route(moe, h, logits=moe_in_out[:, :E])   # [B, K] each
+        _, weights, index = controller.route_layer(moe, h, logits=moe_in_out[:, :E])   # [B, K] each
         constant, weights, index = novice_split(layer_policy(moe.experts, step), weights, index)
         if constant is not None:   # novice experts' g * c_e joins the residual the block adds the experts to
             x = x + constant.to(x.dtype)
@@ -335,7 +335,7 @@ class LeanDecoder:
     def moe(layer: LeanLayer, h: torch.Tensor, controller, step: Step) -> torch.Tensor:
         """The sparse MoE block: routed experts (+ the sigmoid-gated shared expert). The experts run
         the module path's native call directly (not through the module and transformers' dispatch)."""
-        _, weights, index = controller._route(layer.moe, h)                   # [B, K] each
+        _, weights, index = controller.route_layer(layer.moe, h)                   # [B, K] each
         constant, weights, index = novice_split(layer_policy(layer.moe.experts, step), weights, index)
         out = native_experts_forward(layer.moe.experts, h, index, weights, step)   # [B, H]
         if constant is not None:

@@ -31,7 +31,7 @@ _SUBCLASSES: dict[type, type] = {}
 def _controlled(cls: type) -> type:
     if cls not in _SUBCLASSES:
         def forward(self, hidden_states):
-            return self._moetailor_controller._route(self._moetailor_layer, hidden_states)
+            return self._moetailor_controller.route_layer(self._moetailor_layer, hidden_states)
         _SUBCLASSES[cls] = type(f"Controlled{cls.__name__}", (cls,), {"forward": forward, "_moetailor_base": cls})
     return _SUBCLASSES[cls]
 
@@ -175,7 +175,7 @@ class RoutingController:
         return (step is not None and step.router_kernel is not None and cls.one_budget(step)
                 and not step.routing.policy)
 
-    def _route(self, layer: MoeLayer, hidden_states: torch.Tensor, logits: torch.Tensor | None = None):
+    def route_layer(self, layer: MoeLayer, hidden_states: torch.Tensor, logits: torch.Tensor | None = None):
         """The layer's routes under the routing of the step being run (the stock router without one).
         ``logits`` [T, E]: the router's output where the caller computed it with the step's linear
         op (the lean decoder's stacked projection); only read in an engine decode step."""
