@@ -65,7 +65,7 @@ def sorted_routes(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Te
 def loop_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
     k = top_k_index.shape[1]                                                # [T, K]
-    out = torch.zeros_like(hidden_states)                                   # [T, H]
+    per_route = routes_buffer(hidden_states, top_k_weights, k)              # [T*K, H]
     experts, slots = sorted_routes(top_k_index, self.num_experts)           # [S], [S]
     ids, counts = torch.unique_consecutive(experts, return_counts=True)
     weights = top_k_weights.reshape(-1)
@@ -76,9 +76,22 @@ def loop_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.T
         rows = chunk // k
         gate, up = F.linear(hidden_states[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)  # [n, I]
         y = F.linear(self.act_fn(gate) * up, self.down_proj[expert])                            # [n, H]
-        out.index_add_(0, rows, (y * weights[chunk, None]).to(out.dtype))
+        per_route[chunk] = (y * weights[chunk, None]).to(per_route.dtype)
     _record(self, current(), len(ids))
-    return out
+    return sum_routes(per_route, hidden_states, k)
+
+
+def routes_buffer(hidden_states: torch.Tensor, top_k_weights: torch.Tensor, k: int, dtype=None) -> torch.Tensor:
+    """Zeros for every route's weighted output, in slot order [T*K, H] (a dropped route stays 0)."""
+    dtype = dtype or torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
+    return hidden_states.new_zeros(hidden_states.shape[0] * k, hidden_states.shape[-1], dtype=dtype)
+
+
+def sum_routes(per_route: torch.Tensor, hidden_states: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's routes summed as transformers' experts sum them (``grouped_mm_experts_forward``): in
+    top-k order, one ``sum`` (fp32 accumulation for bf16), one rounding to the activations' dtype. A
+    running ``index_add_`` in bf16 rounds after every route instead (1 bf16 ulp apart on Mixtral)."""
+    return per_route.view(-1, k, per_route.shape[-1]).sum(dim=1).to(hidden_states.dtype)   # [T, H]
 
 
 def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -102,10 +115,10 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     y = _grouped_mm(self.act_fn(gate) * up, down.transpose(-2, -1), offs=offsets)   # [T*K, H]
     w = top_k_weights.reshape(-1)[order, None]                              # [T*K, 1]
     y = torch.where(experts[:, None] < E, y * w, 0.0)                      # rows past the offsets are garbage
-    out = torch.zeros_like(hidden_states)                                   # [T, H]
-    out.index_add_(0, rows, y.to(out.dtype))
+    per_route = routes_buffer(hidden_states, y, k)                          # [T*K, H], slot order
+    per_route[order] = y.to(per_route.dtype)
     _record(self, step, (counts > 0).sum())
-    return out
+    return sum_routes(per_route, hidden_states, k)
 
 
 def native_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
