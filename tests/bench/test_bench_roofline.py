@@ -28,7 +28,7 @@ def test_step_bytes_add_up():
 def test_the_roofline_is_the_engines_step_cost_model():
     """One cost model: the roofline's memory and compute times are ``StepCost``s (the class the engine's
     schedules plan with), and a step without overlap costs their sum plus the fixed overheads."""
-    from moetailor.engine.k_tiers import StepCost
+    from moetailor.routing.traffic import StepCost
 
     s, g = SHAPES["qwen3.6-35b-a3b"], GPUS["a100"]
     for batch, keep in ((1, 1.0), (8, 0.5), (64, 0.25)):

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from moetailor.engine.budgets import expert_top_k_value, validate_expert_top_k
-from moetailor.engine.k_tiers import (KRequest, OnlineLanes, StepCost, estimated_seconds,
+from moetailor.routing.budgets import expert_top_k_value, validate_expert_top_k
+from moetailor.routing.k_tiers import (KRequest, OnlineLanes, StepCost, estimated_seconds,
                                       plan_fcfs_max_k, plan_offline, wait_bound)
 from moetailor.routing.traffic import expected_distinct
 
@@ -223,7 +223,7 @@ def test_engine_fits_its_step_cost_and_rejects_unknown_schedules(budget_model):
 def test_measured_choice_keeps_the_mode_the_clock_says_is_faster(lanes_s, joint_s, settles):
     """8 requests: a lanes step decodes 4 tokens in ``lanes_s``, a joint step 8 in ``joint_s``; each mode
     gets a trial, the faster runs, and after ``recheck`` steps the other is tried again."""
-    from moetailor.engine.k_tiers import MeasuredChoice
+    from moetailor.routing.k_tiers import MeasuredChoice
 
     choice = MeasuredChoice(window=4, recheck=20)
     modes = []

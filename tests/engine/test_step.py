@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moetailor.engine import LLM, SamplingParams
-from moetailor.engine.k_tiers import StepCost
+from moetailor.routing.traffic import StepCost
 from moetailor.engine.load_pools import PoolRung, PoolsByLoad
 from moetailor.models.step import current
 from moetailor.models.tiny import tiny_model

@@ -1,7 +1,7 @@
 """`moetailor bench ktiers`: per-request expert budgets under four schedules, side by side.
 
 One heterogeneous workload (budgets drawn from a mix such as ``2:0.5,8:0.5``) is served to
-completion by the same model under each ``k_schedule`` (engine/k_tiers.py):
+completion by the same model under each ``k_schedule`` (routing/k_tiers.py):
 
 - ``max``: every step runs at its largest member's k (the baseline MoE-Prism compares against);
 - ``mixed``: one decode step for everyone, each token at its own k (reads the batch's union);

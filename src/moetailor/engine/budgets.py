@@ -6,68 +6,19 @@ decides which requests share a step (``k_schedule``: ``mixed`` = any, each token
 ``max`` = everyone at the step's largest k, the baseline; ``tiers`` = offline groups by k;
 ``lanes`` = online low-k / high-k decode lanes), and keeps the step-cost model those schedules plan
 with, refitted to the engine's measured steps on request. The algorithms themselves are pure data
-in ``k_tiers.py``; this module wires them to sequences.
+in ``routing/k_tiers.py``; this module wires them to sequences.
 
-The budget rules are here too, once: ``expert_top_k_value`` reads a JSON client's value (the
-server's parser, the vLLM plugin) and ``validate_expert_top_k`` checks a budget against the model
-(``check_request``, which ``LLM.add_request`` and the disaggregated front end run on every request,
-and the vLLM plugin's admission check).
+The budget rules themselves (``expert_top_k_value``, ``validate_expert_top_k``, ``budget_of``) are
+``routing/budgets.py``'s, shared with the vLLM plugin.
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
 
-from .k_tiers import KRequest, OnlineLanes, StepCost, plan_offline
+from ..routing.budgets import budget_of
+from ..routing.k_tiers import KRequest, OnlineLanes, StepCost, plan_offline
 from .sampling import SamplingParams
 from .sequence import Sequence
-
-
-def _as_integer(k) -> int:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        text = repr(k)
-        raise ValueError(f"expert_top_k must be an integer, got {text if len(text) <= 60 else text[:57] + '...'}")
-    return int(k)
-
-
-def expert_top_k_value(k) -> int | None:
-    """A budget as a JSON client sent it (the server's parser, the vLLM plugin), before the model is
-    known: None (the model's full budget) or an integer >= 1, where 16.0 reads as 16. Raises
-    ValueError naming the field."""
-    if k is None:
-        return None
-    if isinstance(k, float) and k.is_integer() and abs(k) < 2**53:
-        k = int(k)
-    k = _as_integer(k)
-    if k < 1:
-        raise ValueError(f"expert_top_k={k} is out of range: a token routes at least 1 expert; ask for a budget "
-                         "of at least 1 or leave it unset for the full budget")
-    return k
-
-
-def validate_expert_top_k(k, max_k: int | None, parts: int | None = None) -> int | None:
-    """A request's budget checked against the model (every request an engine admits passes here,
-    ``validation.check_request``): an integer 1 <= k <= max_k (= N * k_max for a split model,
-    ``parts`` = N); None means the full budget (max_k). ``max_k`` None: the model has no experts,
-    so any budget is refused. Raises ValueError naming the range."""
-    if k is None:
-        return max_k
-    if max_k is None:
-        raise ValueError("expert_top_k applies to Mixture-of-Experts models; this model has no experts")
-    k = _as_integer(k)
-    if not 1 <= k <= max_k:
-        what = f" ({parts} sub-experts x {max_k // parts} experts)" if parts else ""
-        raise ValueError(f"expert_top_k={k} is out of range: this model routes 1..{max_k} experts per token{what}; "
-                         f"ask for a budget in [1, {max_k}] or leave it unset for the full budget")
-    return k
-
-
-def budget_of(k: int | None, full_k: int) -> int:
-    """The experts per token an admitted request runs at: its budget, never above the model's k
-    (None = the model's k). The engine's ``BudgetPolicy`` and the vLLM plugin's routing and
-    scheduler read a request's budget through it."""
-    return full_k if k is None else min(int(k), full_k)
 
 
 class BudgetPolicy:

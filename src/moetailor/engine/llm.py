@@ -27,7 +27,7 @@ from .block_manager import BlockManager
 from .budgets import BudgetPolicy
 from .config import EngineConfig
 from .guard import Abort, Action, Guard, GuardConfig, RunOn
-from .k_tiers import StepCost
+from ..routing.traffic import StepCost
 from .load_pools import PoolsByLoad
 from .logprobs import record_logprobs, take_prompt_logprobs
 from .model_runner import ModelRunner, StepOutput

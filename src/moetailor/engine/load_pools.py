@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..plans.plan import Plan
-from .k_tiers import StepCost
+from ..routing.traffic import StepCost
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .budgets import validate_expert_top_k
+from ..routing.budgets import validate_expert_top_k
 from .sampling import SamplingParams
 
 NO_TOKENIZER = ("a text prompt needs a tokenizer and this model folder has no tokenizer files (tokenizer.json / "

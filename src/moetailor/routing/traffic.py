@@ -13,7 +13,7 @@ each of L MoE layers with m experts::
 ``per_expert`` is the cost of touching one expert's weights (bytes per expert / bandwidth on a
 memory-bound machine, plus the per-call overhead of a small matmul), ``per_route`` the compute of
 one token through one expert, ``per_token`` attention and the dense parts. The engine's k-aware schedules plan with it (first estimated from the model's shapes, then fitted to
-measured steps: ``engine/k_tiers.py``), and the GPU roofline (``bench/roofline.py``) builds its
+measured steps: ``routing/k_tiers.py``), and the GPU roofline (``bench/roofline.py``) builds its
 memory part (bytes / bandwidth) and its compute part (FLOPs / peak) as two of them.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ...models.chat import chat_prompt
-from ..budgets import expert_top_k_value
+from ...routing.budgets import expert_top_k_value
 from ..logprobs import MAX_LOGPROBS
 from ..sampling import SamplingParams
 from ..validation import completion_room

@@ -162,7 +162,7 @@ def _wrap_validate_params(validate_params):
         if EXPERT_TOP_K in extra:
             from vllm.exceptions import VLLMValidationError
 
-            from ...engine.budgets import expert_top_k_value, validate_expert_top_k
+            from ...routing.budgets import expert_top_k_value, validate_expert_top_k
 
             model_k = getattr(self.model_config.hf_config, "num_experts_per_tok", None)
             try:

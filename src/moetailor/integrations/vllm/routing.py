@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...engine.budgets import budget_of
+from ...routing.budgets import budget_of
 from ...models.architectures import RouterSemantics
 from ...routing.router import CompiledPolicy, route
 from .plan import DECODE_FROM, EXPERT_TOP_K, RouterTables

@@ -4,7 +4,7 @@ Requests carry a budget (``expert_top_k`` in ``SamplingParams.extra_args``; none
 A step that mixes budgets touches the union of its requests' experts, so which requests share a
 step decides its cost. ``KAwareScheduler`` subclasses vLLM's v1 ``Scheduler`` and keeps vLLM's
 scheduling (token budget, chunked prefill, preemption, KV connectors) with two changes, both driven
-by moetailor's pure-data policies in ``engine/k_tiers.py``:
+by moetailor's pure-data policies in ``routing/k_tiers.py``:
 
   * ``lanes`` (online): before each step, ``OnlineLanes.next_batch`` picks one lane of the running
     decode requests (low k / high k, adaptive boundary, bounded wait); the others sit this step out
@@ -43,8 +43,8 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from ...engine.budgets import budget_of
-from ...engine.k_tiers import KRequest, MeasuredChoice, OnlineLanes, StepCost, plan_offline
+from ...routing.budgets import budget_of
+from ...routing.k_tiers import KRequest, MeasuredChoice, OnlineLanes, StepCost, plan_offline
 from .plan import EXPERT_TOP_K
 
 SCHEDULER_CLS = "moetailor.integrations.vllm.scheduler.KAwareScheduler"

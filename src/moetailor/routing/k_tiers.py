@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..routing.traffic import StepCost  # noqa: F401  (the engine's modules import it from here)
+from .traffic import StepCost  # noqa: F401  (the vLLM scheduler imports it from here)
 
 
 @dataclass(frozen=True)
