@@ -363,3 +363,18 @@ def test_eval_table_names_the_tasks_it_ran(tiny, tmp_path, capsys):
                  "--out", str(tmp_path / "e")]) == 0
     out = capsys.readouterr().out
     assert "(tasks: reverse)" in out and "(all tasks)" not in out
+
+
+def test_info_says_what_a_statistics_file_is(tiny, folded, capsys):
+    """`info stats.safetensors` describes the statistics (not "neither a model nor a checkpoint"); a
+    checkpoint's weights file names its folder; any other file says what info reads."""
+    model, _ = tiny
+    assert main(["info", str(folded / "stats.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "expert statistics from `moetailor calibrate`" in out and "calibrated on" in out, out
+    assert "mix (600 tokens" in out and "fold tables" in out and "yes" in out, out
+    err = one_line_error(capsys, ["info", str(model / "model.safetensors")], "not a moetailor statistics file",
+                         f"moetailor info {model.resolve()}")
+    assert "neither a bundled model" not in err
+    (folded / "notes.txt").write_text("hello")
+    one_line_error(capsys, ["info", str(folded / "notes.txt")], "not a safetensors file", "plan .json")
