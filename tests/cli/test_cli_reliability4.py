@@ -216,6 +216,24 @@ def test_a_folded_plan_without_its_statistics_names_the_file(tiny, folded, tmp_p
                             str(model_plan / "plan.json")], "stats.safetensors", "do not exist")
 
 
+def test_the_vllm_plugin_reads_a_folded_plans_statistics_through_the_same_reader(tiny, folded, tmp_path):
+    """The plugin's router tables (no vLLM import) find a moved plan folder's statistics, and name them
+    when they are gone, as every verb does (``Plan.fold_tables_path``)."""
+    import shutil
+
+    from moetailor.integrations.vllm.plan import fold_tables_for
+    from moetailor.plans import Plan
+
+    model, (low, _) = tiny
+    moved = tmp_path / "moved"
+    shutil.copytree(folded, moved)
+    assert sorted(fold_tables_for(Plan.load(moved / "plan.json"), model)) == [0, 1]
+    assert fold_tables_for(Plan.load(low), model) == {}            # a plan that folds nothing needs none
+    (moved / "stats.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="stats.safetensors, which do not exist"):
+        fold_tables_for(Plan.load(moved / "plan.json"), model)
+
+
 def test_calibrate_reads_a_small_traffic_file_once(tiny, tmp_path, capsys):
     """A file smaller than --tokens used to be read over and over, its repeats recorded as data."""
     from moetailor.calibration import ExpertStats
