@@ -381,6 +381,7 @@ def test_eval_table_names_the_tasks_it_ran(tiny, tmp_path, capsys):
                  "--out", str(tmp_path / "e")]) == 0
     out = capsys.readouterr().out
     assert "(tasks: reverse)" in out and "(all tasks)" not in out
+    assert "± n/a" in out and "± 0.0" not in out      # one seed measures no spread (the terminal table too)
 
 
 def test_info_says_what_a_statistics_file_is(tiny, folded, capsys):
