@@ -397,3 +397,20 @@ def test_info_says_what_a_statistics_file_is(tiny, folded, capsys):
     assert "neither a bundled model" not in err
     (folded / "notes.txt").write_text("hello")
     one_line_error(capsys, ["info", str(folded / "notes.txt")], "not a safetensors file", "plan .json")
+
+
+def test_a_recorded_command_line_runs_again():
+    """`serve --observe` recorded `--expert-plan '[]'` (an option's empty list) in its statistics' command."""
+    import argparse
+    import shlex
+
+    from moetailor.cli.calibrate import command_line
+    from moetailor.cli.main import build_parser
+
+    args = argparse.Namespace(command="serve", func=None, model="reference", expert_plan=[], decode_pools_by_load=None,
+                              port=8000, observe="live.safetensors")
+    assert command_line(args, ("model",)) == "moetailor serve reference --port 8000 --observe live.safetensors"
+    args.expert_plan, args.decode_pools_by_load = ["a=a.json", "b=b.json"], ["p1.json", "p2.json"]
+    line = command_line(args, ("model",))
+    parsed = build_parser().parse_args(shlex.split(line)[1:])
+    assert parsed.expert_plan == ["a=a.json", "b=b.json"] and parsed.decode_pools_by_load == ["p1.json", "p2.json"]
