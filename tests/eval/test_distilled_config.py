@@ -80,5 +80,6 @@ def test_a_missing_distilled_folder_leaves_no_run_folder(setup, tmp_path, capsys
     root = setup
     assert main(["eval", str(root / "model"), "--configs", f"distilled:{tmp_path / 'nowhere'}", "--tasks", "reverse",
                  "--n", "1", "--seeds", "1", "--out", str(tmp_path / "run")]) == 2
-    assert "nowhere" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "nowhere does not exist" in err and "moetailor distill MODEL PLAN --out" in err, err   # not "no sidecar"
     assert not (tmp_path / "run").exists()

@@ -49,3 +49,23 @@ def test_eval_metric_kl_cli(tmp_path):
     record = json.loads((tmp_path / "out" / "kl.json").read_text())
     assert record["kl"] > 0 and record["tokens"] > 0
     assert main(["eval", str(tmp_path / "full"), "--metric", "kl", "--out", str(tmp_path / "o2")]) == 2
+
+
+def test_a_plan_run_and_a_pruned_run_report_the_same_full_model_perplexity(tmp_path):
+    """`eval --metric kl --plan P` and `eval --metric kl --pruned DIR` score one full model: its perplexity
+    is the same number in both (the bundled model in its stored bf16 used to give 320.30 and 320.18: the
+    full model ran through the routing controller in one and transformers' experts in the other)."""
+    from moetailor.data.corpus import bundled_documents
+    from moetailor.eval.metrics import heldout_windows
+    from moetailor.models import load_tokenizer, resolve_model_path
+    from moetailor.plans import Plan
+
+    path = resolve_model_path("reference")
+    plan = Plan.load(path.parent / "plans" / "reference-reap-50.json")
+    windows = heldout_windows(load_tokenizer("reference"), bundled_documents("heldout"), 1, 64)
+    pruned = prune_checkpoint_streamed(path, plan, tmp_path / "pruned", progress=False)
+    masked = heldout_kl_streamed(path, windows, plan=plan, progress=False)
+    again = heldout_kl_streamed(path, windows, plan=plan, progress=False)
+    other = heldout_kl_streamed(path, windows, pruned=pruned, progress=False)
+    assert masked.perplexity_full == again.perplexity_full == other.perplexity_full
+    assert abs(masked.kl - other.kl) < 1e-3

@@ -409,3 +409,22 @@ def test_each_checkout_and_environment_builds_under_its_own_name(tmp_path):
     before = kernels.build_name(copied)
     (copy / "vec.h").write_text((copy / "vec.h").read_text() + "\n// changed\n")
     assert kernels.build_name(copied) != before                       # new contents, new build
+
+
+def test_setup_builds_the_kernels_so_the_first_demo_starts_at_once():
+    """`make setup` runs `python -m moetailor.kernels`: the build a first `make demo` used to begin with
+    (a minute or more) is part of set-up; it exits 0 with or without a compiler."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    recipe = (root / "Makefile").read_text().split("$(STAMP): pyproject.toml", 1)[1].split("\n\n", 1)[0]
+    assert "$(PY) -m moetailor.kernels" in recipe and recipe.index("moetailor.kernels") < recipe.index("touch")
+    probe = [sys.executable, "-m", "moetailor.kernels"]
+    off = subprocess.run(probe, env={**os.environ, "MOETAILOR_NATIVE": "0"}, capture_output=True, text=True, timeout=120)
+    assert off.returncode == 0 and "torch's kernels" in off.stderr, off.stderr
+    if kernels._module() is None:
+        pytest.skip("the native kernels do not build here")
+    ready = subprocess.run(probe, capture_output=True, text=True, timeout=600)
+    assert ready.returncode == 0 and "native CPU kernels ready" in ready.stderr and "compil" not in ready.stderr

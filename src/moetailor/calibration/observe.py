@@ -43,7 +43,7 @@ TRAFFIC = "served traffic"   # the statistics' data name: what `moetailor plan` 
 def check_observe_path(path: str | Path, flag: str = "--observe") -> Path:
     """A one-line ValueError when statistics cannot be written at ``path`` (checked before a model loads):
     its folder missing or not writable, the path a folder, or a file already there (observed statistics
-    are written anew, never appended to an older file)."""
+    are written anew, never appended to an older file), or another moetailor run observing into it."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{flag} {path} is a directory; give a file path for the statistics, e.g. "
@@ -56,6 +56,9 @@ def check_observe_path(path: str | Path, flag: str = "--observe") -> Path:
         raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it or choose another {flag} path")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path}: the folder {folder} is not writable; choose another {flag} path")
+    from ..outputs import claim_output
+
+    claim_output(path, flag)   # a second server observing into the same file fails now, not at its first save
     return path
 
 

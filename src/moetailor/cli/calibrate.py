@@ -112,6 +112,9 @@ def check_seq_len(seq_len: int | None, path) -> int:
     return seq_len
 
 
+APPENDED = ("expert_plan",)   # options given once per value (action="append")
+
+
 def command_line(args, positional: tuple[str, ...]) -> str:
     """The invocation, rebuilt from the parsed arguments (recorded in the output's metadata)."""
     parts = ["moetailor", args.command]
@@ -123,6 +126,12 @@ def command_line(args, positional: tuple[str, ...]) -> str:
             parts.append(shlex.quote(str(value)))
         elif value is True:
             parts.append(flag)
+        elif isinstance(value, (list, tuple)):   # none given: left out; appended options once per value
+            items = [shlex.quote(str(item)) for item in value]
+            if key in APPENDED:
+                parts += [part for item in items for part in (flag, item)]
+            elif items:
+                parts += [flag, *items]            # nargs="+" (--decode-pools-by-load A B)
         else:
             parts += [flag, shlex.quote(str(value))]
     return " ".join(parts)

@@ -99,11 +99,13 @@ def run(args) -> int:
         "moetailor eval " + " ".join(shlex.quote(a) for a in _argv(args))
     results = Sweep(settings, args.out, command=command, log=lambda m: print(m, file=sys.stderr),
                     overwrite=args.overwrite).run()
+    from ..eval.report import accuracy_spread
+
     rows = [r for r in results["rows"] if r["task"] == "all"]
     scope = "all tasks" if settings.tasks == ["all"] else "tasks: " + ", ".join(settings.tasks)
     print_table(f"moetailor eval {args.model} ({scope})",
                 ["variant", "sampling", "accuracy %", "p50", "p90", "budget hit %", "EOS %", "KL", "ppl"],
-                [(r["variant"], r["sampling"], f"{100 * r['accuracy']:.1f} ± {100 * r['accuracy_std']:.1f}",
+                [(r["variant"], r["sampling"], f"{100 * r['accuracy']:.1f} ± {accuracy_spread(r)}",
                   f"{r['p50']:.0f}", f"{r['p90']:.0f}", f"{100 * r['budget_hit']:.1f}", f"{100 * r['eos']:.1f}",
                   f"{r['kl']:.3f}", f"{r['perplexity']:.2f}") for r in rows])
     guarded = [r for r in rows if r.get("guard")]

@@ -1,6 +1,9 @@
 """`moetailor info MODEL`: the architecture and expert layout of a checkpoint.
-`moetailor info PLAN.json`: what a plan keeps, per phase, and what it was calibrated on."""
+`moetailor info PLAN.json`: what a plan keeps, per phase, and what it was calibrated on.
+`moetailor info STATS.safetensors`: what a statistics file was calibrated on and what it holds."""
 from __future__ import annotations
+
+from pathlib import Path
 
 from ..tables import print_table
 
@@ -8,7 +11,8 @@ from ..tables import print_table
 def register(sub) -> None:
     p = sub.add_parser("info", help="print architecture, MoE layers, experts, top-k, gating, parameters "
                        "(or, for a plan file, what it keeps and what it was calibrated on)")
-    p.add_argument("model", help="local checkpoint directory, a bundled model ('reference', 'reference-qwen3'), or a plan .json")
+    p.add_argument("model", help="local checkpoint directory, a bundled model ('reference', 'reference-qwen3'), "
+                   "a plan .json or a statistics .safetensors file (from `moetailor calibrate`)")
     p.set_defaults(func=run)
 
 
@@ -16,9 +20,12 @@ def run(args) -> int:
     from ..models import describe, load_model, resolve_model_path
     from ..models.checkpoint import stored_dtype
     from ..models.loading import read_config
+    from ..models.paths import is_bundled
 
     if str(args.model).endswith(".json"):
         return run_plan(args.model)
+    if not is_bundled(args.model) and Path(args.model).is_file():
+        return run_file(args.model)
     # the checkpoint's own dtype: its true bytes per expert, and half the memory of fp32 for bf16 weights
     path = resolve_model_path(args.model)
     read_config(path)   # a broken config.json: one clear line before its dtype is read
@@ -56,6 +63,52 @@ def run_plan(path: str) -> int:
         if meta.get(key):
             rows.append((key, str(meta[key])))
     print_table(printable(f"moetailor info {path} (plan)"), ["property", "value"],
+                [(key, printable(value)) for key, value in rows])
+    return 0
+
+
+def run_file(path: str) -> int:
+    """A file that is neither a plan nor a checkpoint directory: a statistics file is described; any other
+    file is one line saying what ``info`` reads (a checkpoint's weights file names its folder)."""
+    from safetensors import safe_open
+
+    from ..calibration.calibrate import calibration_record, describe_calibration
+    from ..calibration.stats import STATS_FORMAT, ExpertStats
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+    except Exception:  # safetensors raises its own error types for foreign files
+        header = None
+    if header is None or header.get("format") != STATS_FORMAT:
+        folder = Path(path).resolve().parent
+        hint = (f"; for the checkpoint it belongs to run `moetailor info {folder}`"
+                if header is not None and (folder / "config.json").exists() else "")
+        what = ("a safetensors file but not a moetailor statistics file" if header is not None
+                else "not a safetensors file")
+        raise ValueError(f"{path} is {what}: info reads a checkpoint directory (the folder with config.json), "
+                         "a bundled model name, a plan .json or a statistics .safetensors file written by "
+                         f"`moetailor calibrate`{hint}")
+    stats = ExpertStats.load(path)
+    meta, model = stats.meta, stats.model
+    layers = sorted(stats.layers)
+    rows = [("what", "expert statistics from `moetailor calibrate` (input of `moetailor plan`)"),
+            ("model", f"{model.get('source') or '?'} ({model.get('model_type')}, {model.get('num_experts')} experts "
+                      f"top-{model.get('top_k')}, router hash {model.get('router_hash')})"),
+            ("calibrated on", describe_calibration(calibration_record(meta))),
+            ("MoE layers", f"{len(layers)} ({', '.join(map(str, layers))})" if len(layers) < 12
+             else f"{len(layers)} layers"),
+            ("fold tables", "yes (plans may fold: `plan --fold`)" if stats.has_fold
+             else "no (calibrate --fold records them)"),
+            ("expert output statistics", "yes" if stats.has_outputs else "no (written before they were recorded)")]
+    for key in ("gate", "dtype", "seconds", "command"):
+        value = meta.get(key)
+        if isinstance(value, dict):
+            value = value.get("name")
+        if value is not None:
+            rows.append((key, str(value)))
+    rows.append(("next", f"moetailor plan {path} --criterion reap --keep 0.5 --out plan.json"))
+    print_table(printable(f"moetailor info {path} (statistics)"), ["property", "value"],
                 [(key, printable(value)) for key, value in rows])
     return 0
 

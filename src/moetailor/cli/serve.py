@@ -75,6 +75,23 @@ def parse_named_plans(items: list[str], model) -> dict:
     return plans
 
 
+def show_server_log() -> None:
+    """The server's one-line notes (a client that left mid-body, a guard move) go to stderr beside uvicorn's
+    access lines, in its format; without a handler Python would print only warnings and errors."""
+    import logging
+
+    from uvicorn.logging import DefaultFormatter
+
+    for name in ("moetailor.server", "moetailor.guard"):
+        logger = logging.getLogger(name)
+        if not any(getattr(h, "_moetailor", False) for h in logger.handlers):
+            handler = logging.StreamHandler()
+            handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s", use_colors=False))
+            handler._moetailor = True
+            logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def run(args) -> int:
     from ..engine.server import ServerLimits, serve
 
@@ -110,6 +127,7 @@ def run(args) -> int:
         from .calibrate import command_line
         llm.observe(args.observe, args.observe_every, command=command_line(args, positional=("model",)))
     plans = parse_named_plans(args.expert_plan, llm.model)
+    show_server_log()
     serve(llm, host=args.host, port=args.port, model_name=name, plans=plans, limits=limits, api_key=api_key,
           guard=not args.no_guard)
     return 0

@@ -60,6 +60,9 @@ def heldout_kl_streamed(model: str | Path, windows: list[list[int]], *, plan=Non
     else:
         other = LayerStream(pruned, full.dtype, full.placement)
     ctl = RoutingController.of(other.model)
+    # the full model's experts run through the same code in both modes (the controller, full router): a
+    # --plan run and a --pruned run report the same full-model perplexity, bit for bit
+    full_ctl = ctl if other is full else RoutingController.of(full.model)
     a, b = full.embed(batches), other.embed(batches)
     bar = tqdm(total=len(full.layers) * 2 * sum(x.numel() for x in batches), unit="tok", desc="held-out KL (streamed)",
                disable=not progress, file=sys.stderr, mininterval=2)
@@ -78,6 +81,8 @@ def heldout_kl_streamed(model: str | Path, windows: list[list[int]], *, plan=Non
     finally:
         bar.close()
         ctl.remove()
+        if full_ctl is not ctl:
+            full_ctl.remove()
     kl_sum = nll_full = nll = 0.0
     n = 0
     for j, ids in enumerate(batches):

@@ -567,6 +567,8 @@ class Distilled:
 def load_distilled(path: str | Path) -> Distilled:
     """Read a ``moetailor distill`` output directory (for evaluation and serving)."""
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; write it first with `moetailor distill MODEL PLAN --out {path}`")
     side = read_distill_sidecar(path)
     if side is None:
         raise FileNotFoundError(f"{path} is not a `moetailor distill` output (no {SIDECAR}); run `moetailor distill`")

@@ -226,6 +226,37 @@ def test_a_client_leaving_mid_body_is_one_log_line(server, caplog):
     assert post(base, {"prompt": "hi", "max_tokens": 1}).status_code == 200
 
 
+def test_moetailor_serve_prints_the_line_for_a_client_leaving_mid_body(tmp_path):
+    """The line is logged at INFO, which `moetailor serve` used to drop (no handler: Python prints only
+    warnings): the user saw neither the traceback nor the line. It prints beside uvicorn's access lines."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    err = tmp_path / "serve.err"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    with open(err, "w") as stderr:
+        server = subprocess.Popen([sys.executable, "-m", "moetailor.cli.main", "serve", "reference", "--port", str(port),
+                                   "--max-model-len", "256"], env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and "Uvicorn running" not in err.read_text():
+            assert server.poll() is None, err.read_text()[-2000:]
+            time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      b"content-length: 1000\r\n\r\n{\"prompt\": ")
+            time.sleep(0.2)
+        deadline = time.time() + 20
+        while time.time() < deadline and "closed the connection" not in err.read_text():
+            time.sleep(0.1)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    lines = [line for line in err.read_text().splitlines() if "closed the connection" in line]
+    assert len(lines) == 1 and lines[0].startswith("INFO:") and "after 11 bytes of the request body" in lines[0], lines
+    assert "Traceback" not in err.read_text()
+
+
 # ---- low: non-finite logits ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def nan_server(one_thread):

@@ -98,19 +98,15 @@ def load_checked_plan(path: str | Path, mode: str, checkpoint: str | Path) -> Pl
 
 
 def fold_tables_for(plan: Plan, checkpoint: str | Path, where: str = "the plan") -> dict:
-    """The ExFold tables the plan's folding policies read (``plan.fold_stats``), checked against the
-    checkpoint; {} when the plan names none."""
-    if not plan.fold_stats:
+    """The ExFold tables the plan's folding policies read (``plan.fold_stats``, found by the one reader
+    every verb uses, ``Plan.fold_tables_path``), checked against the checkpoint; {} when the plan folds
+    nothing."""
+    if not plan.needs_fold_tables:
         return {}
     from ...calibration import ExpertStats
     from ...models.loading import fingerprint_mismatch
 
-    stats_path = Path(plan.fold_stats)
-    if not stats_path.is_absolute() and not stats_path.exists() and Path(where).exists():
-        stats_path = Path(where).resolve().parent / stats_path   # relative to the plan file
-    if not stats_path.is_file():
-        raise FileNotFoundError(f"{where}: fold_stats {plan.fold_stats} does not exist; create it with "
-                                f"`moetailor calibrate MODEL --fold --out {plan.fold_stats}`")
+    stats_path = plan.fold_tables_path()
     stats = ExpertStats.load(stats_path)
     problem = fingerprint_mismatch(stats.model, checkpoint_fingerprint(checkpoint))
     if problem:
