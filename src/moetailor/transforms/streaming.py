@@ -37,6 +37,11 @@ def prune_checkpoint_streamed(source: str | Path, plan: Plan | str | Path, out: 
         plan = Plan.load(plan)
     config = AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
     plan.check_model(model)
+    from .merge import merged_groups, write_merged
+    groups = merged_groups(plan, config, phase)
+    if groups is not None:
+        return write_merged(ckpt, model, config, plan, groups, out, overwrite, inputs, phase, command, shard_bytes,
+                            progress)
     substituted = novice_substituted(plan, config, phase)
     if substituted is not None:
         return write_novice(ckpt, model, config, plan, substituted, out, overwrite, inputs, phase, command,
