@@ -73,7 +73,7 @@ def _merged(model, plan: Plan, name: str) -> Serving:
     """A plan that merges experts in decode, served as deployed: full prefill on the model, decode on
     its merged checkpoint (written once, ``transforms.merge.merged_checkpoint``) in the disaggregated
     engine; the plan the engine is told is the full router (the checkpoint holds the merge)."""
-    from ..transforms.merge import merged_checkpoint
+    from ..transforms.streaming import merged_checkpoint
 
     if plan.prefill.merges:
         raise ValueError(f"configuration {name!r} would merge experts in prefill, which runs on the original model "

@@ -70,14 +70,14 @@ def write_merged(ckpt, model, config, plan: Plan, groups: dict[int, Groups], out
     from tqdm import tqdm
 
     from ..models.checkpoint import EXPERT_KEY, FUSED_KEY, ROUTER_KEY, ShardWriter, split_layer_key
-    from .artifacts import checkpoint_directory, copy_tokenizer
+    from ..models.architectures import arch_spec
+    from .artifacts import COPIED, checkpoint_directory, copy_tokenizer
     from .prune import pruned_config, write_sidecar
-    from .streaming import COPIED, model_experts
 
     router_rule = {i: plan.phase(phase).for_layer(i).merge_router for i in groups}
     names = ckpt.keys()
     experts: dict[tuple[int, str], dict] = {}      # (layer, proj) -> {"prefix": ..., "names": {expert: name}}
-    E = model_experts(config)
+    E = arch_spec(config).num_experts(config)
     count = len(next(iter(groups.values())))
     with checkpoint_directory(out, overwrite, inputs) as tmp:
         writer = ShardWriter(tmp, shard_bytes)
@@ -125,21 +125,3 @@ def write_merged(ckpt, model, config, plan: Plan, groups: dict[int, Groups], out
                       merge_router=sorted(set(router_rule.values())))
     return out
 
-
-def merged_checkpoint(model_path: str | Path, plan: Plan, phase: str = "decode", log=None) -> Path:
-    """The merged checkpoint of ``plan`` for the model at ``model_path``, written once and cached under
-    $MOETAILOR_CACHE (default ~/.cache/moetailor)/merged/<plan hash> (what `eval` and `tune` decode on)."""
-    import os
-
-    from ..models.loading import resolve_model_path
-    from ..plans.plan import plan_hash
-    from .streaming import prune_checkpoint_streamed
-
-    root = Path(os.environ.get("MOETAILOR_CACHE") or Path.home() / ".cache" / "moetailor")
-    out = root / "merged" / f"{plan.model['router_hash']}-{phase}-{plan_hash(plan)}"
-    if (out / "config.json").is_file():
-        return out
-    (log or (lambda m: print(m, file=sys.stderr)))(f"writing the merged checkpoint of the plan -> {out}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return prune_checkpoint_streamed(resolve_model_path(model_path), plan, out, overwrite=True, phase=phase,
-                                     progress=False, command="merged checkpoint for evaluation")
