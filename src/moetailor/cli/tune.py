@@ -131,7 +131,7 @@ def run(args) -> int:
             return 0
         print(f"serve it: moetailor serve {args.model} --decode-plan {result.plan_path}   |   vLLM: "
               + (f"additional_config={{\"moetailor_decode_plan\": \"{result.plan_path}\"}}" if r.get("vllm")
-                 else "a distilled decoder, which vLLM's plugin does not serve; rerun with --servable vllm"))
+                 else "novice constants, which vLLM's plugin does not add; rerun with --servable vllm"))
         return 0
     proven = result.quality == "accuracy" and settings.min_quality is not None
     print(f"no plan {'is proven to meet' if proven else 'meets'} {floor} at {target}"
