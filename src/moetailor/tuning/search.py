@@ -331,10 +331,12 @@ class Tuner:
         return self.plans[c.key]
 
     def merged_dir(self, c: Candidate) -> Path:
-        """The merged decoder of a merge candidate, written once into OUT/merged/KEY (stock checkpoint)."""
+        """The merged decoder of a merge candidate, written once into OUT/merged/KEY-<plan hash> (a stock
+        checkpoint; the hash covers the statistics, so other statistics never reuse it)."""
+        from ..plans.plan import plan_hash
         from ..transforms.streaming import prune_checkpoint_streamed
 
-        out = self.out / "merged" / c.key
+        out = self.out / "merged" / f"{c.key}-{plan_hash(self.plan(c))[:8]}"
         if not (out / "config.json").is_file():
             out.parent.mkdir(exist_ok=True)
             prune_checkpoint_streamed(self.path, self.plan(c), out, overwrite=True, progress=False,
