@@ -9,9 +9,13 @@ most frequently routed member. ``transforms.merge`` writes the stock checkpoint 
 
 Grouping:
   hcsmoe  HC-SMoE (Chen et al., ICML 2025): agglomerative clustering of the experts by their outputs
-          on calibration data, average linkage, Euclidean distance, until m' clusters remain. The
-          signature is each expert's mean output over the tokens routed to it
-          (``LayerStats.mean_output``, [E, H]); HC-SMoE averages outputs over all calibration tokens.
+          on calibration data, average linkage, until m' clusters remain. The signature is each
+          expert's mean output over the tokens routed to it (``LayerStats.mean_output``, [E, H]; HC-SMoE
+          averages outputs over all calibration tokens), scaled to unit length: the distance is the
+          direction's (Euclidean between unit vectors, a monotone map of cosine). Expert outputs differ
+          several-fold in norm within a layer while their directions align (ExFold's observation), and
+          on raw means average linkage chains every low-norm expert into one cluster: on both bundled
+          models at 32 of 64, one cluster of 33 experts and 31 singletons in every layer.
   msmoe   M-SMoE (Li et al., ICLR 2024): the m' most frequently routed experts are dominant; every
           other expert joins the dominant expert it is most similar to. M-SMoE measures similarity on
           router logits over calibration data; here the cosine of the router weight rows (the logits'
@@ -111,7 +115,7 @@ def merge_layer(method: str, stats_layer, count: int, protected: list[int], rows
                          "--protect-super or keep more experts")
     rest = [e for e in range(E) if e not in protected]
     if method == "hcsmoe":
-        features = stats_layer.mean_output[rest]                            # [E - s, H]
+        features = torch.nn.functional.normalize(stats_layer.mean_output[rest].double(), dim=-1)   # [E - s, H]
         groups = [[rest[j] for j in g] for g in average_linkage(features, count - len(protected))]
         groups += [[e] for e in protected]
     elif method == "msmoe":
