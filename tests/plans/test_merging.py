@@ -104,3 +104,21 @@ def test_merge_policy_checks():
         LayerPolicy(keep=(0,), pool_mode="merge").validate(2, 1)
     with pytest.raises(ValueError, match="representative"):
         LayerPolicy(keep=(1,), pool_mode="merge", merge=(((0, 0.5), (1, 0.5)),), merge_router="dominant").validate(2, 1)
+
+
+def test_hcsmoe_uses_every_tokens_outputs_when_calibrated_with_all_experts(tmp_path):
+    """`calibrate --all-experts` records each expert's outputs over every token (HC-SMoE's signature),
+    saved and read back; the hcsmoe plan then clusters on it and says so."""
+    model = tiny_model("qwen2_moe", num_experts=8, top_k=2)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 96, (4, 16), generator=g) for _ in range(2)]
+    stats = calibrate_batches(model, batches, all_experts=True, progress=False)
+    stats = ExpertStats.load(stats.save(tmp_path / "all.safetensors"))
+    layer = next(iter(stats.layers.values()))
+    assert layer.has_all_outputs and torch.all(layer.out_all_count == 2 * 4 * 16)
+    assert not torch.allclose(layer.mean_output_all, layer.mean_output)        # every token, not the routed ones
+    plan = make_plan(stats, model, "frequency", keep=0.5, merge="hcsmoe")
+    assert plan.meta["merge"]["signature"] == "mean output over every calibration token"
+    routed = calibrate_batches(model, batches, progress=False)
+    assert not next(iter(routed.layers.values())).has_all_outputs
+    assert make_plan(routed, model, "frequency", keep=0.5, merge="hcsmoe").meta["merge"]["signature"].endswith("routed to the expert")

@@ -264,6 +264,10 @@ def make_plan(stats: ExpertStats, model=None, criterion: str = "reap", keep: flo
         from .merging import MERGE_METHODS
         meta["merge"] = {"method": merge, "how": MERGE_METHODS[merge], "router": merge_router,
                          "weights": "routing frequency within the group"}
+        if merge == "hcsmoe":
+            every = all(l.has_all_outputs for l in stats.layers.values())
+            meta["merge"]["signature"] = ("mean output over every calibration token" if every else
+                                          "mean output over the tokens routed to the expert")
     model_fp = dict(stats.model)
     if model is not None and getattr(model, "moetailor_source", None):
         model_fp["source"] = source_name(model.moetailor_source)

@@ -10,8 +10,9 @@ most frequently routed member. ``transforms.merge`` writes the stock checkpoint 
 Grouping:
   hcsmoe  HC-SMoE (Chen et al., ICML 2025): agglomerative clustering of the experts by their outputs
           on calibration data, average linkage, until m' clusters remain. The signature is each
-          expert's mean output over the tokens routed to it (``LayerStats.mean_output``, [E, H]; HC-SMoE
-          averages outputs over all calibration tokens), scaled to unit length: the distance is the
+          expert's mean output over every calibration token, as HC-SMoE's (``LayerStats.mean_output_all``,
+          recorded by ``calibrate --all-experts``), else over the tokens routed to it
+          (``LayerStats.mean_output``), scaled to unit length: the distance is the
           direction's (Euclidean between unit vectors, a monotone map of cosine). Expert outputs differ
           several-fold in norm within a layer while their directions align (ExFold's observation), and
           on raw means average linkage chains every low-norm expert into one cluster: on both bundled
@@ -115,7 +116,8 @@ def merge_layer(method: str, stats_layer, count: int, protected: list[int], rows
                          "--protect-super or keep more experts")
     rest = [e for e in range(E) if e not in protected]
     if method == "hcsmoe":
-        features = torch.nn.functional.normalize(stats_layer.mean_output[rest].double(), dim=-1)   # [E - s, H]
+        means = stats_layer.mean_output_all if stats_layer.has_all_outputs else stats_layer.mean_output
+        features = torch.nn.functional.normalize(means[rest].double(), dim=-1)              # [E - s, H]
         groups = [[rest[j] for j in g] for g in average_linkage(features, count - len(protected))]
         groups += [[e] for e in protected]
     elif method == "msmoe":
