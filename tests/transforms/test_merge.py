@@ -152,3 +152,23 @@ def test_a_merged_qwen3_checkpoint_exports_to_gguf(tmp_path):
 
     kv = {k: f.contents() for k, f in gguf.GGUFReader(str(tmp_path / "m.gguf")).fields.items()}
     assert kv["qwen3moe.expert_count"] == 32
+
+
+def test_merging_aligns_neurons_before_averaging():
+    """Two copies of one expert whose intermediate neurons are numbered differently compute the same
+    function; merged, they give that function back (a plain average of the unaligned weights does not)."""
+    from moetailor.transforms.merge import merge_experts
+
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = torch.randn(48, 16, generator=g), torch.randn(48, 16, generator=g), torch.randn(16, 48, generator=g)
+    perm = torch.randperm(48, generator=g)
+    copy = (gate[perm], up[perm], down[:, perm])
+
+    def expert(w, x):
+        return (torch.nn.functional.silu(x @ w[0].T) * (x @ w[1].T)) @ w[2].T
+    x = torch.randn(5, 16, generator=g)
+    torch.testing.assert_close(expert(copy, x), expert((gate, up, down), x))
+    merged = merge_experts([(gate, up, down), copy], (0.5, 0.5))
+    torch.testing.assert_close(expert(merged, x), expert((gate, up, down), x))
+    plain = tuple(0.5 * a + 0.5 * b for a, b in zip((gate, up, down), copy))
+    assert (expert(plain, x) - expert((gate, up, down), x)).abs().max() > 0.1
