@@ -458,10 +458,10 @@ class Tuner:
             extra = []
             for r in front:
                 c = Candidate.from_json(r["candidate"])
-                if c.top_k is not None or c.is_full(self.E):
-                    continue
+                if c.top_k is not None or c.is_full(self.E) or c.pool_mode in ("novice", "merge"):
+                    continue     # novice and merged pools keep the model's k (their routes are the full router's)
                 for k2 in range(self.k - 1, max(1, self.k // 2) - 1, -1):
-                    c2 = Candidate(c.criterion, c.sizes, c.pool_mode, k2, c.allocation)
+                    c2 = Candidate(c.criterion, c.sizes, c.pool_mode, k2, c.allocation, c.protect_super)
                     if c.read_share(self.E, self.k, self.s.batch) - c2.read_share(self.E, self.k, self.s.batch) >= 0.01:
                         extra.append(c2)
             self._score_all(extra, "top-k reduction")
