@@ -474,6 +474,7 @@ class Tuner:
         s = self.s
         if self.streamed or s.backend != "engine":   # scored on the model in memory, with the engine
             return []
+        novice = s.novice and s.servable == "engine"     # vLLM serves no novice pool phase-aware
         near = sorted(fine, key=lambda m: abs(m / self.E - self._proxy_target()))[:5]
         grouped = (self.fp.get("n_group") or 1) > 1      # merging and protection are refused there (plans say why)
         protect = [0] + ([s.protect_super] if s.protect_super and self.stats.has_outputs and not grouped else [])
@@ -484,7 +485,7 @@ class Tuner:
                 if p >= m:
                     continue
                 kinds = [Candidate(best, sizes, "mask", protect_super=p)] if p else []
-                if s.novice and self.stats.has_outputs:
+                if novice and self.stats.has_outputs:
                     kinds += [Candidate(c, sizes, "novice", protect_super=p) for c in dict.fromkeys(("mone", best))]
                 if s.merge and self.stats.has_outputs and not grouped:
                     kinds += [Candidate("frequency", sizes, "merge", protect_super=p, merge=g) for g in ("hcsmoe", "msmoe")]
@@ -754,6 +755,11 @@ class Tuner:
                 # the student routes with the plan's masked pool (fold tables are not part of a checkpoint)
                 at = [r for r in evaluated if self.at_target(r) and r["candidate"]["pool_mode"] == "mask"]
                 base = max(at, key=lambda r: r["accuracy"]) if at else None
+                if base is None:   # the evaluated points at the target replace experts: the best masked pool by KL
+                    masked = [r for r in self.scored.values() if self.at_target(r) and not self._is_probe(r)
+                              and r["candidate"]["pool_mode"] == "mask"
+                              and not Candidate.from_json(r["candidate"]).is_full(self.E)]
+                    base = min(masked, key=lambda r: r["kl"]) if masked else None
                 if base is not None:
                     points.append(self.distill(base))
             for r in points:
