@@ -49,3 +49,26 @@ def test_candidate_plans_keep_the_top_experts_and_run_in_the_engine(calibrated):
         llm.set_plan(plan)
         out = llm.generate(["add 1 + 2"], SamplingParams(max_tokens=4, temperature=0.0))
         assert len(out[0].token_ids) >= 1
+
+
+def test_novice_merged_and_protected_candidates(calibrated):
+    model, tok, stats, path = calibrated
+    fp = model_fingerprint(model)
+    merged = Candidate("frequency", (4, 4, 4), "merge", merge="hcsmoe", protect_super=1)
+    assert merged.key == "frequency-u4-hcsmoe-super1" and Candidate.from_json(merged.to_json()) == merged
+    assert merged.describe(8) == "HC-SMoE merged 4/8 +1 super" and merged.checkpoint and merged.runs_on_vllm()
+    novice = Candidate("mone", (4, 4, 4), "novice")
+    assert novice.key == "mone-u4-novice" and not novice.runs_on_vllm() and not novice.checkpoint
+    with pytest.raises(ValueError, match="names its method"):
+        Candidate("frequency", (4, 4, 4), "merge")
+    with pytest.raises(ValueError, match="top-k"):
+        Candidate("mone", (4, 4, 4), "novice", top_k=1)
+    plan = candidate_plan(novice, stats, fp, path)
+    assert all(p.pool_mode == "novice" for p in plan.decode.layers.values()) and plan.fold_stats == path
+    for method in ("hcsmoe", "msmoe"):
+        plan = candidate_plan(Candidate("frequency", (4, 4, 4), "merge", merge=method), stats, fp, path, model=model)
+        assert plan.prefill.is_identity and all(p.merges and len(p.merge) == 4 for p in plan.decode.layers.values())
+    with pytest.raises(ValueError, match="one expert count"):
+        candidate_plan(Candidate("frequency", (6, 4, 4), "merge", merge="hcsmoe"), stats, fp, path)
+    protected = candidate_plan(Candidate("ean", (4, 4, 4), protect_super=2), stats, fp, path)
+    assert sum(len(v) for v in protected.meta["super_experts"].values()) == 2

@@ -39,6 +39,8 @@ def test_tune_chooses_the_best_plan_at_the_target(arch, tmp_path):
     model = load_model(path)
     plan.check_model(model)
     assert plan.prefill.is_identity and not plan.decode.is_identity        # phase-aware
+    if plan.merges:   # a merged decoder is its own stock checkpoint
+        model, plan = load_model(chosen["merged"]), None
     llm = LLM(model, plan, tokenizer=char_tokenizer(), max_num_seqs=2)
     assert llm.generate(["add 1 + 2"], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids
     data = json.loads((tmp_path / "out" / "front.json").read_text())
@@ -47,7 +49,8 @@ def test_tune_chooses_the_best_plan_at_the_target(arch, tmp_path):
     front = [r for r in result.front if r is not result.full]
     assert all(a["budget"] < b["budget"] and a["kl"] > b["kl"] for a, b in zip(front, front[1:]))
     kinds = {(r["candidate"]["pool_mode"], r["candidate"]["allocation"]) for r in tuner.scored.values()}
-    assert ("fold", "uniform") in kinds and ("mask", "sensitivity") in kinds
+    assert ("fold", "uniform") in kinds and ("mask", "sensitivity") in kinds and ("novice", "uniform") in kinds
+    assert (("merge", "uniform") in kinds) == (arch != "deepseek_v3-grouped")   # no merging of grouped routers
     if arch == "deepseek_v3-grouped":   # 4 routing groups: every pool keeps a multiple of 4 experts
         assert all(s % 4 == 0 for r in tuner.scored.values() for s in r["candidate"]["sizes"])
 
@@ -143,12 +146,42 @@ def test_servable_vllm_keeps_to_plans_the_vllm_plugin_applies(tmp_path):
     tuner, result = tune(path, tmp_path / "out", max_kl=10.0, budget=0.5, servable="vllm", criteria=("reap",))
     assert result.choice.met and all(r["vllm"] for r in result.front)
     modes = {r["candidate"]["pool_mode"] for r in tuner.scored.values()}
-    assert modes == {"mask", "fold"}
+    assert modes == {"mask", "fold", "merge"}              # novice pools: no plugin hook, no phase-aware checkpoint
     plans = sorted((tmp_path / "out" / "plans").glob("*.json"))
     assert any("-fold" in p.name for p in plans)
     for plan_path in [tmp_path / "out" / "plan.json", *plans]:
+        if Plan.load(plan_path).merges:   # served as its merged checkpoint, which the plugin refuses to emulate
+            with pytest.raises(ValueError, match="merged checkpoint"):
+                load_checked_plan(plan_path, "decode", path)
+            continue
         plan = load_checked_plan(plan_path, "decode", path)   # what vLLM's plugin checks at start
         assert not plan.decode.is_identity
     with pytest.raises(ValueError, match="--distill makes a distilled decoder.*drop --distill or --servable vllm"):
         TuneSettings(model=str(path), data="mix", out=tmp_path / "x", max_kl=1.0, budget=0.5, servable="vllm",
                      distill_steps=2).validate()
+
+def test_tune_searches_novice_merged_and_protected_pools_and_evaluates_merged_decoders(tmp_path):
+    """Novice pools, merged experts (both methods) and protected super experts are scored beside the
+    masked pools; a merged point is scored and evaluated on its own merged checkpoint (prefill on the
+    model, decode on the checkpoint) and, if chosen, named with that checkpoint."""
+    path = save("qwen2_moe", tmp_path / "model")
+    tok = char_tokenizer()
+    llm = LLM(load_model(path), tokenizer=tok, max_num_seqs=8)
+    prompts = [f"add {a} + {b}\n" for a in range(3) for b in range(3)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps({"prompt": p, "answer": o.text.strip(), "match": "contains"}) + "\n"
+                               for p, o in zip(prompts, outs) if o.text.strip()))
+    tuner, result = tune(path, tmp_path / "out", data=str(traffic), min_quality=0.5, budget=0.5, evaluate=6,
+                         criteria=("reap",), allocation=False, fold=False, top_k=False, protect_super=1)
+    cands = [r["candidate"] for r in tuner.scored.values()]
+    assert {c.get("merge") for c in cands if c["pool_mode"] == "merge"} == {"hcsmoe", "msmoe"}
+    assert any(c["pool_mode"] == "novice" and c["criterion"] == "mone" for c in cands)
+    assert any(c.get("protect_super") == 1 for c in cands)
+    merged = [r for r in tuner.scored.values() if r["candidate"]["pool_mode"] == "merge"]
+    assert all(load_model(r["merged"]).config.num_experts == r["candidate"]["sizes"][0] for r in merged)
+    evaluated = {r["candidate"]["pool_mode"] for r in result.points if r is not result.full}
+    assert {"merge", "novice"} <= evaluated           # second opinions of each kind at the target
+    for r in result.points:
+        if r is not result.full:
+            assert r["floor"]["verdict"] in ("meets", "misses", "not enough prompts to tell")

@@ -55,7 +55,8 @@ class Collector:
             raise ValueError(f"unknown gate definition {gate!r}; choose from {', '.join(GATES)}")
         self.gate, self.fold, self.all_experts = gate, fold or all_experts, all_experts
         self.expert_outputs = expert_outputs or module_expert_outputs
-        self.stats = {l.index: LayerStats.zeros(l.num_experts, self.fold, l.router.weight.shape[1]) for l in layers}
+        self.stats = {l.index: LayerStats.zeros(l.num_experts, self.fold, l.router.weight.shape[1], all_experts)
+                      for l in layers}
 
     @torch.no_grad()
     def __call__(self, layer: MoeLayer, hidden: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor,
@@ -124,6 +125,8 @@ class Collector:
             n = y.norm(dim=-1)                                              # [c, E]
             sel, ok, gg = idx[s:s + chunk], valid[s:s + chunk], g[s:s + chunk]
             routed_norm = n.gather(1, sel)                                  # [c, K]
+            st.out_all_sum += y.double().sum(0).cpu()                      # HC-SMoE's signature: every token
+            st.out_all_count += x.shape[0]
             for e in sel[ok].unique().tolist():                             # outputs over the routed tokens only
                 add_outputs(st, e, y[(sel == e).logical_and(ok).any(-1), e])
             st.ean.index_add_(0, sel[ok].cpu(), routed_norm[ok].double().cpu())

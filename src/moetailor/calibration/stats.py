@@ -25,8 +25,10 @@ FOLD = ("fold_uv", "fold_vv", "fold_uu", "fold_count", "norm_sum", "norm_count")
 # expert outputs y = E_j(x) (the down projection's output) over the tokens routed to j: files written
 # before these were recorded load without them (plans that need them say to re-run calibrate)
 OUTPUT = ("out_max", "out_sum", "out_sq")
+# every expert's outputs over every calibration token (``calibrate --all-experts`` only): HC-SMoE's signature
+ALL_OUTPUT = ("out_all_sum", "out_all_count")
 PAIRS = ("coselect", "fold_uv", "fold_vv", "fold_uu", "fold_count")   # [E, E]; out_sum [E, H]; the others [E], beta_hist [BETA_BINS]
-SIGNED = ("fold_uv", "out_sum")    # sums of inner products / outputs; every other statistic is a sum of counts or norms (>= 0)
+SIGNED = ("fold_uv", "out_sum", "out_all_sum")    # sums of inner products / outputs; every other statistic is a sum of counts or norms (>= 0)
 RECALIBRATE_OUTPUTS = ("these statistics hold no expert output statistics (largest output magnitude, mean output, "
                        "output variance: recorded since super-expert protection and novice experts were added); "
                        "re-run `moetailor calibrate` on the model to record them")
@@ -41,7 +43,7 @@ def check_layer_tensors(tensors: dict, num_experts: int, where: str) -> None:
         if t is None:
             continue
         shape = (E, E) if name in PAIRS else (BETA_BINS,) if name == "beta_hist" else (E,)
-        if name == "out_sum":   # [E, H]: the hidden size is the file's own
+        if name in ("out_sum", "out_all_sum"):   # [E, H]: the hidden size is the file's own
             shape = (E, t.shape[1] if t.dim() == 2 else -1)
         if tuple(t.shape) != shape:
             raise ValueError(f"{where}: {name} has shape {list(t.shape)}, expected {list(shape)} for {E} experts; "
@@ -82,15 +84,21 @@ class LayerStats:
     out_max: torch.Tensor | None = None     # [E] max over T_j of max_i |y_i| (super experts' outliers)
     out_sum: torch.Tensor | None = None     # [E, H] sum over T_j of y (novice constant = out_sum / frequency)
     out_sq: torch.Tensor | None = None      # [E] sum over T_j of ||y||^2 (with out_sum: the output variance)
+    # expert outputs over every calibration token (None unless --all-experts)
+    out_all_sum: torch.Tensor | None = None    # [E, H] sum over all tokens of E_j(x)
+    out_all_count: torch.Tensor | None = None  # [E] tokens summed
 
     @classmethod
-    def zeros(cls, num_experts: int, fold: bool, hidden_size: int | None = None) -> "LayerStats":
+    def zeros(cls, num_experts: int, fold: bool, hidden_size: int | None = None,
+              all_outputs: bool = False) -> "LayerStats":
         E = num_experts
         z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
         extra = dict(fold_uv=z(E, E), fold_vv=z(E, E), fold_uu=z(E, E), fold_count=z(E, E),
                      norm_sum=z(E), norm_count=z(E)) if fold else {}
         if hidden_size is not None:
             extra.update(out_max=z(E), out_sum=z(E, hidden_size), out_sq=z(E))
+            if all_outputs:
+                extra.update(out_all_sum=z(E, hidden_size), out_all_count=z(E))
         return cls(z(E), z(E), z(E), z(E), z(E, E), z(BETA_BINS), **extra)
 
     @property
@@ -115,6 +123,18 @@ class LayerStats:
         never-routed expert: it is never substituted on the calibration data either).  [E, H]"""
         self._outputs()
         return self.out_sum / self.frequency.clamp_min(1)[:, None]
+
+    @property
+    def has_all_outputs(self) -> bool:
+        return self.out_all_sum is not None
+
+    @property
+    def mean_output_all(self) -> torch.Tensor | None:
+        """HC-SMoE's expert signature: the mean of E_j(x) over every calibration token (None unless the
+        statistics were calibrated with --all-experts).  [E, H]"""
+        if self.out_all_sum is None:
+            return None
+        return self.out_all_sum / self.out_all_count.clamp_min(1)[:, None]
 
     @property
     def output_variance(self) -> torch.Tensor:
@@ -171,7 +191,8 @@ class LayerStats:
         return FoldTables(scale=scale.float(), loss=loss.float(), mean_norm=mean_norm.float())
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        names = REQUIRED + (FOLD if self.has_fold else ()) + (OUTPUT if self.has_outputs else ())
+        names = (REQUIRED + (FOLD if self.has_fold else ()) + (OUTPUT if self.has_outputs else ())
+                 + (ALL_OUTPUT if self.has_all_outputs else ()))
         return {n: getattr(self, n) for n in names}
 
 
@@ -259,11 +280,11 @@ class ExpertStats:
                              + "); rerun `moetailor calibrate`")
         layers = {}
         for i in meta["model"]["moe_layers"]:
-            got = {n: tensors.get(f"layer{i}.{n}") for n in REQUIRED + FOLD + OUTPUT}
+            got = {n: tensors.get(f"layer{i}.{n}") for n in REQUIRED + FOLD + OUTPUT + ALL_OUTPUT}
             missing = [n for n in REQUIRED if got[n] is None]
             if missing:
                 raise ValueError(f"{path} lacks {missing} for layer {i}; it is incomplete — rerun `moetailor calibrate`")
-            for group in (FOLD, OUTPUT):   # optional groups: all or nothing
+            for group in (FOLD, OUTPUT, ALL_OUTPUT):   # optional groups: all or nothing
                 if any(got[n] is None for n in group):
                     got = {n: v for n, v in got.items() if n not in group}
             E = meta["model"]["num_experts"]

@@ -31,7 +31,8 @@ def register(sub) -> None:
     p.add_argument("--configs", default=None,
                    help=f"comma-separated configurations; registered: {', '.join(CONFIGURATIONS)} (default "
                         f"{','.join(PHASE_CONFIGURATIONS)}; for a --plan that keeps every expert, e.g. a per-layer "
-                        "top-k plan from search-k: baseline,plan,phase-aware)")
+                        "top-k plan from search-k: baseline,plan,phase-aware; for a merged plan: baseline,phase-aware, "
+                        "decoded on its merged checkpoint)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="max new tokens for every task (default: per task, 2x its longest reference answer)")
     p.add_argument("--kl-docs", type=int, default=2, help="held-out documents per text domain for KL/perplexity")
@@ -134,6 +135,8 @@ def plan_configs(plan_path: str | None, configs: str | None) -> str:
     if plan_path is None or not Path(plan_path).is_file():
         return configs or ",".join(PHASE_CONFIGURATIONS)
     plan = Plan.load(plan_path)
+    if plan.merges:   # decoded on its merged checkpoint; prefill stays on the model
+        return configs or "baseline,phase-aware"
     if prunes_experts(plan):
         return configs or ",".join(PHASE_CONFIGURATIONS)
     if configs is None:

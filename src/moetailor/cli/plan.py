@@ -12,8 +12,8 @@ def register(sub) -> None:
 
     p = sub.add_parser("plan", help="choose the experts to keep per layer from calibration statistics -> plan.json")
     p.add_argument("stats", help="statistics file from `moetailor calibrate`")
-    p.add_argument("--criterion", required=True, choices=list(CRITERIA), metavar="CRITERION",
-                   help="one of: " + ", ".join(CRITERIA))
+    p.add_argument("--criterion", choices=list(CRITERIA), metavar="CRITERION",
+                   help="one of: " + ", ".join(CRITERIA) + " (required, except with --merge: frequency)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--keep", type=float, help="ratio of experts kept per layer (e.g. 0.5)")
     budget.add_argument("--keep-experts", type=int, help="experts kept per layer (e.g. 32)")
@@ -38,6 +38,15 @@ def register(sub) -> None:
     p.add_argument("--novice", action="store_true",
                    help="replace the dropped experts by their mean outputs (MoNE novice experts: the full router's "
                    "choice, g * c_e added for a dropped expert, no weights read) instead of masking them")
+    p.add_argument("--merge", choices=("hcsmoe", "msmoe"), default=None,
+                   help="merge every layer's experts into the kept count instead of dropping the rest: hcsmoe "
+                   "(HC-SMoE: hierarchical clustering of the experts' mean outputs), msmoe (M-SMoE: the most "
+                   "frequent experts (--criterion) are dominant, the others join the one with the most similar "
+                   "router row; needs --model). Members are averaged weighted by routing frequency; `moetailor "
+                   "prune` writes the stock checkpoint with fewer experts")
+    p.add_argument("--merge-router", choices=("dominant", "weighted"), default="dominant",
+                   help="with --merge: a merged expert's router row is its most frequent member's (dominant, "
+                   "default) or the frequency-weighted average of its members' rows (weighted)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random criterion")
     p.add_argument("--model", help="optional: check the statistics against this model first")
     p.add_argument("--out", required=True, help="plan file to write (.json)")
@@ -53,11 +62,18 @@ def run(args) -> int:
 
     check_output(args.out, overwrite=args.overwrite,
                  inputs=(args.stats, resolve_model_path(args.model) if args.model else None))
+    if args.criterion is None:
+        if not args.merge:
+            raise ValueError("give --criterion (one of: frequency, mass, ean, weighted-ean, reap, mone, random, ...)")
+        args.criterion = "frequency"
+    if args.merge_router != "dominant" and not args.merge:
+        raise ValueError("--merge-router applies to merged plans: add --merge hcsmoe|msmoe")
     stats = ExpertStats.load(args.stats)
     command = command_line(args, positional=("stats",))
     if args.layers == "search":   # measures each layer's sensitivity: runs the whole model
-        if args.protect_super or args.novice:
-            raise ValueError("--layers search does not take --protect-super or --novice yet; give --keep / --layers")
+        if args.protect_super or args.novice or args.merge:
+            raise ValueError("--layers search does not take --protect-super, --novice or --merge yet; give --keep / "
+                             "--layers")
         from ..models import load_model
         return run_search(args, stats, load_model(args.model) if args.model else None, command)
     model = None
@@ -66,7 +82,8 @@ def run(args) -> int:
         model, _ = skeleton(args.model)
     plan = make_plan(stats, model, args.criterion, keep=args.keep, keep_experts=args.keep_experts, layers=args.layers,
                      phase=args.phase, seed=args.seed, stats_path=str(args.stats), command=command,
-                     groups=args.groups, protect_super=args.protect_super, novice=args.novice)
+                     groups=args.groups, protect_super=args.protect_super, novice=args.novice, merge=args.merge,
+                     merge_router=args.merge_router)
     plan.save(args.out)
     policy = plan.decode if args.phase != "prefill" else plan.prefill
     E = stats.model["num_experts"]
@@ -88,6 +105,11 @@ def run(args) -> int:
         notes.append(f"layer {i}: super experts {ids} protected")
     if args.novice:
         notes.append("dropped experts are replaced by their mean outputs (novice experts)")
+    if args.merge:
+        sizes = [len(g) for p in policy.layers.values() for g in p.merge]
+        notes.append(f"merged ({args.merge}, router rows: {args.merge_router}): the kept ids are the groups' "
+                     f"representatives; groups of {min(sizes)}-{max(sizes)} experts; write the checkpoint with "
+                     "`moetailor prune MODEL PLAN --out DIR`")
     for note in notes:
         print(note)
     print(f"peak RSS {peak_rss_gib():.2f} GiB" + (" (read only the routers of --model)" if args.model else ""))

@@ -43,11 +43,19 @@ def register(sub) -> None:
     search = p.add_argument_group("search space")
     search.add_argument("--criteria", default=",".join(CRITERIA), help="criteria to compare (default: all four)")
     search.add_argument("--no-fold", action="store_true", help="leave folding out")
+    search.add_argument("--no-novice", action="store_true", help="leave novice pools (dropped experts replaced by "
+                        "their mean outputs, MoNE) out")
+    search.add_argument("--no-merge", action="store_true", help="leave merged experts (HC-SMoE, M-SMoE; served as "
+                        "merged checkpoints) out")
+    search.add_argument("--protect-super", type=int, default=8, metavar="N",
+                        help="also try the pools near the target with the model's N super experts protected "
+                        "(default 8; 0 = never)")
     search.add_argument("--no-allocation", action="store_true", help="leave per-layer sizes from sensitivity out")
     search.add_argument("--no-top-k", action="store_true", help="leave top-k reduction out")
     search.add_argument("--servable", choices=SERVABLE, default="engine",
-                        help="engine (default: every technique) or vllm (plans vLLM's plugin runs: masked and folded "
-                             "pools, top-k; no distilled decoder)")
+                        help="engine (default: every technique) or vllm (what vLLM serves phase-aware: masked and "
+                             "folded pools and top-k through its plugin, merged experts as a decode checkpoint; no "
+                             "novice pools, no distilled decoder)")
     search.add_argument("--distill", type=int, default=0, metavar="STEPS",
                         help="also distil the best plan at the target for STEPS steps (heavy; 0 = off)")
     search.add_argument("--distill-lr", type=float, default=1e-3)
@@ -79,7 +87,8 @@ def run(args) -> int:
         model=args.model, data=data, out=Path(args.out), tasks=args.tasks, min_quality=args.min_quality,
         max_kl=args.max_kl, budget=args.budget, min_tok_s=args.min_tok_s, gpu=args.gpu, model_shape=args.model_shape,
         context=args.context, batch=args.batch, criteria=tuple(c.strip() for c in args.criteria.split(",") if c.strip()),
-        fold=not args.no_fold, allocation=not args.no_allocation, top_k=not args.no_top_k, servable=args.servable,
+        fold=not args.no_fold, novice=not args.no_novice, merge=not args.no_merge,
+        protect_super=args.protect_super, allocation=not args.no_allocation, top_k=not args.no_top_k, servable=args.servable,
         calib_tokens=args.calib_tokens, kl_tokens=args.kl_tokens, kl_window=args.kl_window, n=args.n,
         evaluate=args.evaluate, distill_steps=args.distill, distill_lr=args.distill_lr, seed=args.seed,
         stream=args.stream, dtype=args.dtype, device=str(args.device), overwrite=args.overwrite, command=command,
@@ -116,9 +125,13 @@ def run(args) -> int:
             print(f"serve it: moetailor serve {args.model} --decode-model {r['distilled']}   |   vLLM: a distilled "
                   "decoder, which vLLM's plugin does not serve; rerun with --servable vllm")
             return 0
+        if r.get("merged"):      # a merged decoder is a stock checkpoint
+            print(f"serve it: moetailor serve {args.model} --decode-model {r['merged']}   |   vLLM: moetailor serve "
+                  f"{args.model} --backend vllm --decode-model {r['merged']} (a stock checkpoint: plain vLLM loads it)")
+            return 0
         print(f"serve it: moetailor serve {args.model} --decode-plan {result.plan_path}   |   vLLM: "
               + (f"additional_config={{\"moetailor_decode_plan\": \"{result.plan_path}\"}}" if r.get("vllm")
-                 else "a distilled decoder, which vLLM's plugin does not serve; rerun with --servable vllm"))
+                 else "novice constants, which vLLM's plugin does not add; rerun with --servable vllm"))
         return 0
     proven = result.quality == "accuracy" and settings.min_quality is not None
     print(f"no plan {'is proven to meet' if proven else 'meets'} {floor} at {target}"
@@ -127,7 +140,8 @@ def run(args) -> int:
     best = c.best_at_target
     if best is not None:
         from ..eval.metrics import UNDECIDED
-        where = f"--decode-model {best['distilled']}" if best.get("distilled") else str(out / "best-at-target.json")
+        where = (f"--decode-model {best['distilled']}" if best.get("distilled") else
+                 f"--decode-model {best['merged']}" if best.get("merged") else str(out / "best-at-target.json"))
         if tuner.floor_verdict(best) == UNDECIDED:
             print(f"  pick, with that caveat: {best['label']} (budget {best['budget']:.3f}): {evidence(best)} "
                   f"-> {where}")
@@ -139,6 +153,7 @@ def run(args) -> int:
     if c.cheapest_meeting_floor is not None:
         r = c.cheapest_meeting_floor
         where = (f"--decode-model {r['distilled']}" if r.get("distilled") else
+                 f"--decode-model {r['merged']}" if r.get("merged") else
                  "the full model" if r["label"] == "full model" else str(out / "cheapest-meeting-floor.json"))
         print(f"  cheapest plan meeting the floor: {r['label']} (budget {r['budget']:.3f}) -> {where}")
     else:

@@ -69,24 +69,51 @@ def _baseline(model, plan, arg):
     return _tagged(plan.with_phases(None, None) if plan is not None else uniform_plan(model), "baseline")
 
 
+def _merged(model, plan: Plan, name: str) -> Serving:
+    """A plan that merges experts in decode, served as deployed: full prefill on the model, decode on
+    its merged checkpoint (written once, ``transforms.merge.merged_checkpoint``) in the disaggregated
+    engine; the plan the engine is told is the full router (the checkpoint holds the merge)."""
+    from ..transforms.streaming import merged_checkpoint
+
+    if plan.prefill.merges:
+        raise ValueError(f"configuration {name!r} would merge experts in prefill, which runs on the original model "
+                         "here; evaluate the merged checkpoint itself (`moetailor prune MODEL PLAN --out DIR`, then "
+                         "`moetailor eval DIR --configs baseline`) or use --configs plan / phase-aware")
+    source = getattr(model, "moetailor_source", None)
+    if source is None:
+        raise ValueError("a merged plan is evaluated on its merged checkpoint, written from the model's checkpoint "
+                         "on disk; load the model from a directory or a bundled name")
+    path = merged_checkpoint(source, plan, "decode")
+    return Serving(_tagged(plan.with_phases(None, None), name), decode_model=str(path))
+
+
 @configuration("pruned", uses_plan=True, help="the plan's pruning in both phases (a pruned checkpoint)")
 def _pruned(model, plan, arg):
     p = plan.pruning_policy()
+    if p.merges:
+        return _merged(model, plan.with_phases(prefill=p, decode=p), "pruned")
     return _tagged(plan.with_phases(prefill=p, decode=p), "pruned")
 
 
 @configuration("reverse", uses_plan=True, help="pruned prefill, full decode")
 def _reverse(model, plan, arg):
+    if plan.pruning_policy().merges:
+        return _merged(model, plan.with_phases(prefill=plan.pruning_policy(), decode=None), "reverse")
     return _tagged(plan.with_phases(prefill=plan.pruning_policy(), decode=None), "reverse")
 
 
-@configuration("phase-aware", uses_plan=True, help="full prefill, pruned decode (SlimWise)")
+@configuration("phase-aware", uses_plan=True, help="full prefill, pruned decode (SlimWise; a merged plan decodes "
+               "on its merged checkpoint)")
 def _phase_aware(model, plan, arg):
+    if plan.pruning_policy().merges:
+        return _merged(model, plan.phase_aware(), "phase-aware")
     return _tagged(plan.phase_aware(), "phase-aware")
 
 
 @configuration("plan", uses_plan=True, help="the plan exactly as written (its own prefill and decode policies)")
 def _as_written(model, plan, arg):
+    if plan.merges:
+        return _merged(model, plan, "plan")
     return _tagged(plan, "plan")
 
 

@@ -208,10 +208,13 @@ def grouped_keep(scores: dict[int, torch.Tensor], budgets: dict[int, int], sem, 
 def make_plan(stats: ExpertStats, model=None, criterion: str = "reap", keep: float | None = None,
               keep_experts: int | None = None, layers: str | dict[int, int] | None = None, phase: str = "decode",
               seed: int = 0, stats_path: str | None = None, command: str | None = None,
-              groups: str = "balanced", protect_super: int = 0, novice: bool = False) -> Plan:
+              groups: str = "balanced", protect_super: int = 0, novice: bool = False, merge: str | None = None,
+              merge_router: str = "dominant") -> Plan:
     """A pruning plan: per layer, the top-m' experts by ``criterion``, in ``phase`` ("decode" by
     default: SlimWise's phase-aware pruning keeps the full pool for prefill). On a grouped router
-    (DeepSeek ``n_group`` > 1) ``groups`` says how: "balanced" (default) or "ignore" (``grouped_keep``)."""
+    (DeepSeek ``n_group`` > 1) ``groups`` says how: "balanced" (default) or "ignore" (``grouped_keep``).
+    ``merge`` ("hcsmoe" | "msmoe", ``plans.merging``) merges every layer's experts into m' groups
+    instead of dropping the rest (``criterion`` then ranks msmoe's dominant experts)."""
     if phase not in PLAN_PHASES:
         raise ValueError(f"unknown phase {phase!r}; choose from {', '.join(PLAN_PHASES)}")
     if model is not None:
@@ -226,14 +229,23 @@ def make_plan(stats: ExpertStats, model=None, criterion: str = "reap", keep: flo
         stats.require_outputs("--novice")
         if not stats_path:
             raise ValueError("a novice plan reads its constants from the statistics file: give its path")
-    if sem is not None:
+    if merge is not None and novice:
+        raise ValueError("--merge and --novice are two ways to replace the dropped experts; choose one")
+    if merge is not None and sem is not None:
+        raise ValueError("merging is not supported on grouped routers (DeepSeek n_group > 1) yet")
+    if merge is not None:
+        from .merging import merge_policy_layers
+        layers_policy = merge_policy_layers(merge, stats, budgets, protected, model, merge_router, scores)
+        kept = {i: p.keep for i, p in layers_policy.items()}
+    elif sem is not None:
         if protected:
             raise ValueError("--protect-super is not supported on grouped routers (DeepSeek n_group > 1) yet")
         kept, group_record = grouped_keep(scores, budgets, sem, groups)
     else:
         kept = {i: protected_top(scores[i], n, protected.get(i, []), f"layer {i}") for i, n in budgets.items()}
     mode = "novice" if novice else "mask"
-    policy = PhasePolicy({i: LayerPolicy(keep=kept[i], pool_mode=mode) for i in sorted(budgets)})
+    policy = PhasePolicy(layers_policy if merge is not None else
+                         {i: LayerPolicy(keep=kept[i], pool_mode=mode) for i in sorted(budgets)})
     meta = {"criterion": criterion, "formula": CRITERIA[criterion], "keep_ratio": keep, "keep_experts": keep_experts,
             "layers": layers if isinstance(layers, str) or layers is None else {str(i): n for i, n in layers.items()},
             "budgets": {str(i): n for i, n in sorted(budgets.items())}, "phase": phase, "seed": seed,
@@ -248,6 +260,14 @@ def make_plan(stats: ExpertStats, model=None, criterion: str = "reap", keep: flo
         meta["super_experts"] = {str(i): ids for i, ids in protected.items()}
     if novice:
         meta["novice"] = True
+    if merge is not None:
+        from .merging import MERGE_METHODS
+        meta["merge"] = {"method": merge, "how": MERGE_METHODS[merge], "router": merge_router,
+                         "weights": "routing frequency within the group"}
+        if merge == "hcsmoe":
+            every = all(l.has_all_outputs for l in stats.layers.values())
+            meta["merge"]["signature"] = ("mean output over every calibration token" if every else
+                                          "mean output over the tokens routed to the expert")
     model_fp = dict(stats.model)
     if model is not None and getattr(model, "moetailor_source", None):
         model_fp["source"] = source_name(model.moetailor_source)

@@ -76,6 +76,11 @@ class Plan:
         return self.prefill.needs_fold_statistics or self.decode.needs_fold_statistics
 
     @property
+    def merges(self) -> bool:
+        """Some phase merges experts: served as the merged checkpoint `moetailor prune` writes."""
+        return self.prefill.merges or self.decode.merges
+
+    @property
     def needs_constants(self) -> bool:
         """Some phase replaces dropped experts by their constants (novice experts, read from ``fold_stats``)."""
         return self.prefill.needs_constants or self.decode.needs_constants
@@ -231,6 +236,8 @@ def describe_phase(plan: Plan, phase: str) -> str:
             parts.append("folds the excluded experts' routes onto kept ones")
         if any(p.needs_constants for p in layers):
             parts.append("replaces the excluded experts by their mean outputs (novice experts)")
+        if any(p.merges for p in layers):
+            parts.append("merges every expert into one of them (a merged checkpoint, `moetailor prune`)")
     else:
         parts.append(f"keeps all {E} experts")
     if any(p.top_k is not None for p in layers):

@@ -12,7 +12,10 @@ Order of application for one layer and one token (see ``route``):
      the lowest-loss pool expert (ExFold), "novice" keeps the full router's choice and replaces an
      outside expert by its constant (MoNE): the route keeps its expert id and gate weight g, and the
      experts implementation adds g * c_e instead of running the expert (``router.novice_split``;
-     c_e = the expert's mean output on calibration tokens, ``CompiledPolicy.constants``).
+     c_e = the expert's mean output on calibration tokens, ``CompiledPolicy.constants``), "merge"
+     merges groups of experts into one each (``merge``: per group its members and their weights;
+     ``keep`` = each group's representative, whose router row the merged expert takes). A merge
+     changes weights, so it is served as the checkpoint `moetailor prune` writes, not by ``route``.
   2. top-k: ``top_k`` (< model k) selects fewer experts per token (expert skipping).
   3. dynamic skipping: ranks whose weight ratio to the top expert is below ``skip_beta`` drop out
      (the rest renormalised).
@@ -26,7 +29,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-POOL_MODES = ("mask", "drop", "fold", "novice")
+POOL_MODES = ("mask", "drop", "fold", "novice", "merge")
+MERGE_ROUTERS = ("dominant", "weighted")
+
+MergeGroups = tuple[tuple[tuple[int, float], ...], ...]   # per merged expert: (original id, weight) per member
 
 
 @dataclass(frozen=True)
@@ -38,10 +44,15 @@ class LayerPolicy:
     token_keep: int | None = None        # K_pre: routes kept per token (prefill folding)
     batch_pool: int | None = None        # D: experts kept per step (decode folding)
     fold: bool = True                    # for token_keep / batch_pool: fold (True) or drop (False)
+    merge: MergeGroups | None = None     # pool_mode "merge": groups of (expert id, weight), representative first
+    merge_router: str | None = None      # pool_mode "merge": the merged router row, "dominant" | "weighted"
 
     def __post_init__(self) -> None:
         if self.pool_mode not in POOL_MODES:
             raise ValueError(f"pool_mode {self.pool_mode!r} is not one of {POOL_MODES}")
+        if self.merge is not None:
+            groups = tuple(tuple((int(e), float(w)) for e, w in g) for g in self.merge)
+            object.__setattr__(self, "merge", groups)
         if self.keep is not None:
             keep = tuple(sorted(int(e) for e in self.keep))
             repeated = sorted({e for e in keep if keep.count(e) > 1})
@@ -60,6 +71,11 @@ class LayerPolicy:
         return self.keep is not None and self.pool_mode == "novice"
 
     @property
+    def merges(self) -> bool:
+        """Groups of experts become one expert each (a merged checkpoint; ``transforms.merge``)."""
+        return self.pool_mode == "merge"
+
+    @property
     def needs_fold_tables(self) -> bool:
         return (self.keep is not None and self.pool_mode == "fold") or (
             self.fold and (self.token_keep is not None or self.batch_pool is not None))
@@ -75,6 +91,11 @@ class LayerPolicy:
                 raise ValueError(
                     f"keeping {len(self.keep)} experts is fewer than top-k={self.top_k or top_k}{at}: a masked "
                     f"router still routes each token to k experts, so keep at least k (or lower top_k explicitly)")
+        if (self.pool_mode == "merge") != (self.merge is not None) or (self.merge is None) != (self.merge_router is None):
+            raise ValueError(f"pool_mode \"merge\" and a \"merge\" group list go together{at}; make the plan with "
+                             "`moetailor plan STATS --merge hcsmoe|msmoe`")
+        if self.merge is not None:
+            self._validate_merge(num_experts, at)
         if self.pool_mode == "novice" and (self.token_keep is not None or self.batch_pool is not None):
             raise ValueError(f"pool_mode \"novice\" cannot be combined with token_keep or batch_pool{at}: those "
                              "would pool the novice routes as if their experts ran; use one or the other")
@@ -87,8 +108,42 @@ class LayerPolicy:
         if self.skip_beta is not None and not 0.0 <= self.skip_beta <= 1.0:
             raise ValueError(f"skip_beta={self.skip_beta} must be in [0, 1]{at}")
 
+    def _validate_merge(self, num_experts: int, at: str) -> None:
+        members = [e for g in self.merge for e, _ in g]
+        if any(not g for g in self.merge):
+            raise ValueError(f"a merge group is empty{at}")
+        bad = sorted({e for e in members if not 0 <= e < num_experts})
+        if bad:
+            raise ValueError(f"merge groups name expert ids {bad[:5]} out of range 0..{num_experts - 1}{at}")
+        twice = sorted({e for e in members if members.count(e) > 1})
+        if twice:
+            raise ValueError(f"merge groups list expert(s) {twice[:5]} in more than one place{at}; each expert "
+                             "belongs to one group")
+        if any(w < 0 for g in self.merge for _, w in g) or any(abs(sum(w for _, w in g) - 1) > 1e-4 for g in self.merge):
+            raise ValueError(f"merge weights must be >= 0 and sum to 1 in every group{at}")
+        if self.keep != tuple(sorted(g[0][0] for g in self.merge)):
+            raise ValueError(f"a merge policy keeps each group's representative (its first member){at}; \"keep\" "
+                             "lists other experts")
+        if self.merge_router not in MERGE_ROUTERS:
+            raise ValueError(f"merge_router {self.merge_router!r} is not one of {MERGE_ROUTERS}{at}")
+        if any(v is not None for v in (self.top_k, self.skip_beta, self.token_keep, self.batch_pool)):
+            raise ValueError(f"a merge policy cannot also set top_k, skip_beta, token_keep or batch_pool{at}: the "
+                             "merged checkpoint routes with the model's own router")
+
+    def merge_groups(self) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
+        """The merged experts in checkpoint order (by representative id): (member ids, weights)."""
+        groups = sorted(self.merge, key=lambda g: g[0][0])
+        return [(tuple(e for e, _ in g), tuple(w for _, w in g)) for g in groups]
+
     def to_json(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v != getattr(FULL, k)}
+        out = {}
+        for k, v in asdict(self).items():
+            if v == getattr(FULL, k):
+                continue
+            if k == "merge":
+                v = [[[e, w] for e, w in g] for g in v]
+            out[k] = list(v) if isinstance(v, tuple) else v
+        return out
 
     @classmethod
     def from_json(cls, data: dict) -> "LayerPolicy":
@@ -108,13 +163,21 @@ class LayerPolicy:
                 ok = isinstance(v, (int, float)) and not isinstance(v, bool)
             elif k == "fold":
                 ok = isinstance(v, bool)
+            elif k == "merge":
+                ok = isinstance(v, list) and all(
+                    isinstance(g, list) and all(isinstance(m, list) and len(m) == 2 and isinstance(m[0], int)
+                                                and not isinstance(m[0], bool) and isinstance(m[1], (int, float))
+                                                for m in g) for g in v)
             else:
                 ok = isinstance(v, str)
             if not ok:
                 want = {"keep": "a list of expert ids", "fold": "true or false", "pool_mode": "a string",
+                        "merge": "a list of groups of [expert id, weight] pairs", "merge_router": "a string",
                         "skip_beta": "a number"}.get(k, "an integer")
                 raise ValueError(f"layer policy field {k!r} must be {want}, got {v!r}"[:200])
-        return cls(**{k: (tuple(v) if k == "keep" and v is not None else v) for k, v in data.items()})
+        return cls(**{k: (tuple(v) if k == "keep" and v is not None else
+                          tuple(tuple((e, w) for e, w in g) for g in v) if k == "merge" and v is not None else v)
+                       for k, v in data.items()})
 
 
 FULL = LayerPolicy()
@@ -142,6 +205,11 @@ class PhasePolicy:
     def needs_constants(self) -> bool:
         """Some layer replaces dropped experts by their constant outputs (novice experts)."""
         return any(p.needs_constants for p in self.layers.values())
+
+    @property
+    def merges(self) -> bool:
+        """Some layer merges experts: served as a merged checkpoint (`moetailor prune`), not by routing."""
+        return any(p.merges for p in self.layers.values())
 
     def to_json(self) -> dict:
         return {str(i): p.to_json() for i, p in sorted(self.layers.items()) if not p.is_identity}

@@ -40,6 +40,11 @@ class CompiledPolicy:
     def build(cls, policy: LayerPolicy, sem: RouterSemantics, device, fold: FoldTables | None = None,
               constants: torch.Tensor | None = None) -> "CompiledPolicy":
         policy.validate(sem.num_experts, sem.top_k)
+        if policy.merges:
+            raise ValueError("this policy merges experts, which changes their weights: routing cannot apply it to the "
+                             "original experts. Write the merged checkpoint (`moetailor prune MODEL PLAN --out DIR`) "
+                             "and serve it (`moetailor generate DIR`, or decode on it: `--decode-model DIR`); `moetailor "
+                             "eval MODEL --plan PLAN` does that for you")
         if policy.needs_constants and constants is None:
             raise ValueError("this policy replaces dropped experts by their constant outputs (novice experts) but no "
                              "constants were loaded: a plan names the statistics they come from in its \"fold_stats\" "

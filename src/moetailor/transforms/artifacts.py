@@ -20,6 +20,8 @@ from ..outputs import check_output, mark_output, normal_permissions
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "vocab.txt",
                    "merges.txt", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
 
+COPIED = ("generation_config.json",)   # files copied beside the weights of a checkpoint written from another
+
 
 def refuse_existing(out: str | Path, overwrite: bool, inputs=()) -> Path:
     """The checks before a transform starts: see ``outputs.check_output`` (a directory output)."""

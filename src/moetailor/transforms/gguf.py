@@ -325,6 +325,10 @@ UNSUPPORTED = {
     "token_keep": "token-level folding (llama.cpp has no folding)",
     "batch_pool": "a per-step batch pool (llama.cpp has no per-step expert pool)",
     "fold": "folding (llama.cpp has no folding)",
+    "merge": "merged experts (new weights: write the merged checkpoint with `moetailor prune MODEL PLAN --out DIR` "
+             "and export DIR)",
+    "merge_router": "merged experts (new weights: write the merged checkpoint with `moetailor prune MODEL PLAN --out "
+                    "DIR` and export DIR)",
 }
 
 
@@ -401,5 +405,7 @@ def pruned_metadata(path: Path) -> dict:
     out = {"num_experts_original": int(side["num_experts_original"])}
     for layer, ids in side["kept"].items():
         out[f"kept.{layer}"] = [int(e) for e in ids]
+    if side.get("merged"):   # a merged checkpoint: the kept ids represent groups of merged experts
+        out["merged"] = 1
     return out
 

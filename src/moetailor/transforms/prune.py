@@ -158,6 +158,9 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
         plan = Plan.load(plan)
     if getattr(model, "_moetailor_controller", None) is not None:
         raise ValueError("this model has a RoutingController installed; prune a freshly loaded model")
+    if plan.phase(phase).merges:
+        raise ValueError("a merged plan's checkpoint is written from the checkpoint on disk: use `moetailor prune "
+                         "MODEL PLAN --out DIR` (transforms.streaming.prune_checkpoint_streamed)")
     if novice_substituted(plan, model.config, phase) is not None:
         raise ValueError("a novice plan's checkpoint is written from the checkpoint on disk: use `moetailor prune "
                          "MODEL PLAN --out DIR` (transforms.streaming.prune_checkpoint_streamed)")

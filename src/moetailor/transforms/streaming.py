@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 from ..plans.plan import Plan
-from .artifacts import checkpoint_directory, copy_tokenizer, refuse_existing
+from .artifacts import COPIED, checkpoint_directory, copy_tokenizer, refuse_existing
 from .prune import kept_per_layer, novice_substituted, pruned_config, pruned_name, write_sidecar
 
-COPIED = ("generation_config.json",)
 
 
 def prune_checkpoint_streamed(source: str | Path, plan: Plan | str | Path, out: str | Path, overwrite: bool = False,
@@ -37,6 +36,11 @@ def prune_checkpoint_streamed(source: str | Path, plan: Plan | str | Path, out: 
         plan = Plan.load(plan)
     config = AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
     plan.check_model(model)
+    from .merge import merged_groups, write_merged
+    groups = merged_groups(plan, config, phase)
+    if groups is not None:
+        return write_merged(ckpt, model, config, plan, groups, out, overwrite, inputs, phase, command, shard_bytes,
+                            progress)
     substituted = novice_substituted(plan, config, phase)
     if substituted is not None:
         return write_novice(ckpt, model, config, plan, substituted, out, overwrite, inputs, phase, command,
@@ -128,3 +132,22 @@ def model_experts(config) -> int:
     from ..models.architectures import arch_spec
 
     return arch_spec(config).num_experts(config)
+
+
+def merged_checkpoint(model_path: str | Path, plan: Plan, phase: str = "decode", log=None) -> Path:
+    """The merged checkpoint of ``plan`` (``transforms.merge``) for the model at ``model_path``, written
+    once and cached under $MOETAILOR_CACHE (default ~/.cache/moetailor)/merged/<router hash>-<phase>-<plan
+    hash>: what `eval` decodes a merged plan on."""
+    import os
+
+    from ..models.loading import resolve_model_path
+    from ..plans.plan import plan_hash
+
+    root = Path(os.environ.get("MOETAILOR_CACHE") or Path.home() / ".cache" / "moetailor")
+    out = root / "merged" / f"{plan.model['router_hash']}-{phase}-{plan_hash(plan)}"
+    if (out / "config.json").is_file():
+        return out
+    (log or (lambda m: print(m, file=sys.stderr)))(f"writing the merged checkpoint of the plan -> {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return prune_checkpoint_streamed(resolve_model_path(model_path), plan, out, overwrite=True, phase=phase,
+                                     progress=False, command="merged checkpoint for evaluation")

@@ -3,7 +3,10 @@
 A candidate is a decode pool per MoE layer (the top ``sizes[l]`` experts of layer l by
 ``criterion``, from ``plans.criteria.make_plan``), what happens to routes outside it (``mask``:
 re-routed inside the pool, what a pruned checkpoint computes; ``fold``: folded onto the kept
-expert that best reproduces them, ``plans.techniques.pool_with_fold``) and optionally fewer
+expert that best reproduces them, ``plans.techniques.pool_with_fold``; ``novice``: replaced by the
+expert's mean output, MoNE; ``merge``: every expert merged into one of ``sizes[l]`` groups by
+``merge`` = hcsmoe | msmoe, ``plans.merging``, served as the merged checkpoint), whether the
+model's ``protect_super`` super experts are kept whatever their score, and optionally fewer
 experts per token (``top_k``, expert skipping). Prefill always runs the full router (phase-aware).
 
 Its budget is the share of routed expert weights a decode step reads at batch B: per layer the
@@ -19,7 +22,8 @@ from ..plans.plan import Plan
 from ..routing.policy import PhasePolicy
 from ..routing.traffic import expected_distinct
 
-POOL_MODES = ("mask", "fold")
+POOL_MODES = ("mask", "fold", "novice", "merge")
+MERGES = ("hcsmoe", "msmoe")
 ALLOCATIONS = ("uniform", "sensitivity")
 
 
@@ -27,13 +31,19 @@ ALLOCATIONS = ("uniform", "sensitivity")
 class Candidate:
     criterion: str
     sizes: tuple[int, ...]          # decode pool per MoE layer (E = the whole layer)
-    pool_mode: str = "mask"         # "mask" | "fold"
+    pool_mode: str = "mask"         # "mask" | "fold" | "novice" | "merge"
     top_k: int | None = None        # experts per token (None = the model's k)
     allocation: str = "uniform"     # how ``sizes`` were chosen: "uniform" | "sensitivity"
+    protect_super: int = 0          # the model's N super experts kept whatever their score
+    merge: str | None = None        # pool_mode "merge": "hcsmoe" | "msmoe"
 
     def __post_init__(self) -> None:
         if self.pool_mode not in POOL_MODES:
             raise ValueError(f"pool mode {self.pool_mode!r} is not one of {POOL_MODES}")
+        if (self.pool_mode == "merge") != (self.merge is not None) or (self.merge and self.merge not in MERGES):
+            raise ValueError(f"a merge candidate names its method ({', '.join(MERGES)}), no other candidate does")
+        if self.pool_mode in ("novice", "merge") and self.top_k is not None:
+            raise ValueError(f"a {self.pool_mode} candidate keeps the model's top-k")
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation {self.allocation!r} is not one of {ALLOCATIONS}")
         object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
@@ -43,14 +53,20 @@ class Candidate:
         """A file-name-safe identifier: ``reap-u32-mask``, ``ean-s64.32.32.32.32.24-fold-k6``."""
         sizes = (f"u{self.sizes[0]}" if self.allocation == "uniform" and len(set(self.sizes)) == 1
                  else ("s" if self.allocation == "sensitivity" else "l") + ".".join(map(str, self.sizes)))
-        return f"{self.criterion}-{sizes}-{self.pool_mode}" + (f"-k{self.top_k}" if self.top_k else "")
+        mode = self.merge if self.pool_mode == "merge" else self.pool_mode
+        return (f"{self.criterion}-{sizes}-{mode}" + (f"-k{self.top_k}" if self.top_k else "")
+                + (f"-super{self.protect_super}" if self.protect_super else ""))
 
     def describe(self, num_experts: int) -> str:
         """Short words for tables: ``reap 32/64 folded``, ``ean 64/32/32/32/32/24 k'=6``."""
         pools = (f"{self.sizes[0]}/{num_experts}" if len(set(self.sizes)) == 1
                  else "/".join(map(str, self.sizes)))
-        return (f"{self.criterion} {pools}" + (" folded" if self.pool_mode == "fold" else "")
-                + (f" k'={self.top_k}" if self.top_k else ""))
+        if self.pool_mode == "merge":
+            head = f"{'HC-SMoE' if self.merge == 'hcsmoe' else 'M-SMoE'} merged {pools}"
+        else:
+            head = f"{self.criterion} {pools}" + {"fold": " folded", "novice": " novice"}.get(self.pool_mode, "")
+        return (head + (f" k'={self.top_k}" if self.top_k else "")
+                + (f" +{self.protect_super} super" if self.protect_super else ""))
 
     def is_full(self, num_experts: int) -> bool:
         return all(s == num_experts for s in self.sizes) and self.top_k is None
@@ -65,33 +81,50 @@ class Candidate:
         return sum(expected_distinct(m, min(k, m), batch) for m in self.sizes) / (len(self.sizes) * num_experts)
 
     def runs_on_vllm(self) -> bool:
-        """Whether vLLM's plugin serves this plan: every routing policy a candidate makes (masked and
-        folded pools, reduced top-k; a folded plan carries its ``fold_stats``) runs there through the
-        engine's own ``route`` (integrations/vllm/routing.py, tested in test_vllm_techniques.py)."""
-        return self.pool_mode in ("mask", "fold")
+        """Whether vLLM serves this plan phase-aware: masked and folded pools and reduced top-k run in
+        vLLM's plugin through the engine's own ``route`` (integrations/vllm/routing.py, tested in
+        test_vllm_techniques.py); a merged pool is a stock checkpoint (``checkpoint``), decoded by
+        vLLM in a disaggregated pair (`moetailor serve MODEL --backend vllm --decode-model DIR`). Novice
+        pools are not: the plugin adds no constants, and a novice checkpoint (stock vLLM >= 0.34) has
+        novice experts in both phases, not the full prefill this candidate was scored with."""
+        return self.pool_mode in ("mask", "fold", "merge")
+
+    @property
+    def checkpoint(self) -> bool:
+        """Served as a checkpoint of its own (a merged decoder), not as a plan over the model."""
+        return self.pool_mode == "merge"
 
     def to_json(self) -> dict:
-        return {"criterion": self.criterion, "sizes": list(self.sizes), "pool_mode": self.pool_mode,
-                "top_k": self.top_k, "allocation": self.allocation}
+        out = {"criterion": self.criterion, "sizes": list(self.sizes), "pool_mode": self.pool_mode,
+               "top_k": self.top_k, "allocation": self.allocation}
+        if self.protect_super:
+            out["protect_super"] = self.protect_super
+        if self.merge:
+            out["merge"] = self.merge
+        return out
 
     @classmethod
     def from_json(cls, data: dict) -> "Candidate":
         return cls(data["criterion"], tuple(data["sizes"]), data["pool_mode"], data.get("top_k"),
-                   data.get("allocation", "uniform"))
+                   data.get("allocation", "uniform"), data.get("protect_super", 0), data.get("merge"))
 
 
 def candidate_plan(candidate: Candidate, stats, model_fp: dict, stats_path: str | None, groups: str = "balanced",
-                   **meta) -> Plan:
-    """The phase-aware plan of ``candidate``: prefill full, decode pooled (``make_plan``), folded and
-    top-k reduced as the candidate says. ``model_fp`` checks the statistics belong to the model."""
+                   model=None, **meta) -> Plan:
+    """The phase-aware plan of ``candidate``: prefill full, decode pooled (``make_plan``), folded,
+    replaced by constants, merged and top-k reduced as the candidate says. ``model_fp`` checks the
+    statistics belong to the model; ``model`` (its routers) is needed by msmoe merging."""
     from ..plans.criteria import make_plan
     from ..plans.techniques import pool_with_fold
 
     layers = list(model_fp["moe_layers"])
     if len(candidate.sizes) != len(layers):
         raise ValueError(f"candidate {candidate.key} has {len(candidate.sizes)} pool sizes for {len(layers)} MoE layers")
-    plan = make_plan(stats, None, candidate.criterion, layers=dict(zip(layers, candidate.sizes)), phase="decode",
-                     stats_path=stats_path, groups=groups)
+    if candidate.pool_mode == "merge" and len(set(candidate.sizes)) > 1:
+        raise ValueError(f"candidate {candidate.key}: a merged checkpoint has one expert count for every layer")
+    plan = make_plan(stats, model if candidate.merge == "msmoe" else None, candidate.criterion, layers=dict(zip(layers, candidate.sizes)), phase="decode",
+                     stats_path=stats_path, groups=groups, protect_super=candidate.protect_super,
+                     novice=candidate.pool_mode == "novice", merge=candidate.merge)
     decode = plan.decode
     if candidate.pool_mode == "fold":
         if not stats.has_fold:
@@ -103,7 +136,7 @@ def candidate_plan(candidate: Candidate, stats, model_fp: dict, stats_path: str 
     record = {**plan.meta, "tune": {**candidate.to_json(), "key": candidate.key,
                                     "pool_share": round(candidate.pool_share(E), 6)}, **meta}
     record["keep_ratio"] = round(candidate.pool_share(E), 6)
-    fold_stats = stats_path if candidate.pool_mode == "fold" else None
+    fold_stats = stats_path if candidate.pool_mode in ("fold", "novice") else None
     out = replace(plan, decode=decode, meta=record, fold_stats=fold_stats)
     out.validate()
     return out

@@ -12,7 +12,9 @@ Stages (each candidate's evidence is cached in ``OUT/candidates/KEY.json``, so a
    first half prefilled by the full model, KL on the decode half under the candidate);
 3. for the best criterion: every pool size on the fine grid, masked and folded; per-layer sizes
    under a fixed total from measured layer sensitivity (``tuning.sensitivity``); top-k reduction
-   on the proxy front where the batch makes it pay;
+   on the proxy front where the batch makes it pay; near the target, novice pools (MoNE score and
+   the best criterion), merged experts (HC-SMoE, M-SMoE; scored on their merged checkpoints) and
+   each of those and the masked pool with the model's super experts protected;
 4. task accuracy on the user's prompts (``eval`` scorers, through the engine) for the full model and
    the few proxy-front candidates nearest the target, walking the front until the floor is bracketed.
    A point meets an accuracy floor only when the paired 95% interval of its share of the full model's
@@ -56,6 +58,9 @@ class TuneSettings:
     batch: int = 64                     # decode batch the budget and speed are taken at
     criteria: tuple[str, ...] = CRITERIA
     fold: bool = True
+    novice: bool = True                 # novice pools (dropped experts replaced by their mean outputs)
+    merge: bool = True                  # merged experts (HC-SMoE, M-SMoE), served as merged checkpoints
+    protect_super: int = 8              # super experts protected as a search dimension (0: never)
     allocation: bool = True
     top_k: bool = True
     servable: str = "engine"
@@ -128,8 +133,8 @@ class TuneSettings:
             raise ValueError(f"--kl-window must be at least 8 tokens, got {self.kl_window}")
         if self.kl_tokens < self.kl_window:
             raise ValueError(f"--kl-tokens {self.kl_tokens} is less than one --kl-window of {self.kl_window}")
-        if self.evaluate < 0 or self.distill_steps < 0:
-            raise ValueError("--evaluate and --distill must be >= 0")
+        if self.evaluate < 0 or self.distill_steps < 0 or self.protect_super < 0:
+            raise ValueError("--evaluate, --distill and --protect-super must be >= 0")
 
 
 @dataclass
@@ -322,8 +327,21 @@ class Tuner:
     def plan(self, c: Candidate):
         if c.key not in self.plans:
             self.plans[c.key] = candidate_plan(c, self.stats, self.fp, str(self.stats_path.resolve()),
-                                               tune_data=self.s.data)
+                                               model=self.model, tune_data=self.s.data)
         return self.plans[c.key]
+
+    def merged_dir(self, c: Candidate) -> Path:
+        """The merged decoder of a merge candidate, written once into OUT/merged/KEY-<plan hash> (a stock
+        checkpoint; the hash covers the statistics, so other statistics never reuse it)."""
+        from ..plans.plan import plan_hash
+        from ..transforms.streaming import prune_checkpoint_streamed
+
+        out = self.out / "merged" / f"{c.key}-{plan_hash(self.plan(c))[:8]}"
+        if not (out / "config.json").is_file():
+            out.parent.mkdir(exist_ok=True)
+            prune_checkpoint_streamed(self.path, self.plan(c), out, overwrite=True, progress=False,
+                                      command=self.s.command)
+        return out
 
     def _cache(self, c: Candidate) -> Path:
         return self.out / "candidates" / f"{c.key}.json"
@@ -356,12 +374,16 @@ class Tuner:
                 from ..eval.streamed_kl import heldout_kl_streamed
                 kl = heldout_kl_streamed(self.path, self.windows, plan=self.plan(c), dtype=self.dtype,
                                          progress=False, placement=self.placement).kl
+            elif c.checkpoint:   # full prefill on the model, decode on the merged checkpoint
+                kl = self.scorer.score(None, None, self._load(self.merged_dir(c))).kl
             else:
                 plan = self.plan(c)
                 kl = self.backend.heldout(plan.with_phases(None, plan.decode), self.windows).kl
             record = {"identity": self.identity, "candidate": c.to_json(), "kl": kl,
                       "kl_seconds": round(time.time() - t0, 2)}
             write_json(self._cache(c), record)
+        if c.checkpoint:
+            record = {**record, "merged": str(self.merged_dir(c))}
         record = {**record, "key": c.key, "label": c.describe(self.E),
                   "budget": round(c.read_share(self.E, self.k, self.s.batch), 6),
                   "pool_share": round(c.pool_share(self.E), 6), "vllm": c.runs_on_vllm()}
@@ -428,20 +450,47 @@ class Tuner:
                 if alloc is not None and len(set(alloc)) > 1:
                     allocs += [Candidate(best, tuple(alloc), mode, allocation="sensitivity") for mode in modes]
             self._score_all(allocs, "sensitivity allocations")
+        # stage 3c: novice pools, merged experts and protected super experts near the target
+        self._score_all(self._replacements(best, fine), "novice / merged / super experts")
         # stage 3b: top-k reduction where the decode batch makes it read fewer experts
         if self.s.top_k:
             front = self.proxy_front()
             extra = []
             for r in front:
                 c = Candidate.from_json(r["candidate"])
-                if c.top_k is not None or c.is_full(self.E):
-                    continue
+                if c.top_k is not None or c.is_full(self.E) or c.pool_mode in ("novice", "merge"):
+                    continue     # novice and merged pools keep the model's k (their routes are the full router's)
                 for k2 in range(self.k - 1, max(1, self.k // 2) - 1, -1):
-                    c2 = Candidate(c.criterion, c.sizes, c.pool_mode, k2, c.allocation)
+                    c2 = Candidate(c.criterion, c.sizes, c.pool_mode, k2, c.allocation, c.protect_super)
                     if c.read_share(self.E, self.k, self.s.batch) - c2.read_share(self.E, self.k, self.s.batch) >= 0.01:
                         extra.append(c2)
             self._score_all(extra, "top-k reduction")
         return list(self.scored.values())
+
+    def _replacements(self, best: str, fine: list[int]) -> list[Candidate]:
+        """The candidates that replace dropped experts instead of masking them, at the fine sizes nearest
+        the target (two either side): novice pools (the MoNE score and ``best``), merged experts (HC-SMoE,
+        M-SMoE), and each of those and ``best``'s masked pool with the super experts protected."""
+        s = self.s
+        if self.streamed or s.backend != "engine":   # scored on the model in memory, with the engine
+            return []
+        novice = s.novice and s.servable == "engine"     # vLLM serves no novice pool phase-aware
+        near = sorted(fine, key=lambda m: abs(m / self.E - self._proxy_target()))[:5]
+        grouped = (self.fp.get("n_group") or 1) > 1      # merging and protection are refused there (plans say why)
+        protect = [0] + ([s.protect_super] if s.protect_super and self.stats.has_outputs and not grouped else [])
+        out = []
+        for m in sorted(near):
+            sizes = (m,) * len(self.layers)
+            for p in protect:
+                if p >= m:
+                    continue
+                kinds = [Candidate(best, sizes, "mask", protect_super=p)] if p else []
+                if novice and self.stats.has_outputs:
+                    kinds += [Candidate(c, sizes, "novice", protect_super=p) for c in dict.fromkeys(("mone", best))]
+                if s.merge and self.stats.has_outputs and not grouped:
+                    kinds += [Candidate("frequency", sizes, "merge", protect_super=p, merge=g) for g in ("hcsmoe", "msmoe")]
+                out += kinds
+        return out
 
     def proxy_front(self) -> list[dict]:
         """Lowest held-out KL for each budget, among servable candidates (probes excluded)."""
@@ -470,11 +519,20 @@ class Tuner:
             if not hasattr(self, "_bench_llm"):
                 self._bench_llm = make_llm(self.model, self.s.batch, 16 + 10 + 4)
             c = Candidate.from_json(r["candidate"])
-            self._bench_llm.set_plan(None if c.is_full(self.E) else self.plan(c))
+            self._bench_llm.set_plan(None if c.is_full(self.E) else self._speed_plan(c))
             result = engine_decode(self._bench_llm, self.s.batch, 16, 10)
             self._bench_llm.set_plan(None)
             r["tok_s"], r["tok_s_kind"] = round(result.tokens_per_s, 1), "measured (engine, this machine)"
         return r["tok_s"]
+
+    def _speed_plan(self, c: Candidate):
+        """The plan timed for ``c``: its own; a merged pool reads as many experts as the masked pool of
+        its representatives, which is timed in its place."""
+        plan = self.plan(c)
+        if not c.checkpoint:
+            return plan
+        from ..routing.policy import LayerPolicy, PhasePolicy
+        return plan.with_phases(None, PhasePolicy({i: LayerPolicy(keep=p.keep) for i, p in plan.decode.layers.items()}))
 
     def at_target(self, r: dict) -> bool:
         if self.s.min_tok_s is not None:
@@ -519,6 +577,8 @@ class Tuner:
             t0 = time.time()
             prompts, budgets = [ex.prompt for ex, _ in examples], [b for _, b in examples]
             c = Candidate.from_json(r["candidate"])
+            if decode_model is None and c.checkpoint:
+                decode_model = str(self.merged_dir(c))
             if decode_model is not None:
                 from ..engine.disagg import DisaggregatedLLM
                 with DisaggregatedLLM(str(self.path), decode_model=decode_model, tokenizer=self.tokenizer,
@@ -538,9 +598,7 @@ class Tuner:
             r["tasks"] = cached
             stored = {k: v for k, v in r.items() if k not in ("key", "label", "budget", "pool_share", "vllm",
                                                                "tok_s", "tok_s_kind")}
-            path = self._cache(Candidate.from_json(r["candidate"])) if decode_model is None else \
-                self.out / "candidates" / f"{r['key']}.json"
-            write_json(path, stored)
+            write_json(self.out / "candidates" / f"{r['key']}.json", stored)
         r["accuracy"] = cached["accuracy"]
         return r
 
@@ -612,7 +670,8 @@ class Tuner:
                        and not Candidate.from_json(r["candidate"]).is_full(self.E)
                        and (not inside or r["budget"] >= inside[-1]["budget"] - self.step / self.E - 1e-9)),
                       key=lambda r: r["kl"])
-        kind = lambda r: (r["candidate"]["pool_mode"], r["candidate"]["allocation"], r["candidate"]["top_k"])  # noqa
+        kind = lambda r: (r["candidate"]["pool_mode"], r["candidate"]["allocation"], r["candidate"]["top_k"],  # noqa
+                          r["candidate"].get("merge"), bool(r["candidate"].get("protect_super")))
         seen = {kind(r) for r in done}
         firsts = []
         for r in pool:
@@ -696,6 +755,11 @@ class Tuner:
                 # the student routes with the plan's masked pool (fold tables are not part of a checkpoint)
                 at = [r for r in evaluated if self.at_target(r) and r["candidate"]["pool_mode"] == "mask"]
                 base = max(at, key=lambda r: r["accuracy"]) if at else None
+                if base is None:   # the evaluated points at the target replace experts: the best masked pool by KL
+                    masked = [r for r in self.scored.values() if self.at_target(r) and not self._is_probe(r)
+                              and r["candidate"]["pool_mode"] == "mask"
+                              and not Candidate.from_json(r["candidate"]).is_full(self.E)]
+                    base = min(masked, key=lambda r: r["kl"]) if masked else None
                 if base is not None:
                     points.append(self.distill(base))
             for r in points:
@@ -722,8 +786,11 @@ class Tuner:
                 continue
             if r.get("distilled"):
                 continue    # a distilled point is served as a checkpoint: --decode-model DIR
-            plan = self.plan(Candidate.from_json(r["candidate"]))
+            c = Candidate.from_json(r["candidate"])
+            plan = self.plan(c)
             plan.meta["tune_evidence"] = {k: v for k, v in r.items() if k not in ("identity", "tasks", "candidate")}
+            if c.checkpoint:
+                plan.meta["merged_checkpoint"] = str(self.merged_dir(c))
             plan.save(target)
             if name == "plan.json":
                 plan_path = target

@@ -83,6 +83,10 @@ def load_checked_plan(path: str | Path, mode: str, checkpoint: str | Path) -> Pl
         raise ValueError(f"plan {path} replaces dropped experts by constants (novice experts), which the plugin's "
                          "routing hooks do not add; write a novice checkpoint with `moetailor prune MODEL PLAN --out "
                          "DIR` and serve DIR with stock vLLM >= 0.34 (it loads the constants itself, no plugin)")
+    if plan.merges:
+        raise ValueError(f"plan {path} merges experts, which changes their weights; write the merged checkpoint with "
+                         "`moetailor prune MODEL PLAN --out DIR` and serve DIR with stock vLLM (all phases), or decode "
+                         "on it: `moetailor serve MODEL --backend vllm --decode-model DIR`")
     fp = checkpoint_fingerprint(checkpoint)
     problem = fingerprint_mismatch(plan.model, fp)
     if problem:
