@@ -138,6 +138,8 @@ class VLLMBackend:
         self.vocab = int(model.config.vocab_size)
         self.stop_ids = eos_ids(model, tokenizer)
         self.kv_cache_mib, self.enforce_eager = kv_cache_mib, enforce_eager
+        # vLLM computes in the dtype of the model in memory, the one the engine would score in (tune's --dtype)
+        self.dtype = str(next(model.parameters()).dtype).replace("torch.", "")
         self._tmp = tempfile.TemporaryDirectory(prefix="moetailor-vllm-plans-")
         self._plan_key: str | None = "unset"
         self._llm = None
@@ -154,7 +156,8 @@ class VLLMBackend:
 
             os.environ.setdefault(SERIALIZATION_ENV, "1")   # plan switches reach the workers as functions
             from vllm import LLM
-            kwargs = engine_kwargs(self.path, kv_cache_mib=self.kv_cache_mib, enforce_eager=self.enforce_eager,
+            kwargs = engine_kwargs(self.path, dtype=self.dtype, kv_cache_mib=self.kv_cache_mib,
+                                   enforce_eager=self.enforce_eager,
                                    enable_prefix_caching=False, max_num_seqs=self.max_num_seqs,
                                    max_model_len=self.max_model_len, max_logprobs=self.vocab, seed=0,
                                    disable_log_stats=True)
