@@ -1,7 +1,8 @@
 """What the plugin does to vLLM, driven by the registry of every vLLM name it touches (``names.py``):
 ``check_vllm`` refuses a vLLM whose version or names differ before anything is patched, then
 ``apply_patches`` wraps ``load_model`` of each runner generation's classes (``runners.py``),
-``InputProcessor._validate_params`` and, for engines that ask, vLLM's CPU experts (``experts.py``).
+``InputProcessor._validate_params``, ``Worker.shutdown`` (an observing engine writes its traffic
+statistics, ``observe.py``) and, for engines that ask, vLLM's CPU experts (``experts.py``).
 The engine's RPCs are plain functions for ``LLM.collective_rpc`` (``rpc.py``); nothing is added to
 vLLM's worker classes."""
 from __future__ import annotations
