@@ -316,7 +316,8 @@ def probe_server(url: str, model: str | Path | None = None) -> str:
 # httpx's pool keeps one for 5 s too: a request sent on a pooled connection just as the server closes
 # it is answered with a reset (httpx.ReadError / RemoteProtocolError). The client drops idle
 # connections well before the server does, and sends a request again once if its connection was
-# closed under it (every request here is idempotent: a plan switch, a greedy completion).
+# closed under it (every request here is idempotent: a plan switch, a greedy completion, prompt
+# logprobs).
 KEEPALIVE_S = 1.0
 
 
