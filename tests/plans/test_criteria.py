@@ -147,3 +147,28 @@ def test_info_on_a_plan_shows_its_calibration(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"tasks:sorting (256 tokens, sha256 {stats.meta['data_sha256']})" in out and "reap" in out
     assert main(["info", str(tmp_path / "missing.json")]) == 2
+
+
+def test_router_only_statistics_refuse_the_norm_criteria(model):
+    """Statistics observed on an engine whose experts kernel gives no per-route output (vLLM's fused
+    MoE) hold frequency and mass only: the criteria that read output norms refuse them by name, the
+    router criteria plan from them."""
+    from moetailor.calibration.calibrate import Collector, stats_of
+    from moetailor.routing import RoutingController
+
+    ctl = RoutingController.of(model)
+    collector = Collector(ctl.layers, outputs=False)
+    try:
+        with torch.no_grad(), ctl.policy(None), ctl.observing(collector):
+            model(torch.randint(0, model.config.vocab_size, (2, 16)))
+    finally:
+        ctl.remove()
+    stats = stats_of(collector, model_fingerprint(model), 32, False, 0.0,
+                     {"observed": {"expert_outputs": "none: the kernel returns only the weighted sum"}})
+    assert not stats.has_expert_norms and not stats.has_outputs
+    for layer in stats.layers.values():
+        assert layer.frequency.sum() == 32 * model.config.num_experts_per_tok and layer.ean.sum() == 0
+    for criterion in ("ean", "weighted-ean", "reap"):
+        with pytest.raises(ValueError, match=f"criterion {criterion} needs expert output norms.*weighted sum"):
+            expert_scores(stats, criterion)
+    assert expert_scores(stats, "frequency").keys() == stats.layers.keys()

@@ -50,12 +50,16 @@ class Collector:
     """The observer: turns one layer's hidden states and routes into additions to LayerStats."""
 
     def __init__(self, layers: list[MoeLayer], gate: str = "renorm", fold: bool = False, all_experts: bool = False,
-                 expert_outputs: ExpertOutputs | None = None):
+                 expert_outputs: ExpertOutputs | None = None, outputs: bool = True):
+        """``outputs=False``: router-side statistics only (frequency, mass, co-selection, beta), for an
+        engine whose experts kernel gives no per-route output; EAN and REAP stay zero."""
         if gate not in GATES:
             raise ValueError(f"unknown gate definition {gate!r}; choose from {', '.join(GATES)}")
         self.gate, self.fold, self.all_experts = gate, fold or all_experts, all_experts
         self.expert_outputs = expert_outputs or module_expert_outputs
-        self.stats = {l.index: LayerStats.zeros(l.num_experts, self.fold, l.router.weight.shape[1], all_experts)
+        self.outputs = outputs or self.fold
+        self.stats = {l.index: LayerStats.zeros(l.num_experts, self.fold, l.hidden_size if self.outputs else None,
+                                                all_experts)
                       for l in layers}
 
     @torch.no_grad()
@@ -80,7 +84,7 @@ class Collector:
             st.beta_hist += torch.bincount(bins, minlength=BETA_BINS).double().cpu()
         if self.all_experts:
             self._all_experts(layer, st, hidden, idx, valid, g)
-        else:
+        elif self.outputs:
             self._routed(layer, st, hidden, index, valid, g)
 
     def _routed(self, layer, st, hidden, index, valid, g):
@@ -95,9 +99,7 @@ class Collector:
         rows, cols = slots // K, slots % K
         y = self.expert_outputs(layer, hidden[rows], flat[slots]).float()   # [S, H] E_j(x) per route
         norms[rows, cols] = y.norm(dim=-1)
-        experts, counts = torch.unique_consecutive(flat[slots], return_counts=True)
-        for e, part in zip(experts.tolist(), y.split(counts.tolist())):     # output statistics per expert
-            add_outputs(st, e, part)
+        add_outputs_by_expert(st, flat[slots], y)                           # output statistics per expert
         if outputs is not None:
             outputs[rows, cols] = y
         st.ean.index_add_(0, index[valid].cpu(), norms[valid].double().cpu())
@@ -149,6 +151,18 @@ def add_outputs(st: LayerStats, expert: int, y: torch.Tensor) -> None:
     st.out_max[expert] = max(float(st.out_max[expert]), float(y.abs().max()))
     st.out_sum[expert] += y.double().sum(0).cpu()
     st.out_sq[expert] += float(y.double().pow(2).sum())
+
+
+def add_outputs_by_expert(st: LayerStats, experts: torch.Tensor, y: torch.Tensor) -> None:
+    """``add_outputs`` for rows of several experts at once: expert ids [S], their outputs y [S, H]."""
+    if y.shape[0] == 0:
+        return
+    e = experts.cpu()
+    y64 = y.double().cpu()                                                  # [S, H]
+    st.out_sum.index_add_(0, e, y64)
+    st.out_sq.index_add_(0, e, y64.pow(2).sum(-1))
+    peak = torch.zeros_like(st.out_max).scatter_reduce_(0, e, y.abs().amax(-1).double().cpu(), "amax")
+    torch.maximum(st.out_max, peak, out=st.out_max)
 
 
 def calibrate_batches(model, batches, *, gate: str = "renorm", fold: bool = False, all_experts: bool = False,

@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from ..models.adapters import MoeLayer
-from ..models.step import current
 from .calibrate import Collector, ExpertOutputs, stats_of
 from .stats import ExpertStats
 
@@ -62,68 +61,79 @@ def check_observe_path(path: str | Path, flag: str = "--observe") -> Path:
     return path
 
 
-def full_routes(controller, layer: MoeLayer, logits: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full router's (weights, index) [T, K] for a step's logits: the step's own where it ran the
-    full router at the layer's k, else recomputed under the full router."""
-    step = current()
-    routing = step.routing if step is not None else None
-    if routing is None or (routing.policy.get(layer.index) is None and routing.token_top_k is None):
-        return weights, index
-    return controller._apply(layer, logits, None, None, None, None)
-
-
 class ObservedStats:
     """Accumulates a serving engine's routing into calibration statistics, step by step.
 
     ``begin(rows, ids)`` before a step's forward (``rows``: the [T] rows of the step's tokens to count,
-    None = all; ``ids``: their token ids), ``commit()`` after it succeeded, ``discard()`` otherwise;
-    ``save()`` any time (another thread may call it; writes are atomic)."""
+    None = all; ``ids``: their token ids, None where the engine does not know them: no ``data_sha256``
+    then), the engine calls the object with each MoE layer's (hidden, logits, weights, index) during the
+    forward, ``commit()`` after it succeeded, ``discard()`` otherwise; ``save()`` any time (another
+    thread may call it; writes are atomic).
 
-    def __init__(self, model, controller, path: str | Path, every: int = 0, *, gate: str = "renorm",
-                 expert_outputs: ExpertOutputs | None = None, source: str = "engine", command: str | None = None):
-        from ..models.loading import model_fingerprint
+    The engine gives what it knows of itself: ``layers`` (objects with ``index``, ``num_experts``,
+    ``hidden_size`` and ``semantics``, as ``MoeLayer`` has), the model's ``fingerprint`` and ``dtype``,
+    ``full_routes(layer, logits, weights, index)``: the full router's (weights, index) of a step's
+    routes, and ``expert_outputs`` (None: no expert pass, and no EAN, REAP or output statistics; the
+    file says so under ``observed.expert_outputs``).
 
+    ``direct``: a step's sums go straight into the totals (no per-step copy to add or drop): for an
+    engine whose failed step ends the engine (vLLM), where ``discard`` has nothing to undo and the
+    file is written from the stepping thread only."""
+
+    def __init__(self, layers: list, fingerprint: dict, dtype: str, path: str | Path, every: int = 0, *,
+                 gate: str = "renorm", expert_outputs: ExpertOutputs | None = None, full_routes=None,
+                 source: str = "engine", command: str | None = None, outputs_note: str | None = None,
+                 direct: bool = False):
         if every < 0:
             raise ValueError(f"observe every {every} steps: give 0 (at shutdown and on demand only) or a positive "
                              "step count")
         self.path, self.every, self.gate = Path(path), int(every), gate
-        self.controller, self.layers = controller, controller.layers
+        self.layers, self.direct = layers, direct
         self.expert_outputs = expert_outputs
-        self.fingerprint = model_fingerprint(model)
-        self.meta = {"dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "data": TRAFFIC,
-                     "command": command, "observed": {"engine": source, "phases": "prefill and decode",
-                                                      "routes": "the full router's"}}
-        self.totals = Collector(self.layers, gate)
+        self.full_routes = full_routes or (lambda layer, logits, weights, index: (weights, index))
+        self.fingerprint = fingerprint
+        observed = {"engine": source, "phases": "prefill and decode", "routes": "the full router's",
+                    "expert_outputs": outputs_note or ("the step's experts implementation" if expert_outputs
+                                                       else "none: no EAN, REAP or output statistics")}
+        self.meta = {"dtype": dtype, "data": TRAFFIC, "command": command, "observed": observed}
+        self.totals = Collector(self.layers, gate, expert_outputs=expert_outputs, outputs=expert_outputs is not None)
         self.tokens = self.steps = 0
         self.phase_tokens = {"prefill": 0, "decode": 0}
         self.digest = hashlib.sha256()
+        self.hashed = True                  # every counted step gave its token ids
         self.t0 = time.time()
         self.lock = threading.Lock()        # totals, counters and digest
         self.write_lock = threading.Lock()  # one writer at a time: an older snapshot never replaces a newer one
         self._step: Collector | None = None
         self._rows: torch.Tensor | None = None
-        self._ids: list[int] = []
-        self._phase = "prefill"
-        controller.observers.append(self)
+        self._ids: list[int] | None = []
+        self._count = self._decode = 0
+        self.on_close: list = []
 
     def close(self) -> dict:
         """Stop observing and write the statistics."""
-        if self in self.controller.observers:
-            self.controller.observers.remove(self)
+        for fn in self.on_close:
+            fn(self)
         return self.save()
 
     # ---- one step ------------------------------------------------------------------------------
-    def begin(self, rows: list[int] | None, ids: list[int], is_prefill: bool) -> None:
-        self._step = Collector(self.layers, self.gate, expert_outputs=self.expert_outputs)
+    def begin(self, rows: list[int] | None, ids: list[int] | None, is_prefill: bool, count: int | None = None,
+              decode_tokens: int | None = None) -> None:
+        """A step starts: ``count`` tokens to count (default ``len(ids)``), counted as prefill tokens when
+        ``is_prefill``, else as decode tokens, or ``decode_tokens`` of them as decode tokens where a step
+        mixes the phases (vLLM)."""
+        self._step = self.totals if self.direct else Collector(
+            self.layers, self.gate, expert_outputs=self.expert_outputs, outputs=self.expert_outputs is not None)
         self._rows = torch.tensor(rows, dtype=torch.long) if rows is not None else None
-        self._ids, self._phase = ids, "prefill" if is_prefill else "decode"
+        self._ids = ids
+        self._count = len(ids) if count is None else int(count)
+        self._decode = (0 if is_prefill else self._count) if decode_tokens is None else int(decode_tokens)
 
     def __call__(self, layer: MoeLayer, hidden: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor,
                  index: torch.Tensor) -> None:
         if self._step is None:        # a forward outside an observed step (a probe, a warm-up)
             return
-        weights, index = full_routes(self.controller, layer, logits, weights, index)
+        weights, index = self.full_routes(layer, logits, weights, index)
         if self._rows is not None:
             rows = self._rows.to(hidden.device)
             hidden, logits, weights, index = hidden[rows], logits[rows], weights[rows], index[rows]
@@ -135,16 +145,20 @@ class ObservedStats:
         if step is None:
             return
         with self.lock:
-            for i, st in step.stats.items():
+            for i, st in ({} if self.direct else step.stats).items():
                 total = self.totals.stats[i]
                 for name, t in st.tensors().items():
                     if name == "out_max":       # a running maximum, not a sum
                         torch.maximum(total.out_max, t, out=total.out_max)
                     else:
                         getattr(total, name).add_(t)
-            self.tokens += len(self._ids)
-            self.phase_tokens[self._phase] += len(self._ids)
-            self.digest.update(torch.tensor(self._ids, dtype=torch.long).numpy().astype("<i8").tobytes())
+            self.tokens += self._count
+            self.phase_tokens["decode"] += self._decode
+            self.phase_tokens["prefill"] += self._count - self._decode
+            if self._ids is None:
+                self.hashed = False
+            else:
+                self.digest.update(torch.tensor(self._ids, dtype=torch.long).numpy().astype("<i8").tobytes())
             self.steps += 1
             due = self.every and self.steps % self.every == 0
         if due:
@@ -157,11 +171,11 @@ class ObservedStats:
     def snapshot(self) -> ExpertStats:
         """The statistics so far, as ``moetailor calibrate`` would write them."""
         with self.lock:
-            copy = Collector(self.layers, self.gate)
+            copy = Collector(self.layers, self.gate, outputs=self.expert_outputs is not None)
             for i, st in self.totals.stats.items():
                 for name, t in st.tensors().items():
                     getattr(copy.stats[i], name).copy_(t)
-            meta = {**self.meta, "data_sha256": self.digest.hexdigest()[:16],
+            meta = {**self.meta, "data_sha256": self.digest.hexdigest()[:16] if self.hashed else None,
                     "observed": {**self.meta["observed"], "steps": self.steps, **{f"{p}_tokens": n for p, n
                                                                                   in self.phase_tokens.items()}}}
             tokens = self.tokens

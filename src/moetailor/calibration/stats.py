@@ -214,6 +214,12 @@ class ExpertStats:
         """Whether the file records expert outputs (super experts, novice constants)."""
         return all(l.has_outputs for l in self.layers.values())
 
+    @property
+    def has_expert_norms(self) -> bool:
+        """Whether EAN and REAP were measured: statistics observed on an engine whose experts kernel gives
+        no per-route output hold the router's statistics only (``observed.expert_outputs`` says "none")."""
+        return not str(self.meta.get("observed", {}).get("expert_outputs", "")).startswith("none")
+
     def require_outputs(self, what: str) -> None:
         """A one-line error for ``what`` (a plan option) on statistics written before outputs were recorded."""
         if not self.has_outputs:

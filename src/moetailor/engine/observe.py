@@ -4,12 +4,14 @@ The statistics themselves are calibration's (``calibration.observe.ObservedStats
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from ..calibration.observe import ObservedStats
 from ..models.adapters import MoeLayer
+from ..models.step import current
 from .guard import is_shadow
 from .sequence import Sequence
 
@@ -23,9 +25,28 @@ def step_expert_outputs(layer: MoeLayer, hidden: torch.Tensor, experts: torch.Te
     return experts_forward(layer.experts, hidden, experts[:, None], ones.to(hidden.dtype))
 
 
+def full_routes(controller, layer: MoeLayer, logits: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full router's (weights, index) [T, K] for a step's logits: the step's own where it ran the
+    full router at the layer's k, else recomputed under the full router."""
+    step = current()
+    routing = step.routing if step is not None else None
+    if routing is None or (routing.policy.get(layer.index) is None and routing.token_top_k is None):
+        return weights, index
+    return controller._apply(layer, logits, None, None, None, None)
+
+
 def engine_observer(model, controller, path: str | Path, every: int = 0, command: str | None = None) -> ObservedStats:
-    return ObservedStats(model, controller, path, every, expert_outputs=step_expert_outputs, source="moetailor",
-                         command=command)
+    """Statistics of the engine's traffic: an observer of ``controller`` until it is closed."""
+    from ..models.loading import model_fingerprint
+
+    observer = ObservedStats(controller.layers, model_fingerprint(model),
+                             str(next(model.parameters()).dtype).replace("torch.", ""), path, every,
+                             expert_outputs=step_expert_outputs, full_routes=partial(full_routes, controller),
+                             source="moetailor", command=command)
+    controller.observers.append(observer)
+    observer.on_close.append(lambda o: o in controller.observers and controller.observers.remove(o))
+    return observer
 
 
 def traffic_rows(seqs: list[Sequence], is_prefill: bool) -> tuple[list[int] | None, list[int], list[tuple[Sequence, int]]]:

@@ -138,6 +138,8 @@ class VLLMBackend:
         self.vocab = int(model.config.vocab_size)
         self.stop_ids = eos_ids(model, tokenizer)
         self.kv_cache_mib, self.enforce_eager = kv_cache_mib, enforce_eager
+        # vLLM computes in the dtype of the model in memory, the one the engine would score in (tune's --dtype)
+        self.dtype = str(next(model.parameters()).dtype).replace("torch.", "")
         self._tmp = tempfile.TemporaryDirectory(prefix="moetailor-vllm-plans-")
         self._plan_key: str | None = "unset"
         self._llm = None
@@ -154,7 +156,8 @@ class VLLMBackend:
 
             os.environ.setdefault(SERIALIZATION_ENV, "1")   # plan switches reach the workers as functions
             from vllm import LLM
-            kwargs = engine_kwargs(self.path, kv_cache_mib=self.kv_cache_mib, enforce_eager=self.enforce_eager,
+            kwargs = engine_kwargs(self.path, dtype=self.dtype, kv_cache_mib=self.kv_cache_mib,
+                                   enforce_eager=self.enforce_eager,
                                    enable_prefix_caching=False, max_num_seqs=self.max_num_seqs,
                                    max_model_len=self.max_model_len, max_logprobs=self.vocab, seed=0,
                                    disable_log_stats=True)
@@ -217,10 +220,12 @@ class VLLMBackend:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=self.vocab,
-                                extra_args={DECODE_FROM: split})
+        # flat (a few lists per request, not a dict of Logprob objects per position) and not detokenized:
+        # the vocabulary's logprobs at every position, read as arrays
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=self.vocab, flat_logprobs=True,
+                                detokenize=False, extra_args={DECODE_FROM: split})
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows], params, use_tqdm=False)
-        return [dense_logprobs(o.prompt_logprobs[split:], self.vocab) for o in outs]
+        return [dense_flat_logprobs(o.prompt_logprobs, split, self.vocab) for o in outs]
 
     def heldout(self, plan, windows: list[list[int]]):
         from .metrics import HeldoutScore, kl_divergence
@@ -261,6 +266,22 @@ def dense_logprobs(positions, vocab: int) -> torch.Tensor:
     return out
 
 
+def dense_flat_logprobs(flat, start: int, vocab: int) -> torch.Tensor:
+    """vLLM's ``FlatLogprobs`` of a prompt (flat lists: token ids and logprobs, per position a
+    [start, end) range) -> [T - start, V] for positions start..T-1."""
+    begin, end = flat.start_indices[start], flat.end_indices[-1]
+    if begin == end and len(flat) > start:
+        raise ValueError("vLLM returned no prompt logprobs for a held-out position")
+    counts = torch.tensor(flat.end_indices[start:]) - torch.tensor(flat.start_indices[start:])       # [T']
+    rows = torch.repeat_interleave(torch.arange(len(counts)), counts)                                # [n]
+    out = torch.full((len(counts), vocab), float("-inf"))
+    out[rows, torch.tensor(flat.token_ids[begin:end])] = torch.tensor(flat.logprobs[begin:end])
+    if torch.isinf(out).any():
+        raise ValueError(f"vLLM returned fewer than the vocabulary's {vocab} prompt logprobs per position; start it "
+                         f"with max_logprobs={vocab} (or -1)")
+    return out
+
+
 def probe_server(url: str, model: str | Path | None = None) -> str:
     """The served model name of the moetailor-plugin vLLM server at ``url``, checked to serve ``model``
     (a bundled name or checkpoint directory; its router weights are compared, no model is loaded).
@@ -291,6 +312,15 @@ def probe_server(url: str, model: str | Path | None = None) -> str:
     return names.json()["data"][0]["id"]
 
 
+# vLLM's API server closes a keep-alive connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s), and
+# httpx's pool keeps one for 5 s too: a request sent on a pooled connection just as the server closes
+# it is answered with a reset (httpx.ReadError / RemoteProtocolError). The client drops idle
+# connections well before the server does, and sends a request again once if its connection was
+# closed under it (every request here is idempotent: a plan switch, a greedy completion, prompt
+# logprobs).
+KEEPALIVE_S = 1.0
+
+
 class RemoteVLLM:
     """A running ``vllm serve`` with moetailor's plugin and middleware (``moetailor serve --backend
     vllm`` starts one so): plans switched through the middleware's ``/moetailor/plan``, completions
@@ -301,10 +331,15 @@ class RemoteVLLM:
 
         self.url = url.rstrip("/")
         self.served_name = probe_server(url, model)
-        self.http = httpx.Client(timeout=None)
+        self.http = httpx.Client(timeout=None, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
 
     def _post(self, path: str, body: dict) -> dict:
-        r = self.http.post(self.url + path, json=body)
+        import httpx
+
+        try:
+            r = self.http.post(self.url + path, json=body)
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):   # closed under the request
+            r = self.http.post(self.url + path, json=body)
         if r.status_code != 200:
             raise RuntimeError(f"vLLM at {self.url}{path} answered {r.status_code}: {r.text[:300]}")
         return r.json()

@@ -35,6 +35,10 @@ class MoeLayer:
         return self.semantics.top_k
 
     @property
+    def hidden_size(self) -> int:
+        return self.router.weight.shape[1]
+
+    @property
     def router_bias(self) -> torch.Tensor | None:
         return getattr(self.router, "e_score_correction_bias", None)
 

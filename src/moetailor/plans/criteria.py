@@ -47,6 +47,7 @@ CRITERIA: dict[str, str] = {
     "structured-even": "even expert ids first, then odd (structured baseline)",
     "structured-first": "lowest expert ids first (structured baseline)",
 }
+NORM_CRITERIA = ("ean", "weighted-ean", "reap")   # read the experts' output norms
 PLAN_PHASES = ("decode", "prefill", "both")
 GROUP_MODES = ("balanced", "ignore")
 
@@ -55,6 +56,10 @@ def expert_scores(stats: ExpertStats, criterion: str, seed: int = 0) -> dict[int
     """Per MoE layer, a float64 score [E] per expert (higher = keep first)."""
     if criterion not in CRITERIA:
         raise ValueError(f"unknown criterion {criterion!r}; valid criteria: {', '.join(CRITERIA)}")
+    if criterion in NORM_CRITERIA and not stats.has_expert_norms:
+        raise ValueError(f"criterion {criterion} needs expert output norms, which these statistics do not hold "
+                         f"({stats.meta.get('observed', {}).get('expert_outputs', 'none')}); use frequency or mass, "
+                         "or observe with an experts kernel that gives them (vLLM on CPU: moetailor_experts_kernel)")
     out = {}
     for i, layer in stats.layers.items():
         E = layer.num_experts

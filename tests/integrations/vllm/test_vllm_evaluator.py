@@ -110,8 +110,6 @@ def serving(*extra):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.xfail(reason="unfinished: the server reset the connection mid-run (httpx.ReadError) in the one run so far",
-                   strict=False)
 def test_a_running_server_scores_the_same(both, server, tmp_path, quarter_plan):
     """--vllm-url: plans switched on the server between cells; the same table as the engine."""
     root, engine, _ = both
@@ -144,13 +142,14 @@ def test_a_server_with_prefix_caching_is_refused(tmp_path, capsys):
         assert not out.exists()
 
 
-@pytest.mark.xfail(reason="unfinished: ran past the 300 s test timeout in the one run so far", strict=False)
 def test_tune_scores_candidates_on_vllm(tmp_path):
     """`tune --backend vllm`: the same candidates, the same held-out KL (prompt logprobs, the traffic
-    windows' second half as decode tokens) and the same greedy task answers as on the engine."""
+    windows' second half as decode tokens) and the same greedy task answers as on the engine. In fp32:
+    the bundled checkpoint is stored in bf16, which `--dtype auto` would score in, and two engines'
+    bf16 kernels round differently (vLLM runs in the dtype of the model tune holds)."""
     args = ["--data", "tasks", "--min-quality", "0.5", "--budget", "0.5", "--servable", "vllm", "--criteria", "reap",
             "--no-fold", "--no-allocation", "--no-top-k", "--calib-tokens", "4096", "--kl-tokens", "256",
-            "--kl-window", "64", "--n", "2", "--evaluate", "2"]
+            "--kl-window", "64", "--n", "2", "--evaluate", "2", "--dtype", "fp32"]
     runs = {}
     for backend in ("engine", "vllm"):
         out = tmp_path / backend

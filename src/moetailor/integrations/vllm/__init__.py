@@ -15,6 +15,9 @@ have, from their sources). It wraps:
 
 Calls into a running engine are functions for ``LLM.collective_rpc`` (``rpc.py``).
 
+With ``additional_config`` ``moetailor_observe`` the engine also writes calibration statistics of the
+traffic it serves (``observe.py``; ``Worker.shutdown`` is wrapped to write them at shutdown).
+
 Other modules: ``nixl.py`` (the pair on vLLM's NixlConnector), ``scheduler.py`` (the k-aware
 scheduler class), ``kbench.py`` (``moetailor bench vllm-k``).
 

@@ -7,7 +7,9 @@ per-request ``expert_top_k=4`` and a mixed-budget batch; masked decode pools of 
 tables calibrated once on the model); dynamic skipping (NAEE threshold); the disaggregated pair
 (pruned 50% decode instance); and on moetailor's experts kernel (``--only experts-kernel``,
 ``disaggregated-kernel``) the same budgets, pools and pair, so that colocated and disaggregated
-can be compared on one kernel.
+can be compared on one kernel; the cost of observing the traffic (``observe``: an engine started with
+``moetailor_observe`` beside the plugin at full k; ``observe-kernel``: the same on moetailor's experts
+kernel, where observing also computes EAN and REAP).
 
 How it is timed: one process holds every engine the rows need (stock, the plugin, the plugin eager,
 the pair's two instances), and each round times every row once, in turn, so that drift of the
@@ -43,7 +45,8 @@ PROCESSES = {"stock": ("stock",), "budgets": ("full k", "k=4", "mixed k"), "mask
              "skip": ("skip",), "disaggregated": ("pair",),
              "experts-kernel": ("full k, mt kernel", "k=4, mt kernel", "mixed k, mt kernel", "masked 50%, mt kernel",
                                 "masked 25%, mt kernel", "skip, mt kernel"),
-             "disaggregated-kernel": ("pair, mt kernel",)}
+             "disaggregated-kernel": ("pair, mt kernel",),
+             "observe": ("full k", "observing"), "observe-kernel": ("full k, mt kernel", "observing, mt kernel")}
 IDLE_S = 1.5                    # an idle vLLM worker busy-polls for 1 s after its last step
 MIXED_K = (2, 4, 6, 8)          # the mixed batch's budgets, request i gets MIXED_K[i % 4] (capped at the model's k)
 SKIP_BETA = 0.5
@@ -265,8 +268,13 @@ def rows_of(groups: list[str], plans: dict[str, str], model_k: int) -> list[Row]
                                 Row("skip, mt kernel", "kernel", plans["skip"])],
              # the pair with both instances on moetailor's experts kernel: against "masked 50%, mt kernel",
              # colocated and disaggregated on the same kernel
-             "disaggregated-kernel": [Row("pair, mt kernel", "pair-kernel")]}
-    return [row for group in groups for row in every[group]]
+             "disaggregated-kernel": [Row("pair, mt kernel", "pair-kernel")],
+             # the cost of observing the traffic (additional_config moetailor_observe): the same batch on an
+             # engine that observes, beside the plugin at full k; on moetailor's kernel with EAN and REAP
+             "observe": [Row("full k", "plugin"), Row("observing", "observe")],
+             "observe-kernel": [Row("full k, mt kernel", "kernel"), Row("observing, mt kernel", "observe-kernel")]}
+    rows = [row for group in groups for row in every[group]]
+    return list(dict.fromkeys(rows))           # a row two groups name is timed once
 
 
 def _descendants() -> set[int]:
@@ -348,10 +356,13 @@ def start_engines(spec: dict, rows: list[Row]) -> dict:
         seen = now
     # the plugin's engines first: vLLM loads plugins once per process, and the stock engine's
     # worker process is started without them (VLLM_PLUGINS="")
-    for name in ("plugin", "eager", "kernel"):
+    for name in ("plugin", "eager", "kernel", "observe", "observe-kernel"):
         if name in needed:
-            kwargs = engine_kwargs(spec["model"], enforce_eager=name == "eager", experts_kernel=name == "kernel",
-                                   **common)
+            observe = None
+            if name.startswith("observe"):   # a new file per engine and run (observed statistics are never appended)
+                observe = Path(spec["out"]) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.safetensors"
+            kwargs = engine_kwargs(spec["model"], enforce_eager=name == "eager", experts_kernel=name.endswith("kernel"),
+                                   observe=observe, **common)
             kwargs.setdefault("additional_config", {})[RECORD_KEY] = True
             llm = LLM(**kwargs)
             engines[name] = (llm, (llm,))
@@ -395,7 +406,7 @@ def worker(spec: dict) -> dict:
     config = AutoConfig.from_pretrained(spec["model"], local_files_only=True)
     rows = rows_of(spec["groups"], spec["plans"], config.num_experts_per_tok)
     engines = start_engines(spec, rows)
-    current_plan = {"plugin": None, "eager": None, "kernel": None}
+    current_plan = {"plugin": None, "eager": None, "kernel": None, "observe": None, "observe-kernel": None}
     rng = random.Random(0)
     results = {row.name: {} for row in rows}
     last_engine = None

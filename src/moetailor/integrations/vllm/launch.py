@@ -16,9 +16,12 @@ from .plan import DECODE_PLAN_KEY, PLAN_KEY, load_checked_plan
 
 def engine_kwargs(model: str | Path, plan: str | Path | None = None, decode_plan: str | Path | None = None, *,
                   dtype: str = "float32", kv_cache_mib: int | None = 512, enforce_eager: bool = False,
-                  experts_kernel: bool = False, **overrides) -> dict:
+                  experts_kernel: bool = False, observe: str | Path | None = None, observe_every: int = 0,
+                  **overrides) -> dict:
     """vLLM engine keyword arguments serving ``model`` ('reference' or a checkpoint directory);
-    ``experts_kernel``: MoE layers on moetailor's experts kernel (``experts.py``) instead of vLLM's."""
+    ``experts_kernel``: MoE layers on moetailor's experts kernel (``experts.py``) instead of vLLM's;
+    ``observe``: write the served traffic's calibration statistics there (``observe.py``), also every
+    ``observe_every`` steps."""
     if plan and decode_plan:
         raise ValueError("give --plan or --decode-plan, not both")
     path = resolve_model_path(model)
@@ -35,6 +38,17 @@ def engine_kwargs(model: str | Path, plan: str | Path | None = None, decode_plan
     if experts_kernel:
         from .experts import KEY
         kwargs["additional_config"] = {**kwargs.get("additional_config", {}), KEY: True}
+    if observe is not None or observe_every:
+        from .observe import EVERY_KEY, OBSERVE_KEY, check_observe_config
+
+        if observe is None:
+            raise ValueError("--observe-every needs --observe STATS (the statistics file to write)")
+        observing = {OBSERVE_KEY: str(Path(observe).absolute()), EVERY_KEY: observe_every}
+        check_observe_config(observing)    # the one-line error, before vLLM starts
+        kwargs["additional_config"] = {**kwargs.get("additional_config", {}), **observing}
+        import torch
+        if torch.cuda.is_available():      # a CUDA graph replay skips the observer (observe.py): run eager
+            kwargs["enforce_eager"] = True
     kwargs.update(overrides)
     return kwargs
 

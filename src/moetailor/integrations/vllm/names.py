@@ -169,6 +169,13 @@ REGISTRY: tuple[VName, ...] = tuple([
     # gone in 0.34.0, where a resumed request is sent again in full among the new ones
     VName(f"{SCHED}.output", "CachedRequestData.resumed_req_ids", "attribute", "reads", optional=True),
     VName("vllm.forward_context", "ForwardContext.no_compile_layers", "attribute", "reads"),
+    # ---- calibration from served traffic (observe.py) ----
+    VName(V1_BATCH, "InputBatch.token_ids_cpu", "attribute", "reads", runner="v1"),
+    VName("vllm.v1.worker.gpu_worker", "Worker.shutdown", "method", "wraps", ("self",)),
+    VName("vllm.config.model", "ModelConfig.enforce_eager", "attribute", "reads"),
+    *_names("vllm.config.parallel", "ParallelConfig", "attribute", "reads",
+            "pipeline_parallel_size data_parallel_size tensor_parallel_size"),
+    VName("vllm.distributed.parallel_state", "get_tensor_model_parallel_rank", "function", "calls"),
 ])
 
 BY_KEY = {n.key: n for n in REGISTRY}

@@ -1,7 +1,8 @@
 """What the plugin does to vLLM, driven by the registry of every vLLM name it touches (``names.py``):
 ``check_vllm`` refuses a vLLM whose version or names differ before anything is patched, then
 ``apply_patches`` wraps ``load_model`` of each runner generation's classes (``runners.py``),
-``InputProcessor._validate_params`` and, for engines that ask, vLLM's CPU experts (``experts.py``).
+``InputProcessor._validate_params``, ``Worker.shutdown`` (an observing engine writes its traffic
+statistics, ``observe.py``) and, for engines that ask, vLLM's CPU experts (``experts.py``).
 The engine's RPCs are plain functions for ``LLM.collective_rpc`` (``rpc.py``); nothing is added to
 vLLM's worker classes."""
 from __future__ import annotations
@@ -16,6 +17,7 @@ from vllm.logger import init_logger
 from . import names as N
 from .plan import EXPERT_TOP_K, load_checked_plan, plan_settings, router_tables
 from .names import wrap_method
+from .observe import OBSERVE_KEY, OBSERVERS, check_observable, make_observer, observe_settings, writes_here
 from .runners import adapters_for
 
 log = init_logger("moetailor.vllm")
@@ -94,6 +96,7 @@ def apply_patches() -> None:
     for adapter in adapters_for(vllm_version()):
         adapter.install(setup_model)
     wrap_method("vllm.v1.engine.input_processor", "InputProcessor._validate_params", _wrap_validate_params)
+    wrap_method("vllm.v1.worker.gpu_worker", "Worker.shutdown", _wrap_worker_shutdown)
     from .experts import install_patches
 
     install_patches()    # CPUUnquantizedExperts: moetailor's experts kernel for engines that ask
@@ -107,7 +110,10 @@ def setup_model(runner, adapter) -> None:
     config = runner.vllm_config
     hf = config.model_config.hf_config
     model = runner.get_model()
+    observing = observe_settings(config.additional_config)
     if not moe_runners(model):
+        if observing is not None:
+            raise ValueError(f"additional_config {OBSERVE_KEY}: this model has no MoE layer to observe")
         return
     from ...models.architectures import arch_spec
 
@@ -115,8 +121,8 @@ def setup_model(runner, adapter) -> None:
     try:
         arch_spec(hf)
     except ValueError as e:   # an architecture moetailor does not know: vLLM runs stock
-        if settings:
-            raise ValueError(f"a moetailor plan was given but {e}") from None
+        if settings or observing is not None:
+            raise ValueError(f"a moetailor {'plan' if settings else 'observer'} was given but {e}") from None
         log.info("moetailor: %s; MoE layers left stock", e)
         return
     plan = None
@@ -128,30 +134,57 @@ def setup_model(runner, adapter) -> None:
                 "a moetailor plan whose decode policy differs from its prefill policy needs prefix caching off "
                 "(--no-enable-prefix-caching, or enable_prefix_caching=False): vLLM caches blocks of generated "
                 "tokens, computed under the decode policy, and would serve them to later prompts as prefill")
-    _check_experts_kernel(config.additional_config, moe_runners(model))
+    experts_kernel = _check_experts_kernel(config.additional_config, moe_runners(model))
+    if observing is not None:
+        check_observable(config, moe_runners(model), experts_kernel, runner.device)
     tables = router_tables(plan, config.model_config.model, device=runner.device,
                            where=settings[0] if settings else "the plan")
     tokens = StepTokens(runner.max_num_tokens, tables.model_k, runner.device)
     recorder = None
     if isinstance(config.additional_config, dict) and config.additional_config.get(RECORD_KEY):
         recorder = RouteRecorder(sorted(tables.policies), tables.semantics.num_experts, runner.device)
-    runner._moetailor_keys = install(model, tables, tokens, recorder)
+    observed = observing is not None and writes_here()
+    runner._moetailor_keys = install(model, tables, tokens, recorder, observed=observed)
     adapter.attach(runner, tokens)
     runner._moetailor_recorder = recorder
+    runner._moetailor_observer = None
+    if observed:
+        observer = make_observer(runner, model, tables, *observing, experts_kernel)
+        OBSERVERS.update({key: (observer, layer) for layer, key in runner._moetailor_keys.items()})
+        tokens.observer = runner._moetailor_observer = observer
+        log.info("moetailor: observing served traffic into %s (every %s steps, at shutdown, on demand)",
+                 observing[0], observing[1] or "no")
     log.info("moetailor: hooked %d MoE layers (plan: %s)", len(moe_runners(model)), settings[0] if settings else "none")
 
 
-def _check_experts_kernel(additional_config, runners) -> None:
-    """An engine that asked for moetailor's experts kernel gets it on every MoE layer, or does not start."""
+def _check_experts_kernel(additional_config, runners) -> bool:
+    """An engine that asked for moetailor's experts kernel gets it on every MoE layer, or does not start;
+    whether it asked."""
     from .experts import KEY, uses_moetailor_kernel, wanted
 
     if not wanted(additional_config):
-        return
+        return False
     missing = [r.layer_id for r in runners if not uses_moetailor_kernel(r)]
     if missing:
         raise ValueError(f"additional_config {KEY}: MoE layers {missing} run a fused-MoE backend other than vLLM's CPU "
                          "one (CPUUnquantizedExperts), which moetailor's kernel replaces; drop the key")
     log.info("moetailor: %d MoE layers run moetailor's experts kernel", len(runners))
+    return True
+
+
+def _wrap_worker_shutdown(shutdown):
+    """The observed statistics are written when the worker shuts down (before its model is released)."""
+    @functools.wraps(shutdown)
+    def wrapped(self, *args, **kwargs):
+        observer = getattr(getattr(self, "model_runner", None), "_moetailor_observer", None)
+        if observer is not None:
+            try:
+                meta = observer.save()
+                log.info("moetailor: observed statistics written to %s (%d tokens)", observer.stats.path, meta["tokens"])
+            except Exception as e:    # the shutdown goes on; the last file written stays
+                log.error("moetailor: could not write the observed statistics to %s: %s", observer.stats.path, e)
+        return shutdown(self, *args, **kwargs)
+    return wrapped
 
 
 def _wrap_validate_params(validate_params):

@@ -43,6 +43,7 @@ class StepTokens:
         self.decode = torch.zeros(max_tokens, dtype=torch.bool, device=device)   # [N]
         self.k = torch.full((max_tokens,), model_k, dtype=torch.long, device=device)  # [N]
         self.model_k = model_k
+        self.observer = None        # observe.StepObserver: told of each step before its forward
 
     def request_k(self, sampling_params) -> int:
         """A request's budget (``expert_top_k``; none: the model's k)."""
@@ -56,8 +57,11 @@ class StepTokens:
         start = extra.get(DECODE_FROM)
         return prompt_len if start is None else min(int(start), prompt_len)
 
-    def write(self, decode: np.ndarray, k: np.ndarray) -> None:
-        """The step's T tokens: decode flags [T] and budgets [T]; the rest of the buffers is padding."""
+    def write(self, decode: np.ndarray, k: np.ndarray, ids: np.ndarray | None = None) -> None:
+        """The step's T tokens: decode flags [T] and budgets [T]; the rest of the buffers is padding.
+        ``ids``: their token ids where the runner has them on the host (the observer's traffic hash)."""
+        if self.observer is not None:
+            self.observer.begin(np.asarray(decode, dtype=bool), ids)
         T = len(decode)
         self.live.fill_(False)
         self.live[:T] = True
@@ -132,6 +136,25 @@ def _(logits, live, decode, token_k, key):
             logits.new_empty(logits.shape[0], width, dtype=torch.long))
 
 
+@torch.library.custom_op("moetailor::step_routes_observed", mutates_args=())
+def step_routes_observed_op(hidden: torch.Tensor, logits: torch.Tensor, live: torch.Tensor, decode: torch.Tensor,
+                            token_k: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``step_routes_op``, and the layer's input [N, H] and logits handed to the engine's traffic
+    observer (``observe.py``; it counts a reported step's tokens only) before routing."""
+    from .observe import OBSERVERS
+
+    observer, layer = OBSERVERS[key]
+    observer.layer(layer, hidden, logits)
+    return step_routes(logits, _ROUTINGS[key], live, decode, token_k)
+
+
+@step_routes_observed_op.register_fake
+def _(hidden, logits, live, decode, token_k, key):
+    width = _ROUTINGS[key].width
+    return (logits.new_empty(logits.shape[0], width, dtype=torch.float32),
+            logits.new_empty(logits.shape[0], width, dtype=torch.long))
+
+
 def redirect_dropped(weights: torch.Tensor, index: torch.Tensor, E: int,
                      live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sentinel routes (id E) -> weight 0 on the token's first kept expert, or (a token with none
@@ -159,9 +182,11 @@ def layer_routing(tables: RouterTables, layer: int, correction_bias=None) -> Lay
     return LayerRouting(tables.semantics, prefill, decode, tables.width(layer), correction_bias)
 
 
-def install(model: torch.nn.Module, tables: RouterTables, tokens: StepTokens, recorder=None) -> dict[int, str]:
+def install(model: torch.nn.Module, tables: RouterTables, tokens: StepTokens, recorder=None,
+            observed: bool = False) -> dict[int, str]:
     """Replace each MoE layer's routing with ``step_routes``; returns each hooked layer's op key
-    (a monolithic kernel's layer, which takes a fixed logits bias, has none)."""
+    (a monolithic kernel's layer, which takes a fixed logits bias, has none). ``observed``: the op
+    also hands the layer's routing to the engine's traffic observer (``observe.OBSERVERS`` by key)."""
     runners = moe_runners(model)
     keys = {}
     for runner in runners:
@@ -174,7 +199,7 @@ def install(model: torch.nn.Module, tables: RouterTables, tokens: StepTokens, re
             continue
         bias = getattr(runner.router, "e_score_correction_bias", None)
         routing = layer_routing(tables, layer, bias)
-        keys[layer] = _hook(runner, routing, tokens, recorder)
+        keys[layer] = _hook(runner, routing, tokens, recorder, observed)
     return keys
 
 
@@ -195,15 +220,19 @@ def swap_tables(keys: dict[int, str], tables: RouterTables) -> None:
     _ROUTINGS.update(new)
 
 
-def _hook(runner, routing: LayerRouting, tokens: StepTokens, recorder) -> str:
+def _hook(runner, routing: LayerRouting, tokens: StepTokens, recorder, observed: bool = False) -> str:
     layer = runner.layer_id
     key = f"{len(_ROUTINGS)}:layer{layer}"
     _ROUTINGS[key] = routing
 
     def select_experts(hidden_states, router_logits, topk_indices_dtype=None, *, input_ids=None):
         T = router_logits.shape[0]
-        weights, ids = torch.ops.moetailor.step_routes(router_logits, tokens.live[:T], tokens.decode[:T],
-                                                       tokens.k[:T], key)
+        if observed:
+            weights, ids = torch.ops.moetailor.step_routes_observed(hidden_states, router_logits, tokens.live[:T],
+                                                                    tokens.decode[:T], tokens.k[:T], key)
+        else:
+            weights, ids = torch.ops.moetailor.step_routes(router_logits, tokens.live[:T], tokens.decode[:T],
+                                                           tokens.k[:T], key)
         if recorder is not None:
             recorder.record(layer, ids, tokens.live[:T], tokens.decode[:T])
         # cpu_fused_moe reads contiguous float32 weights and int32 ids

@@ -70,3 +70,21 @@ def use_plan(worker, plan: str | None, mode: str = "decode") -> str:
         raise ValueError(f"plan {plan}: a decode policy that differs from the prefill policy needs prefix caching off")
     swap_tables(keys, router_tables(checked, config.model_config.model, device=runner.device, where=plan or "the plan"))
     return plan or "full router"
+
+
+def save_observed(worker, path: str | None = None) -> dict | None:
+    """Write the statistics the engine observed so far (``additional_config`` ``moetailor_observe``) to
+    their file, or to ``path``; returns the metadata written (None on a rank that does not write)."""
+    from .observe import OBSERVE_KEY
+
+    runner = _runner(worker)
+    if not hasattr(runner, "_moetailor_observer"):
+        raise ValueError(f"this vLLM engine does not observe its traffic; start it with additional_config "
+                         f"{{{OBSERVE_KEY!r}: 'stats.safetensors'}}")
+    observer = runner._moetailor_observer
+    if observer is None:
+        if runner.vllm_config.additional_config.get(OBSERVE_KEY):
+            return None       # another rank writes
+        raise ValueError(f"this vLLM engine does not observe its traffic; start it with additional_config "
+                         f"{{{OBSERVE_KEY!r}: 'stats.safetensors'}}")
+    return observer.save(path)

@@ -21,14 +21,20 @@ import numpy as np
 from . import names as N
 
 
-def step_phases(counts, computed, prompt_lens) -> tuple[np.ndarray, np.ndarray]:
-    """Per request of a step (tokens scheduled, tokens computed before it, prompt length) ->
-    per token: its request's place in the batch [T] and whether it is a decode token [T]."""
+def step_positions(counts, computed) -> tuple[np.ndarray, np.ndarray]:
+    """Per request of a step (tokens scheduled, tokens computed before it) -> per token: its
+    request's place in the batch [T] and its position in the request [T]."""
     counts = np.asarray(counts, dtype=np.int64)
     req = np.repeat(np.arange(len(counts)), counts)                                   # [T]
     starts = np.cumsum(counts) - counts
     query_pos = np.arange(len(req)) - np.repeat(starts, counts)                       # [T]
-    positions = np.asarray(computed, dtype=np.int64)[req] + query_pos                  # [T]
+    return req, np.asarray(computed, dtype=np.int64)[req] + query_pos                  # [T], [T]
+
+
+def step_phases(counts, computed, prompt_lens) -> tuple[np.ndarray, np.ndarray]:
+    """Per request of a step (tokens scheduled, tokens computed before it, prompt length) ->
+    per token: its request's place in the batch [T] and whether it is a decode token [T]."""
+    req, positions = step_positions(counts, computed)
     return req, positions >= np.asarray(prompt_lens, dtype=np.int64)[req]
 
 
@@ -72,7 +78,9 @@ def _wrap_load_model(load_model, adapter: RunnerAdapter, on_loaded):
     @functools.wraps(load_model)
     def wrapped(self, *args, **kwargs):
         from .experts import loading
+        from .observe import check_observe_config
 
+        check_observe_config(self.vllm_config.additional_config)    # a path that cannot be written: before the load
         with loading(self.vllm_config.additional_config):
             result = load_model(self, *args, **kwargs)
         on_loaded(self, adapter)
@@ -102,9 +110,14 @@ class V1Adapter(RunnerAdapter):
         rows = np.arange(num_reqs)
         params = [runner.requests[rid].sampling_params for rid in batch.req_ids[:num_reqs]]
         starts = [tokens.decode_from(p, int(n)) for p, n in zip(params, batch.num_prompt_tokens[rows])]
-        req, decode = step_phases(counts, batch.num_computed_tokens_cpu[rows], starts)
+        computed = batch.num_computed_tokens_cpu[rows]
+        req, decode = step_phases(counts, computed, starts)
         ks = np.array([tokens.request_k(p) for p in params], dtype=np.int64)
-        tokens.write(decode, ks[req])
+        ids = None
+        if tokens.observer is not None:     # the step's token ids, for the observer's traffic hash
+            _, positions = step_positions(counts, computed)
+            ids = batch.token_ids_cpu[req, positions]
+        tokens.write(decode, ks[req], ids)
 
 
 def _wrap_prepare_inputs(prepare_inputs):

@@ -13,6 +13,9 @@ evaluator routes (``moetailor eval/tune --backend vllm --vllm-url URL``):
   * ``POST /moetailor/plan`` ``{"plan": PLAN_JSON | null}``: route the next requests by that plan (the
     full router for null), through ``rpc.use_plan`` on every worker (``collective_rpc``; the server
     runs with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which ``moetailor serve --backend vllm`` sets).
+  * ``POST /moetailor/observe/save``: write the traffic statistics of an instance started with
+    ``--observe`` (``additional_config`` ``moetailor_observe``) now (``rpc.save_observed``); answers
+    ``{"tokens": ..., "steps": ...}`` counted so far.
 """
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ class ExpertTopKMiddleware:
         return await self.app(scope, replay, send)
 
 
-PLAN_ROUTES = ("/moetailor/fingerprint", "/moetailor/plan")
+PLAN_ROUTES = ("/moetailor/fingerprint", "/moetailor/plan", "/moetailor/observe/save")
 
 
 async def _read_body(receive) -> bytes:
@@ -103,13 +106,17 @@ async def plan_route(scope, receive, send) -> None:
             caching = bool(engine.vllm_config.cache_config.enable_prefix_caching)
             return await _answer(send, 200, {"fingerprint": fp, "model": str(checkpoint), "prefix_caching": caching})
         if scope["method"] != "POST":
-            return await _answer(send, 405, {"error": "POST {\"plan\": PLAN_JSON | null}"})
-        plan = json.loads(await _read_body(receive)).get("plan")
-        from .rpc import SERIALIZATION_ENV, use_plan
+            return await _answer(send, 405, {"error": "POST {\"plan\": PLAN_JSON | null}" if scope["path"].endswith(
+                "/plan") else "POST"})
+        from .rpc import SERIALIZATION_ENV, save_observed, use_plan
         if os.environ.get(SERIALIZATION_ENV) != "1":
             return await _answer(send, 400, {"error": f"start the server with {SERIALIZATION_ENV}=1 (moetailor serve "
-                                                      "--backend vllm sets it): plan switches reach the workers "
+                                                      "--backend vllm sets it): moetailor's calls reach the workers "
                                                       "as functions"})
+        if scope["path"] == "/moetailor/observe/save":
+            written = [m for m in await engine.collective_rpc(save_observed) if m is not None]
+            return await _answer(send, 200, {"tokens": written[0]["tokens"], "steps": written[0]["observed"]["steps"]})
+        plan = json.loads(await _read_body(receive)).get("plan")
         path = None
         if plan is not None:
             from ...outputs import write_json
@@ -132,6 +139,17 @@ def vllm_command(kwargs: dict, host: str, port: int, served_name: str | None) ->
     if served_name:
         cmd += ["--served-model-name", served_name]
     return cmd
+
+
+def observe_kwargs(args) -> dict:
+    """``--observe``/``--observe-every`` as engine_kwargs' arguments (a colocated instance only)."""
+    observe, every = getattr(args, "observe", None), getattr(args, "observe_every", 0)
+    if observe is None and not every:
+        return {}
+    if args.decode_model:
+        raise ValueError("--observe needs one vLLM instance: drop --decode-model (the pair's instances see the "
+                         "prompt and the decode tokens apart)")
+    return {"observe": observe, "observe_every": every}
 
 
 def common_kwargs(args) -> dict:
@@ -157,11 +175,13 @@ def run(args) -> int:
         raise ValueError("--api-key is not passed on to vLLM by --backend vllm yet; serve without it behind your own "
                          "gateway, or use moetailor's engine")
     name = args.served_model_name or str(args.model)
+    observing = observe_kwargs(args)
     if args.decode_model:
         return run_pair(args, name)
     from .launch import engine_kwargs
 
-    kwargs = engine_kwargs(args.model, plan=args.plan, decode_plan=args.decode_plan, **common_kwargs(args))
+    kwargs = engine_kwargs(args.model, plan=args.plan, decode_plan=args.decode_plan, **common_kwargs(args),
+                           **observing)
     from ...models.loading import read_config, resolve_model_path
     # the evaluator's held-out KL reads prompt logprobs over the whole vocabulary
     kwargs.setdefault("max_logprobs", int(read_config(resolve_model_path(args.model)).vocab_size))
