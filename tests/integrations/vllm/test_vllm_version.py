@@ -72,10 +72,11 @@ def test_a_missing_instance_field_is_refused_on_the_real_object():
     from moetailor.integrations.vllm.names import V1_BATCH
     from moetailor.integrations.vllm.runners import check_fields
 
-    class Batch:
+    class Batch:         # every field the registry names but num_computed_tokens_cpu
         num_reqs = 0
         req_ids: list = []
         num_prompt_tokens = None
+        token_ids_cpu = None
 
     with pytest.raises(RuntimeError, match=r"has no InputBatch\.num_computed_tokens_cpu; install"):
         check_fields(Batch(), V1_BATCH, "InputBatch", "v1")
