@@ -143,16 +143,16 @@ class StepObserver:
 OBSERVERS: dict[str, tuple[StepObserver, int]] = {}
 
 
-def make_observer(runner, model, tables, path: str, every: int, experts_kernel: bool) -> StepObserver:
-    """The observer of a loaded vLLM model (``patches.setup_model``), after its MoE layers are hooked."""
+def make_observer(runner, moe_runners: list, tables, path: str, every: int, experts_kernel: bool) -> StepObserver:
+    """The observer of a loaded vLLM model (``patches.setup_model``), after its MoE layers are hooked;
+    ``moe_runners``: the model's fused-MoE layer objects (``routing.moe_runners``)."""
     from ...routing.policy import FULL
     from ...routing.router import CompiledPolicy, route
     from .plan import checkpoint_fingerprint
-    from .routing import moe_runners
 
     config = runner.vllm_config
     sem = tables.semantics
-    runners = {r.layer_id: r for r in moe_runners(model)}
+    runners = {r.layer_id: r for r in moe_runners}
     hidden = int(config.model_config.hf_config.hidden_size)
     layers = {i: ObservedLayer(i, sem, hidden, r.routed_experts) for i, r in sorted(runners.items())}
     full = CompiledPolicy.build(FULL, sem, runner.device, None)

@@ -149,7 +149,7 @@ def setup_model(runner, adapter) -> None:
     runner._moetailor_recorder = recorder
     runner._moetailor_observer = None
     if observed:
-        observer = make_observer(runner, model, tables, *observing, experts_kernel)
+        observer = make_observer(runner, moe_runners(model), tables, *observing, experts_kernel)
         OBSERVERS.update({key: (observer, layer) for layer, key in runner._moetailor_keys.items()})
         tokens.observer = runner._moetailor_observer = observer
         log.info("moetailor: observing served traffic into %s (every %s steps, at shutdown, on demand)",
