@@ -47,7 +47,7 @@ def test_launcher_checks_the_plan_before_vllm_starts(bad_plans):
         engine_kwargs("reference", decode_plan=bad_plans["out_of_range"])
     with pytest.raises(PlanMismatch, match="router_hash"):
         engine_kwargs("reference", decode_plan=bad_plans["other_model"])
-    with pytest.raises(ValueError, match=r"decode layer 1\): this policy folds experts but no fold statistics"):
+    with pytest.raises(ValueError, match=r"folding\.json folds experts but names no fold statistics.*--fold"):
         engine_kwargs("reference", decode_plan=bad_plans["folding"])
 
 
