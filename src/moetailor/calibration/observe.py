@@ -39,7 +39,7 @@ from .stats import ExpertStats
 TRAFFIC = "served traffic"   # the statistics' data name: what `moetailor plan` records as the calibration data
 
 
-def check_observe_path(path: str | Path, flag: str = "--observe") -> Path:
+def check_observe_path(path: str | Path, flag: str = "--observe", worker: bool = False) -> Path:
     """A one-line ValueError when statistics cannot be written at ``path`` (checked before a model loads):
     its folder missing or not writable, the path a folder, or a file already there (observed statistics
     are written anew, never appended to an older file), or another moetailor run observing into it."""
@@ -57,7 +57,9 @@ def check_observe_path(path: str | Path, flag: str = "--observe") -> Path:
         raise ValueError(f"{flag} {path}: the folder {folder} is not writable; choose another {flag} path")
     from ..outputs import claim_output
 
-    claim_output(path, flag)   # a second server observing into the same file fails now, not at its first save
+    # a second server observing into the same file fails now, not at its first save; an engine's worker
+    # (``worker``) shares the claim of the run that started it (moetailor's launcher claims first)
+    claim_output(path, flag, shared_with_parents=worker)
     return path
 
 

@@ -148,7 +148,8 @@ def test_tune_scores_candidates_on_vllm(tmp_path):
     the bundled checkpoint is stored in bf16, which `--dtype auto` would score in, and two engines'
     bf16 kernels round differently (vLLM runs in the dtype of the model tune holds)."""
     args = ["--data", "tasks", "--min-quality", "0.5", "--budget", "0.5", "--servable", "vllm", "--criteria", "reap",
-            "--no-fold", "--no-allocation", "--no-top-k", "--calib-tokens", "4096", "--kl-tokens", "256",
+            "--no-fold", "--no-allocation", "--no-top-k", "--no-novice", "--no-merge", "--protect-super", "0",
+            "--calib-tokens", "4096", "--kl-tokens", "256",
             "--kl-window", "64", "--n", "2", "--evaluate", "2", "--dtype", "fp32"]
     runs = {}
     for backend in ("engine", "vllm"):

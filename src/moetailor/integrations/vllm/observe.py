@@ -62,11 +62,12 @@ def observe_settings(additional_config) -> tuple[str, int] | None:
     return path, every
 
 
-def check_observe_config(additional_config) -> tuple[str, int] | None:
-    """``observe_settings`` with the path checked writable (before the model loads)."""
+def check_observe_config(additional_config, worker: bool = False) -> tuple[str, int] | None:
+    """``observe_settings`` with the path checked writable (before the model loads); ``worker``: checked
+    in vLLM's worker, which shares the claim of the launcher that started it."""
     settings = observe_settings(additional_config)
     if settings is not None:
-        check_observe_path(settings[0], f"additional_config {OBSERVE_KEY}")
+        check_observe_path(settings[0], f"additional_config {OBSERVE_KEY}", worker=worker)
     return settings
 
 

@@ -80,7 +80,7 @@ def _wrap_load_model(load_model, adapter: RunnerAdapter, on_loaded):
         from .experts import loading
         from .observe import check_observe_config
 
-        check_observe_config(self.vllm_config.additional_config)    # a path that cannot be written: before the load
+        check_observe_config(self.vllm_config.additional_config, worker=True)   # unwritable path: before the load
         with loading(self.vllm_config.additional_config):
             result = load_model(self, *args, **kwargs)
         on_loaded(self, adapter)
