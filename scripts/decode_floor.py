@@ -50,7 +50,7 @@ def main() -> None:
     for name, dtype, native in (("fp32", None, True), ("fp32, torch ops", None, False), ("bf16", torch.bfloat16, True)):
         llm = make_llm(model, max(args.batches), max_len)
         if dtype is not None or not native:
-            from moetailor.engine import LLM
+            from moetailor.serving import LLM
             llm = LLM(model, max_num_seqs=llm.config.max_num_seqs, num_kv_blocks=llm.config.num_kv_blocks,
                       max_model_len=llm.config.max_model_len, decode_expert_dtype=dtype, native_kernels=native)
         engine_decode(llm, 1, args.prompt_len, 2)                              # warm-up

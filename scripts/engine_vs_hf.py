@@ -59,7 +59,7 @@ def hf_decode(model, prompts: list[list[int]], new_tokens: int, pad_id: int, rep
 
 
 def engine_decode(llm, prompts, new_tokens: int, repeats: int) -> tuple[float, list[list[int]], float]:
-    from moetailor.engine import SamplingParams
+    from moetailor.serving import SamplingParams
 
     best, outs = float("inf"), None
     for _ in range(repeats):
@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--out", default="build/engine_vs_hf")
     args = ap.parse_args()
 
-    from moetailor.engine import LLM
+    from moetailor.serving import LLM
     from moetailor.models.loading import load_model, load_tokenizer
     from moetailor.plans.plan import Plan
     from moetailor.bench.page import Table, write_tables

@@ -76,7 +76,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from moetailor.cli.main import main as cli
-    from moetailor.engine import LLM
+    from moetailor.serving import LLM
     from moetailor.integrations.llamacpp import BatchedDecoder, load
     from moetailor.models.loading import load_tokenizer, resolve_model_path
     from moetailor.bench.page import Table, write_tables

@@ -12,8 +12,8 @@ from pathlib import Path
 import moetailor
 
 # lowest first: a module may import modules of its own layer or of an earlier one
-LAYERS = ["tables", "outputs", "memory", "device", "kernels", "data", "models", "routing", "calibration", "plans", "transforms", "engine", "bench", "integrations", "eval", "tuning",
-          "cli", "training"]
+LAYERS = ["tables", "outputs", "memory", "device", "kernels", "data", "models", "runtime", "routing", "calibration",
+          "plans", "transforms", "serving", "bench", "integrations", "eval", "tuning", "cli", "training"]
 ROOT = Path(moetailor.__file__).parent
 
 
@@ -89,5 +89,5 @@ def test_no_import_cycles_between_modules():
 def test_the_contract_sees_function_level_imports(tmp_path):
     """The checker must not be blind: an import inside a function is an edge."""
     probe = tmp_path / "_contract_probe.py"     # read as if it lay in moetailor/plans/; src/ is not written
-    probe.write_text("def f():\n    from ..engine import LLM\n")
-    assert "moetailor.engine" in _imports(probe, "moetailor.plans._contract_probe")
+    probe.write_text("def f():\n    from ..serving import LLM\n")
+    assert "moetailor.serving" in _imports(probe, "moetailor.plans._contract_probe")

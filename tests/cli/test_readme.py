@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 from moetailor.data.tasks.base import extract_answer
-from moetailor.engine import LLM, SamplingParams
+from moetailor.serving import LLM, SamplingParams
 from moetailor.plans import Plan
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -77,7 +77,7 @@ def test_a_floor_on_few_prompts_is_not_claimed(model_dir, tmp_path, capsys):
     floor as a point estimate (which used to be printed as "chosen: ... meets"), but the interval straddles
     it, so tune names it as a pick with that caveat and the prompts that would decide, exits 1 and writes
     no plan.json."""
-    from moetailor.engine import LLM, SamplingParams
+    from moetailor.serving import LLM, SamplingParams
     from moetailor.models import load_model
 
     llm = LLM(load_model(model_dir), tokenizer=char_tokenizer(), max_num_seqs=8)

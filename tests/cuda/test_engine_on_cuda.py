@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from moetailor.engine import LLM, SamplingParams
+from moetailor.serving import LLM, SamplingParams
 from moetailor.integrations.vllm.routing import LayerRouting, step_routes
 from moetailor.models.architectures import RouterSemantics
 from moetailor.models.tiny import tiny_model

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the test extras: pip install -e '.[test]'")
 
-from moetailor.engine import LLM, SamplingParams  # noqa: E402
+from moetailor.serving import LLM, SamplingParams  # noqa: E402
 from moetailor.eval import lm_eval_tasks  # noqa: E402
 from moetailor.eval.user_tasks import load_user_tasks  # noqa: E402
 from moetailor.models import load_model, load_tokenizer  # noqa: E402

@@ -117,7 +117,7 @@ def test_configured_plans_run_in_the_model_and_the_engine(model, stats_path):
     kl_fold, kl_drop = scorer.score(small.prefill, small.decode).kl, scorer.score(drop.prefill, drop.decode).kl
     assert kl_fold > 1e-5 and kl_drop > 1e-5 and kl_fold != kl_drop
 
-    from moetailor.engine import LLM, SamplingParams
+    from moetailor.serving import LLM, SamplingParams
     llm = LLM(model, small, max_num_seqs=4, num_kv_blocks=16, max_model_len=64)
     outs = llm.generate([[5, 6, 7, 8], [9, 10, 11]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert all(len(o.token_ids) == 4 for o in outs)

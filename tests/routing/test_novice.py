@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moetailor.calibration import calibrate_batches
-from moetailor.engine import LLM, SamplingParams
+from moetailor.serving import LLM, SamplingParams
 from moetailor.models import moe_layers
 from moetailor.models.loading import load_model
 from moetailor.plans.criteria import make_plan

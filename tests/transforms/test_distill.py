@@ -122,7 +122,7 @@ def test_merged_checkpoint_is_stock_and_equals_se1_plus_se2(arch, tmp_path):
         got = loaded(input_ids=x, use_cache=False).logits
     assert (want - got).abs().max() <= 1e-5
     # load_model carries the plan on the model: the disaggregated decode worker reads it there
-    from moetailor.engine.disagg import distilled_plan
+    from moetailor.serving.disagg import distilled_plan
     from moetailor.models.loading import load_model
     assert distilled_plan(load_model(out)).to_json() == saved.to_json()
     assert distilled_plan(loaded) is None     # a model loaded without load_model has no sidecars

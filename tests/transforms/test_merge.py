@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from moetailor.calibration import calibrate_batches
 from moetailor.cli.main import main
-from moetailor.engine import LLM, SamplingParams
+from moetailor.serving import LLM, SamplingParams
 from moetailor.eval.configurations import parse_configs
 from moetailor.models.adapters import moe_layers
 from moetailor.models.loading import load_model, model_fingerprint

@@ -30,7 +30,7 @@ def test_split_cli_finetune(src, tmp_path, capsys):
     assert moe_layers(model)[0].num_experts == 16 and model.config.num_experts_per_tok == 4
     assert (out / "tokenizer.json").exists()
     # the engine learns the parts from the loaded model: a budget above 2 x 2 is refused, naming them
-    from moetailor.engine import LLM, SamplingParams
+    from moetailor.serving import LLM, SamplingParams
     llm = LLM(str(out))
     assert llm.model.moetailor_sidecars.split.parts == 2
     with pytest.raises(ValueError, match=r"1\.\.4 .*2 sub-experts x 2 experts"):

@@ -2,7 +2,7 @@
 import pytest
 
 from moetailor.calibration import calibrate
-from moetailor.engine import LLM, SamplingParams
+from moetailor.serving import LLM, SamplingParams
 from moetailor.models.loading import model_fingerprint
 from moetailor.models.tiny import char_tokenizer, tiny_model
 from moetailor.plans.criteria import expert_scores, top_experts

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from moetailor.engine import LLM, SamplingParams
+from moetailor.serving import LLM, SamplingParams
 from moetailor.models import load_model
 from moetailor.models.tiny import char_tokenizer, tiny_grouped_model, tiny_model
 from moetailor.plans import Plan

@@ -52,7 +52,7 @@ def workload(mix: list[tuple[int, float]], n: int, prompt_len: int, vocab: int, 
 
 
 def _params(ks: list[int], max_tokens: int) -> list:
-    from ..engine import SamplingParams
+    from ..serving import SamplingParams
     return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, expert_top_k=k) for k in ks]
 
 
@@ -76,7 +76,7 @@ def serve(llm, prompts, ks, max_tokens: int) -> dict:
 def measure_step_cost(base, ks: list[int], max_num_seqs: int, prompts: list[list[int]], blocks: int):
     """Fit ``StepCost`` to decode steps of bursts of B requests sharing budget k, for B in
     {1, max/4, max/2, max} and every k in ``ks`` (5 decode steps per burst)."""
-    from ..engine import LLM
+    from ..serving import LLM
 
     llm = LLM(base, max_num_seqs=max_num_seqs, num_kv_blocks=blocks)
     for b in sorted({min(b, len(prompts)) for b in (1, max(1, max_num_seqs // 4), max(1, max_num_seqs // 2),
@@ -90,7 +90,7 @@ def run_ktiers(model: str, mix_text: str, requests: int, prompt_len: int, max_to
                repeats: int, quick: bool, synthetic_layers: int, out: Path, command: str = "") -> Report:
     from tqdm import tqdm
 
-    from ..engine import LLM
+    from ..serving import LLM
 
     if quick:
         requests, max_tokens, repeats = min(requests, 24), min(max_tokens, 12), 1

@@ -76,7 +76,7 @@ def make_llm(model, max_batch: int, max_len: int, compile_decode: bool = False, 
     """An engine for a benchmark on ``model``. ``pack_weights``: as ``LLM``'s; a bench that hands its
     model over (nothing needs its own layout afterwards: transformers' generate and pruning ran
     before) passes ``kernels.packed_weights_pay()``, so it measures what ``moetailor serve`` runs."""
-    from ..engine import LLM
+    from ..serving import LLM
 
     blocks_per_seq = (max_len + 15) // 16 + 1
     return LLM(model, max_num_seqs=max_batch, max_num_batched_tokens=max(4096, max_batch * max_len),
@@ -88,7 +88,7 @@ def engine_decode(llm, batch: int, prompt_len: int, steps: int, expert_top_k: in
                   seed: int = 0, prompt_ids: list[list[int]] | None = None) -> DecodeResult:
     """Decode ``steps`` tokens (after one warm-up step) for ``batch`` sequences through ``llm``
     (``prompt_ids``: ``batch`` prompts of ``prompt_len`` tokens instead of seeded random ids)."""
-    from ..engine import SamplingParams
+    from ..serving import SamplingParams
 
     if prompt_ids is None:
         prompt_ids = prompts(batch, prompt_len, llm.vocab_size, seed)
@@ -143,7 +143,7 @@ def hf_decode(model, batch: int, prompt_len: int, steps: int, seed: int = 0) -> 
 
 def engine_prefill(llm, batch: int, prompt_len: int, repeats: int = 3, seed: int = 0) -> float:
     """Best prefill tokens/s of ``batch`` prompts of ``prompt_len`` tokens admitted in one step."""
-    from ..engine import SamplingParams
+    from ..serving import SamplingParams
 
     best = 0.0
     for r in range(repeats):

@@ -4,8 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .report import Report, close, figure
-from .roofline import (GPUS, IDEAL, REALISTIC, SHAPES, SLIMWISE, per_seq_cost_matching, project, slo_curve,
-                       step_cost)
+from .roofline import GPUS, IDEAL, REALISTIC, SHAPES, SLIMWISE, per_seq_cost_matching, project, slo_curve, step_cost
 
 
 def _gb(x: float) -> str:

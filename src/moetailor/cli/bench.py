@@ -136,7 +136,8 @@ def run_project(args) -> int:
 
 
 def run_decode(args) -> int:
-    from ..bench.decode import DecodeConfig, run_decode as decode
+    from ..bench.decode import DecodeConfig
+    from ..bench.decode import run_decode as decode
 
     check_bench_outputs(args, _local(args.model) + list(args.plan))
     cfg = DecodeConfig(model=args.model, batches=_ints(args.batches), keeps=_floats(args.keep),

@@ -8,7 +8,6 @@ from ..tables import print_table
 from .options import add_device_option, add_dtype_option, add_overwrite_option
 
 
-
 def register(sub) -> None:
     p = sub.add_parser("calibrate", help="one forward pass over calibration text -> per-expert statistics "
                        "(frequency, mass, EAN, REAP, co-selection, NAEE beta; ExFold tables with --fold)")
@@ -45,12 +44,11 @@ def run(args) -> int:
     from ..calibration import calibrate
     from ..calibration.calibrate import calibration_record, describe_calibration
     from ..calibration.data import data_file, default_data_spec, parse_data_spec
-    from ..models import load_model, load_tokenizer, resolve_model_path
-    from ..outputs import check_output
-
     from ..device import Placement
     from ..memory import peak_rss_gib
+    from ..models import load_model, load_tokenizer, resolve_model_path
     from ..models.checkpoint import should_stream, working_dtype
+    from ..outputs import check_output
 
     args.data = default_data_spec(args.model, args.data)
     parse_data_spec(args.data)  # bad input fails before the model loads

@@ -45,12 +45,12 @@ def _decode_summary(llm) -> dict:
 
 def run(args) -> int:
     from ..calibration.calibrate import describe_calibration
-    from ..engine import LLM, SamplingParams
     from ..data.tasks import TASKS, eval_examples, extract_answer, score
     from ..models import describe
     from ..models.loading import load_checked
     from ..plans import Plan
     from ..plans.plan import describe_phase
+    from ..serving import LLM, SamplingParams
 
     t0 = time.time()
     llm = LLM(args.model)
@@ -119,8 +119,8 @@ def _pool_speed_on_real_shapes(expert_mib_per_step: float, step_s: float, steps:
     """What the 50% decode pool saves where decode reads its experts from memory: on the bundled model the
     expert reads are a small part of a step, so a pool barely changes it; on a model with published layer
     shapes they dominate it. Both pools run side by side in one run (noise hits both alike)."""
-    from ..bench.decode import DecodeConfig, measure_model
     from ..bench.bandwidth import read_bandwidth
+    from ..bench.decode import DecodeConfig, measure_model
     from ..bench.synthetic import EXPERT_WIDTH, EXPERTS, HIDDEN, TOP_K
 
     read_ms = expert_mib_per_step * 2**20 / read_bandwidth(256 << 20) * 1e3

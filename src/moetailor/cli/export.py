@@ -29,8 +29,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from .calibrate import command_line
     from ..transforms.gguf import export_gguf, export_plan_gguf
+    from .calibrate import command_line
 
     common = dict(outtype=args.outtype, top_k=args.expert_top_k, overwrite=args.overwrite,
                   allow_routing_difference=args.allow_routing_difference, verbose=args.verbose)

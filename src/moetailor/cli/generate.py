@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from .options import TORCH_NAMES as DTYPES, add_dtype_option, dtype_value
+from .options import TORCH_NAMES as DTYPES
+from .options import add_dtype_option, dtype_value
 
 
 def set_threads(threads: int | None) -> None:
@@ -77,9 +78,9 @@ def build_engine(args):
     """An LLM (colocated) or DisaggregatedLLM from the shared options."""
     import torch
 
-    from ..engine import LLM
     from ..models.loading import resolve_model_path
     from ..plans.plan import Plan
+    from ..serving import LLM
 
     if args.step_slo_ms is not None and not getattr(args, "decode_pools_by_load", None):
         raise ValueError("--step-slo-ms sets the thresholds of --decode-pools-by-load; pass the pools' plans with "
@@ -104,7 +105,7 @@ def build_engine(args):
                   decode_expert_dtype=getattr(torch, DTYPES[args.decode_expert_dtype])
                   if getattr(args, "decode_expert_dtype", None) else None)
     if args.decode_model:
-        from ..engine.disagg import DisaggregatedLLM
+        from ..serving.disagg import DisaggregatedLLM
         return DisaggregatedLLM(args.model, decode_model=args.decode_model, threads=args.threads,
                                 heartbeat_timeout=getattr(args, "heartbeat_timeout", 10.0), **kwargs)
     plan = None
@@ -117,7 +118,7 @@ def build_engine(args):
     from .techniques import apply_policy_arguments
     apply_policy_arguments(llm, args)
     if getattr(args, "decode_pools_by_load", None):
-        from ..engine.load_pools import PoolsByLoad
+        from ..serving.load_pools import PoolsByLoad
         if args.step_slo_ms is None:
             raise ValueError("--decode-pools-by-load needs --step-slo-ms (the decode step time the full pool must meet)")
         pools = [None] + [Plan.load(path) for path in args.decode_pools_by_load]
@@ -145,7 +146,7 @@ def run(args) -> int:
     import collections
     import time
 
-    from ..engine import SamplingParams
+    from ..serving import SamplingParams
     from ..tables import print_table
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -14,7 +14,6 @@ import threading
 
 from ..outputs import release_outputs
 
-
 # the machine's state, not a bug: one line saying what to do, not a traceback
 ENVIRONMENT_ERRORS = {errno.ENOSPC: "free disk space or write --out elsewhere",
                       errno.EDQUOT: "free space within your disk quota or write --out elsewhere",

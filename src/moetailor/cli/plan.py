@@ -1,9 +1,9 @@
 """`moetailor plan STATS --criterion C (--keep R | --keep-experts N | --layers SPEC) --out plan.json`."""
 from __future__ import annotations
 
-from .calibrate import command_line
 from ..memory import peak_rss_gib
 from ..tables import print_table
+from .calibrate import command_line
 from .options import add_overwrite_option
 
 
@@ -119,8 +119,8 @@ def run(args) -> int:
 
 def run_search(args, stats, model, command: str) -> int:
     from ..calibration.data import default_data_spec
-    from ..models import load_tokenizer
     from ..eval.search_k import search_pool
+    from ..models import load_tokenizer
 
     if model is None or args.keep is None:
         raise ValueError("--layers search needs --model (to measure each layer's sensitivity) and --keep (the total)")

@@ -1,8 +1,8 @@
 """`moetailor prune MODEL PLAN --out DIR`: a stock HF checkpoint holding only the plan's kept experts."""
 from __future__ import annotations
 
-from .calibrate import command_line
 from ..tables import print_table
+from .calibrate import command_line
 from .options import add_overwrite_option
 
 

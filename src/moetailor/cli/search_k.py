@@ -38,14 +38,12 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..calibration.data import data_file
+    from ..calibration.data import data_file, default_data_spec
+    from ..eval.search_k import search_plan
     from ..models import load_model, load_tokenizer
     from ..models.loading import resolve_model_path
-    from ..eval.search_k import search_plan
     from ..outputs import check_output
     from ..plans.techniques import Shape
-
-    from ..calibration.data import default_data_spec
 
     if args.tokens < 1 or args.window < 4:
         raise ValueError("--tokens must be >= 1 and --window >= 4")

@@ -93,7 +93,7 @@ def show_server_log() -> None:
 
 
 def run(args) -> int:
-    from ..engine.server import ServerLimits, serve
+    from ..serving.server import ServerLimits, serve
 
     if args.backend == "vllm":
         from ..integrations.vllm.serve import run as run_vllm

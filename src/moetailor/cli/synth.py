@@ -28,9 +28,9 @@ def run(args) -> int:
     import time
     from pathlib import Path
 
-    from ..transforms.synthetic import SIDECAR, hub_tensors, synthetic_config, write_synthetic
-    from ..transforms.artifacts import refuse_existing
     from ..memory import peak_rss_gib
+    from ..transforms.artifacts import refuse_existing
+    from ..transforms.synthetic import SIDECAR, hub_tensors, synthetic_config, write_synthetic
 
     out = Path(args.out)
     out = refuse_existing(out, args.overwrite)

@@ -82,7 +82,7 @@ class EngineBackend:
     @property
     def llm(self):
         if self._llm is None:
-            from ..engine import LLM
+            from ..serving import LLM
             self._llm = LLM(self.model, tokenizer=self.tokenizer, max_num_seqs=self.max_num_seqs)
         return self._llm
 
@@ -129,8 +129,8 @@ class VLLMBackend:
 
     def __init__(self, model, tokenizer, path: str | Path, *, url: str | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, kv_cache_mib: int = 512, enforce_eager: bool = False):
-        from ..engine.model_runner import default_max_model_len
         from ..models.paths import resolve_model_path
+        from ..runtime.runner import default_max_model_len
 
         self.model, self.tokenizer, self.path, self.url = model, tokenizer, resolve_model_path(path), url
         self.max_num_seqs = max_num_seqs
@@ -182,7 +182,7 @@ class VLLMBackend:
 
     # -- generation --------------------------------------------------------------------------------
     def generate(self, plan, prompts: list[str], params: list) -> list[Completion]:
-        from ..engine.validation import encode_prompt
+        from ..serving.validation import encode_prompt
 
         self.use_plan(plan)
         ids = [encode_prompt(self.tokenizer, p)[1] for p in prompts]

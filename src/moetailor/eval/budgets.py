@@ -35,10 +35,10 @@ def compare_budgets(settings, split_dir: str, original: str, budgets_spec: str, 
                     tolerance: float = 0.05, log=print, overwrite: bool = False) -> dict:
     """Run both sweeps (``settings`` supplies tasks, n, seeds; its model and configs are replaced)
     and write budgets.json, budgets.md and budgets.png to ``out``."""
-    from ..eval.configurations import parse_configs
-    from ..eval.runner import Sweep
     from ..models import load_model, moe_layers
     from ..transforms.split import read_split_sidecar
+    from .configurations import parse_configs
+    from .runner import Sweep
 
     side = read_split_sidecar(split_dir)
     if side is None:

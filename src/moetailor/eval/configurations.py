@@ -23,12 +23,13 @@ from typing import Callable
 from ..plans import Plan, uniform_plan
 from ..routing.policy import LayerPolicy
 
+
 @dataclass(frozen=True)
 class Serving:
     """What the engine is told to run for one configuration: a plan, and how to serve it."""
 
     plan: Plan
-    guard: bool = False               # the collapse guard watches decode (engine/guard.py)
+    guard: bool = False               # the collapse guard watches decode (serving/guard.py)
     decode_model: str | None = None   # decode on this checkpoint in a separate worker (disaggregated)
 
 
@@ -127,7 +128,7 @@ def _topk(model, plan, arg):
 
 
 @configuration("guarded", uses_plan=True, takes_arg=True,
-               help="guarded:CONFIG — CONFIG (e.g. phase-aware) served with the collapse guard on (engine/guard.py)")
+               help="guarded:CONFIG — CONFIG (e.g. phase-aware) served with the collapse guard on (serving/guard.py)")
 def _guarded(model, plan, arg):
     inner = parse_configs(arg)[0]
     if inner.name == "guarded":

@@ -24,10 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..data.tasks import Example, score
 from ..routing import RoutingController
 from ..routing.policy import PhasePolicy
-from ..data.tasks import Example, score
-
 
 # ---------------------------------------------------------------------------------------------
 # generation metrics

@@ -34,14 +34,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine.model_runner import default_max_model_len
+from ..data.tasks import TASKS, Task, eval_rng
 from ..models.loading import load_checked, model_fingerprint, read_config, weights_hash
 from ..outputs import MARKER, write_json
 from ..plans import Plan
 from ..plans.plan import plan_hash  # noqa: F401  (cells are keyed by it)
+from ..runtime.runner import default_max_model_len
 from .configurations import ConfigSpec, Serving
 from .metrics import Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output
-from ..data.tasks import TASKS, Task, eval_rng
 from .user_tasks import DEFAULT_BUDGET, check_prompts_fit, select_tasks, task_examples
 
 SAMPLING_MODES = ("greedy", "sample")
@@ -180,9 +180,10 @@ def task_budget(task: Task, tokenizer, factor: float = BUDGET_FACTOR) -> int:
 
 
 def _versions(backend: str = "engine") -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
     import transformers
-    from importlib.metadata import PackageNotFoundError, version
     try:
         mt = version("moetailor")
     except PackageNotFoundError:
@@ -456,7 +457,7 @@ class Sweep:
                            "--overwrite to recompute such cells, or choose a fresh --out")
 
     def _sampling_params(self, mode: str, seed: int, task: str, index: int):
-        from ..engine import SamplingParams
+        from ..serving import SamplingParams
         if mode == "greedy":
             return SamplingParams(max_tokens=self.budgets[task], temperature=0.0)
         return SamplingParams(max_tokens=self.budgets[task], temperature=self.settings.temperature,
@@ -497,7 +498,7 @@ class Sweep:
     def _generate_disaggregated(self, variant: Variant, prompts: list[str], params) -> list:
         """Prefill on the evaluated model, decode on the variant's own decoder (a distilled one) in
         the disaggregated engine: the decoder continues the KV cache the original model wrote."""
-        from ..engine.disagg import DisaggregatedLLM
+        from ..serving.disagg import DisaggregatedLLM
 
         with DisaggregatedLLM(self.settings.model, decode_model=variant.serving.decode_model,
                               tokenizer=self.tokenizer,                 # the decoder brings its own plan

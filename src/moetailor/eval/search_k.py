@@ -22,9 +22,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..routing.policy import PhasePolicy
 from ..plans.plan import Plan
 from ..plans.techniques import Shape, layer_k_policy, technique_plan
+from ..routing.policy import PhasePolicy
 
 SEARCH_PHASES = ("both", "decode", "prefill")
 METHOD = ("coordinate descent over single-expert transfers between MoE layers (total fixed), from the uniform "
@@ -134,7 +134,7 @@ def calibration_windows(tokenizer, data: str, tokens: int, window: int, seed: in
 def task_accuracy(model, tokenizer, plans: dict[str, Plan | None], n: int, tasks: str = "all",
                   seed: int = 0) -> dict[str, float]:
     """Greedy exact-match accuracy of each plan over ``n`` prompts per task, through the engine."""
-    from ..engine import LLM, SamplingParams
+    from ..serving import LLM, SamplingParams
     from .metrics import accuracy, score_output
     from .runner import task_budget
     from .user_tasks import select_tasks, task_examples

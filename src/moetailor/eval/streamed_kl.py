@@ -41,8 +41,8 @@ def heldout_kl_streamed(model: str | Path, windows: list[list[int]], *, plan=Non
     from tqdm import tqdm
 
     from ..memory import peak_rss_gib
-    from ..models.streamed import LayerStream
     from ..models.loading import load_checked
+    from ..models.streamed import LayerStream
     from ..plans.plan import Plan
     from ..routing import RoutingController
 

@@ -24,9 +24,19 @@ from pathlib import Path
 
 from ..calibration import ExpertStats
 from ..models.loading import load_checked
-from ..plans.techniques import (Shape, bhep_policy, ensure_fold_stats, fold_decode, fold_prefill, layer_k_policy,
-                                parse_k_list, pool_with_fold, skip_policy, technique_plan,
-                                top_k_policy)
+from ..plans.techniques import (
+    Shape,
+    bhep_policy,
+    ensure_fold_stats,
+    fold_decode,
+    fold_prefill,
+    layer_k_policy,
+    parse_k_list,
+    pool_with_fold,
+    skip_policy,
+    technique_plan,
+    top_k_policy,
+)
 from .configurations import configuration
 
 

@@ -17,8 +17,8 @@ import torch.nn as nn
 
 from ..models.adapters import MoeLayer, moe_layers
 from ..models.architectures import arch_spec
-from ..models.step import Routing, Step, current, experts_read_buffer, read_experts, running
-from . import experts as experts_impl
+from ..runtime import experts as experts_impl
+from ..runtime.step import Routing, Step, current, experts_read_buffer, read_experts, running
 from .policy import FULL, PhasePolicy
 from .router import CompiledPolicy, FoldTables, route
 
@@ -36,22 +36,10 @@ def _controlled(cls: type) -> type:
     return _SUBCLASSES[cls]
 
 
-NATIVE_ROUTER_DTYPES = (torch.float32, torch.bfloat16)   # bf16 logits are selected over as fp32, as stock routers do
 # Rows up to which a bf16 router's logits run the step's linear op, above them torch's GEMM: with
 # AVX512-BF16 (OLMoE's 64 x 2048 router, logits + selection) 38 / 72 us against 84 / 106 for torch's
 # ops at 1 / 8 rows, 185 against 114 at 32 (the op reads a bf16 row-major weight by rows).
 BF16_ROUTER_OP_ROWS = 8
-
-
-def native_router(layer: MoeLayer) -> bool:
-    """Whether engine decode steps route this layer natively (logits through the step's linear op,
-    selection through ``softmax_topk``): softmax scoring (then top-k, renormalised or not) over a
-    plain fp32 or bf16 [E, H] weight with no bias, H in 16-wide vectors. DeepSeek's grouped sigmoid
-    routing keeps torch's ops."""
-    w = getattr(layer.router, "weight", None)
-    return (layer.semantics.scoring == "softmax" and layer.router_bias is None
-            and getattr(layer.router, "bias", None) is None and isinstance(w, torch.Tensor) and w.dim() == 2
-            and w.dtype in NATIVE_ROUTER_DTYPES and w.is_contiguous() and w.shape[1] % 16 == 0)
 
 
 class RoutingController:

@@ -156,23 +156,6 @@ def route(logits: torch.Tensor, sem: RouterSemantics, cp: CompiledPolicy, bias: 
     return weights, index
 
 
-def novice_split(cp: CompiledPolicy | None, weights: torch.Tensor, index: torch.Tensor):
-    """Routes of a novice policy [T, K] -> (constant output [T, H] fp32 or None, weights, index): each
-    route to an expert outside the pool adds g * c_e (summed per token through a [T, E] x [E, H]
-    product, as vLLM's expert substitution does) and becomes a sentinel route, so no expert weight is
-    read for it. Any other policy: (None, weights, index) unchanged. Every experts path calls it."""
-    if cp is None or cp.constants is None:
-        return None, weights, index
-    E = cp.keep_mask.numel()
-    valid = index < E
-    safe = index.clamp_max(E - 1)
-    novice = valid & ~cp.keep_mask[safe]                                   # [T, K]
-    scales = torch.zeros(index.shape[0], E + 1, device=index.device, dtype=torch.float32)
-    scales.scatter_add_(1, torch.where(novice, safe, E), weights.float().masked_fill(~novice, 0.0))
-    constant = scales[:, :E] @ cp.constants                                # [T, H]
-    return constant, weights.masked_fill(novice, 0.0), index.masked_fill(novice, E)
-
-
 def _drop(weights, index, drop, sentinel: int, renormalise: bool):
     """Turn the routes in ``drop`` into sentinels (expert index E); optionally rescale the rest to
     the old total."""

@@ -338,10 +338,10 @@ def stage_accuracy(model, tokenizer, n_per_task: int = 12, seed: int = 7) -> dic
     progress check between stages, on a seed the model card's evaluation does not use."""
     import copy
 
-    from ..engine.llm import LLM
-    from ..engine.sampling import SamplingParams
-    from ..eval.runner import task_budget
     from ..data.tasks import eval_examples, score
+    from ..eval.runner import task_budget
+    from ..serving.llm import LLM
+    from ..serving.sampling import SamplingParams
 
     engine = LLM(copy.deepcopy(model).float().eval(), tokenizer=tokenizer)
     accuracy = {}

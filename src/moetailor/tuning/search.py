@@ -82,9 +82,8 @@ class TuneSettings:
 
     def validate(self) -> None:
         from ..calibration.data import parse_data_spec
-        from ..plans.criteria import CRITERIA as KNOWN
-
         from ..eval.backends import check_backend
+        from ..plans.criteria import CRITERIA as KNOWN
 
         check_backend(self.backend, self.vllm_url, self.model)
         if self.backend == "vllm":
@@ -548,7 +547,7 @@ class Tuner:
     def _params(self, prompts: list[str], budgets: list[int]) -> list:
         """Greedy sampling within each task's length budget and the model's context (a user task's default
         budget may exceed a small model's context)."""
-        from ..engine import SamplingParams
+        from ..serving import SamplingParams
 
         limit = self.backend.max_model_len
         room = [limit - len(self.tokenizer(p)["input_ids"]) - 1 for p in prompts]
@@ -580,7 +579,7 @@ class Tuner:
             if decode_model is None and c.checkpoint:
                 decode_model = str(self.merged_dir(c))
             if decode_model is not None:
-                from ..engine.disagg import DisaggregatedLLM
+                from ..serving.disagg import DisaggregatedLLM
                 with DisaggregatedLLM(str(self.path), decode_model=decode_model, tokenizer=self.tokenizer,
                                       max_num_seqs=64) as llm:
                     outs = llm.generate(prompts, self._params(prompts, budgets))
@@ -746,7 +745,7 @@ class Tuner:
         if quality == "accuracy":
             self.full = self.evaluate(full)
             self.full["of_full"], self.full["vs_full"] = 1.0, {"gained": 0, "lost": 0, "p": 1.0}
-            from ..eval.metrics import MEETS, FloorVerdict   # the reference itself: its own share is exactly 1
+            from ..eval.metrics import MEETS, FloorVerdict  # the reference itself: its own share is exactly 1
             self.full["floor"] = FloorVerdict(1.0, 1.0, 1.0, self.s.min_quality, MEETS, self.full["tasks"]["prompts"],
                                               0, 0, None).to_json()
             evaluated = self._walk(front)

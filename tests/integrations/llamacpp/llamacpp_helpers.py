@@ -50,7 +50,7 @@ def copy_bundled_tokenizer(dest: Path) -> None:
 
 def engine_run(llm, prompts, max_tokens: int = MAX_TOKENS, expert_top_k: int | None = None):
     """Greedy ids and the first token's top-20 log-probabilities (from the prompt's last logits)."""
-    from moetailor.engine import SamplingParams
+    from moetailor.serving import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=20, expert_top_k=expert_top_k)
     outs = llm.generate(prompts, params)

@@ -36,7 +36,7 @@ def tiny_checkpoint(arch: str, path):
 @pytest.mark.parametrize("arch", list(ROUTING))
 def test_tiny_model_full_and_pruned_match_the_engine(arch, tmp_path):
     from moetailor.cli.main import main
-    from moetailor.engine import LLM
+    from moetailor.serving import LLM
 
     src = tmp_path / "model"
     plan = tiny_checkpoint(arch, src)
@@ -59,7 +59,7 @@ def test_split_checkpoint_and_its_elastic_budget(tmp_path):
     """A `moetailor split` checkpoint (MoE-Prism sub-experts) is a stock MoE: its file computes what the
     engine computes, and a smaller sub-expert budget is llama.cpp's expert_used_count."""
     from moetailor.cli.main import main
-    from moetailor.engine import LLM
+    from moetailor.serving import LLM
 
     src, split = tmp_path / "model", tmp_path / "split"
     tiny_checkpoint("qwen3_moe", src)

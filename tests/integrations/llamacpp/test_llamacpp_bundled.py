@@ -30,7 +30,7 @@ def pruned(exported):
 
 @pytest.fixture(scope="module")
 def engine(unnormalised):
-    from moetailor.engine import LLM
+    from moetailor.serving import LLM
 
     return LLM(str(unnormalised))
 
@@ -56,7 +56,7 @@ def test_full_model_matches_the_engine(full, engine, prompts):
 
 
 def test_pruned_file_matches_the_engine_with_the_plan(pruned, full, unnormalised, plans, prompts):
-    from moetailor.engine import LLM
+    from moetailor.serving import LLM
 
     want, firsts, prompt_ids = engine_run(LLM(str(unnormalised), plans["both"]), prompts)
     got = [greedy(pruned, ids, MAX_TOKENS, EOS) for ids in prompt_ids]
@@ -79,7 +79,7 @@ def test_override_kv_matches_the_engines_expert_budget(exported, engine, prompts
 def test_phase_aware_across_two_files_matches_the_engine(full, pruned, unnormalised, plans, prompts):
     """Prefill in the full file, decode in the pruned one (the KV cache moves by llama.cpp's state API):
     what the engine computes with the decode-only plan."""
-    from moetailor.engine import LLM
+    from moetailor.serving import LLM
 
     want, _, prompt_ids = engine_run(LLM(str(unnormalised), plans["decode"]), prompts)
     got = [phase_aware_greedy(full, pruned, ids, MAX_TOKENS, EOS) for ids in prompt_ids]
@@ -89,7 +89,7 @@ def test_phase_aware_across_two_files_matches_the_engine(full, pruned, unnormali
 
 def test_the_routing_difference_the_export_refuses_by_default_is_real(full, prompts):
     """On the bundled model as trained (norm_topk_prob=true) llama.cpp computes another function."""
-    from moetailor.engine import LLM
+    from moetailor.serving import LLM
 
     _, firsts, prompt_ids = engine_run(LLM("reference"), prompts[:4], max_tokens=1)
     gaps = [top_logprob_gap(first, last_logits(full, ids)) for ids, first in zip(prompt_ids, firsts)]
@@ -97,7 +97,7 @@ def test_the_routing_difference_the_export_refuses_by_default_is_real(full, prom
 
 
 def test_batched_decoding_equals_one_sequence_at_a_time(full, engine, prompts):
-    from moetailor.engine import SamplingParams
+    from moetailor.serving import SamplingParams
 
     ids = [engine.encode(p)[1] for p in prompts[:6]]
     with BatchedDecoder(full, max_seqs=6, n_ctx=1024) as batched:

@@ -32,7 +32,7 @@ def tiny_checkpoint(arch: str, path):
 def test_tiny_model_phase_aware_and_budget_equal_engine(arch, experts_kernel, tmp_path):
     """experts_kernel: the MoE layers on moetailor's experts kernel (vLLM's compiled mode traces
     through these architectures' MoE layers, so the kernel's path must be traceable)."""
-    from moetailor.engine import LLM, SamplingParams
+    from moetailor.serving import LLM, SamplingParams
     from moetailor.integrations.vllm.launch import engine_kwargs
 
     plan_path, plan = tiny_checkpoint(arch, tmp_path)

@@ -31,7 +31,7 @@ def pair(pruned, tmp_path_factory):
 def test_disaggregated_pair_equals_phase_aware_engine(pair, prompts, quarter_plan):
     from vllm import SamplingParams
 
-    from moetailor.engine import LLM
+    from moetailor.serving import LLM
     from moetailor.integrations.vllm.disagg import generate_pair
     from moetailor.plans import Plan
 

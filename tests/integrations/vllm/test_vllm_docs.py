@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_docs_python_example_runs_and_equals_engine(tmp_path):
-    from moetailor.engine import LLM, SamplingParams
+    from moetailor.serving import LLM, SamplingParams
     from moetailor.plans import Plan
 
     text = (ROOT / "docs" / "vllm.md").read_text()

@@ -38,7 +38,7 @@ def pair(pruned):
 
 @pytest.fixture(scope="module")
 def token_ids(prompts):
-    from moetailor.engine import LLM
+    from moetailor.serving import LLM
 
     tok = LLM("reference").tokenizer
     return [tok.encode(p) for p in prompts]

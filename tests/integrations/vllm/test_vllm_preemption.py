@@ -27,7 +27,7 @@ def case(quarter_plan, prompts, tmp_path_factory):
     """The pair's prefill instance (full model, started once) and what each decode instance needs.
     The decode model keeps a quarter of the experts (`quarter_plan`): the bundled 50% plan leaves
     these prompts' outputs unchanged, so a wrong prompt recompute could not show with it."""
-    from moetailor.engine import LLM
+    from moetailor.serving import LLM
     from moetailor.integrations.vllm.disagg import pair_kwargs
     from moetailor.plans import Plan
     from moetailor.transforms import prune_checkpoint

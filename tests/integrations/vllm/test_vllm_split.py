@@ -29,7 +29,7 @@ def budgets(prompts):
 
 
 def engine_ids(model, prompts, ks=None, max_tokens=40):
-    from moetailor.engine import LLM, SamplingParams
+    from moetailor.serving import LLM, SamplingParams
 
     llm = LLM(str(model))
     ks = ks or [None] * len(prompts)

@@ -67,7 +67,7 @@ def stacked_vllm(request, stacked_plan):
 
 
 def engine_run(plan_path, prompts, ks):
-    from moetailor.engine import LLM, SamplingParams
+    from moetailor.serving import LLM, SamplingParams
     from moetailor.plans import Plan
 
     llm = LLM("reference", Plan.load(plan_path) if plan_path else None)

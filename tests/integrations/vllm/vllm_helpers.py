@@ -45,7 +45,7 @@ def vllm_token_ids(llm, prompts, extra_args: list[dict | None] | None = None, ma
 
 def engine_token_ids(plan, prompts, expert_top_k: list[int | None] | None = None, max_tokens: int = MAX_TOKENS):
     """moetailor's own engine, fp32 greedy: the reference every vLLM output must equal."""
-    from moetailor.engine import LLM, SamplingParams
+    from moetailor.serving import LLM, SamplingParams
 
     llm = LLM("reference", plan)
     ks = expert_top_k or [None] * len(prompts)

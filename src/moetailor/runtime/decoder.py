@@ -1,0 +1,346 @@
+"""The engine's decode forward for Qwen-MoE-style decoders, in one function (gpt-fast's shape).
+
+Why: at batch 1 a decode step is almost all fixed cost. Through transformers' modules it is ~110
+module calls and ~50 small ops per layer; here it is the same arithmetic written out: pre-norm,
+one stacked q|k|v projection, the rotary embedding and the new k/v written into the paged pool in
+one native op (``rotary_kv_write``, equal to the model's rotary bit for bit) and attended over in place, the MoE block through the same routing controller and experts
+implementation every other path uses (so plans, budgets, observers and the experts-read count
+are unchanged), and one stacked gate|up projection for the shared expert. Prefill steps keep
+transformers' modules (they are compute-bound, and calibration and evaluation read them).
+
+With the native ops and at most ``NATIVE_LINEAR_ROWS`` rows the loop runs in C++ (the same ops in
+the same order, ``kernels/decode_layer.cpp``): a whole full-router step is one call of the
+``DecodeGraph`` bound at start-up (``BoundGraph``), a layer one ``decode_layer`` call, or under a plan,
+budgets or observers ``attention_block`` + the controller's routing + ``moe_block``.
+
+Covered (``LeanDecoder.build`` returns None otherwise, and the engine keeps the module path):
+``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 or bf16, ``olmoe`` and ``mixtral`` ones in bf16 (the
+weights real checkpoints ship; in fp32 those keep the module path, whose fp32 projections the engine
+packs for every row count), with the native experts and attention kernels, every layer a
+full-attention layer, every projection the engine's own layer. Each projection runs as the module
+path's layer would (``module_linear``: packed, the op; else ``native_linear``'s choice of the op or
+torch's GEMM), so bf16 rounds where transformers rounds, bit for bit (``rotary_kv_write``,
+``add_rms_norm`` and ``rms_norm`` round as torch's bf16 ops). The native layer ops and the bound graph
+take bf16 too, converting where the Python loop converts (a bf16 shared expert through its own
+projections, not rows of ``moe_in``): on tiny bf16 models a batch-1 step is half the Python loop's, on a
+real-size OLMoE ~4% less. The stacked projection weights are copies of the dense
+(non-expert) weights (attention and shared expert; packed where the module path's are), a few
+percent of a MoE checkpoint's bytes. A model with forward hooks on any module (``hooked``) runs the
+module path, so the hooks see every step.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from .. import kernels
+from ..models.adapters import MoeLayer, decoder_layers, moe_layers
+from .experts import layer_policy, native_experts_forward, novice_split, step_weights
+from .native_layers import NATIVE_LINEAR_ROWS, native_linear, rms_norm
+from .step import Step
+
+FAMILIES = {"qwen2_moe": (torch.float32, torch.bfloat16), "qwen3_moe": (torch.float32, torch.bfloat16),
+            "olmoe": (torch.bfloat16,), "mixtral": (torch.bfloat16,)}   # model type -> the weight dtypes covered
+
+
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # rope types whose cos/sin depend on the position only
+
+
+def module_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` as the module path's ``NativeLinear`` runs it, so the lean loop rounds where
+    it does: a weight the engine packed on the native op (rows in the weight's dtype, the result in
+    ``x``'s), any other through ``native_linear`` (the op up to ``NATIVE_LINEAR_ROWS`` rows, else torch)."""
+    if kernels.is_packed(weight):
+        return torch.ops.moetailor.rows_linear(x.to(weight.dtype).contiguous(), weight, bias).to(x.dtype)
+    return native_linear(x, weight, bias)
+
+
+def rotary_table(rotary: torch.nn.Module, like: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos, sin [positions, D] from the model's own rotary module, computed once for every position
+    (the same elementwise arithmetic as per step), or None for a rope that depends on the sequence
+    (dynamic, longrope: transformers recomputes its frequencies as the sequence grows)."""
+    kind = getattr(rotary, "rope_type", None) or "default"
+    if positions <= 0 or kind not in STATIC_ROPE:
+        return None
+    with torch.inference_mode():
+        cos, sin = rotary(like[:1], torch.arange(positions, device=like.device)[None])   # [1, P, D] each
+    return cos[0], sin[0]
+
+
+@dataclass(frozen=True)
+class Norm:
+    weight: torch.Tensor   # [D]
+    eps: float
+
+    @classmethod
+    def of(cls, module) -> "Norm":
+        return cls(module.weight, float(module.variance_epsilon))
+
+    def __call__(self, x: torch.Tensor, kernel) -> torch.Tensor:
+        """The RMSNorm the module path runs (``native_layers``): the step's native op, else torch's ops."""
+        return rms_norm(x, self.weight, self.eps, kernel)
+
+    def heads(self, t: torch.Tensor, kernel) -> torch.Tensor:
+        """q or k [B, n, D] through a q/k norm: per head where it holds D weights (qwen3_moe), else over
+        each token's whole n x D projection (olmoe, which norms before splitting heads)."""
+        if self.weight.numel() == t.shape[-1]:
+            return self(t, kernel)
+        return self(t.reshape(t.shape[0], -1), kernel).view(t.shape)
+
+    def after_add(self, x: torch.Tensor, residual: torch.Tensor, kernel, add_kernel) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, its norm): the module path's residual add and next norm, in one native call
+        where the step has the norm op (the same bits: ``add_rms_norm``)."""
+        if kernel is not None and add_kernel is not None:
+            return add_kernel(x, residual, self.weight, self.eps)
+        x = x + residual
+        return x, rms_norm(x, self.weight, self.eps, kernel)
+
+
+@dataclass(frozen=True)
+class LeanLayer:
+    index: int
+    input_norm: Norm
+    post_norm: Norm
+    qkv: torch.Tensor                 # [(nH + 2 nKV) D, H]: q, k, v projections stacked (packed where theirs are)
+    qkv_bias: torch.Tensor | None     # [(nH + 2 nKV) D]
+    q_norm: Norm | None               # qwen3_moe: per-head RMSNorm of q and k; olmoe: over all heads
+    k_norm: Norm | None
+    o: torch.Tensor                   # [H, nH D]
+    moe: MoeLayer
+    moe_in: torch.Tensor              # [E (+ 2 I + 1), H]: router | shared expert gate, up | its sigmoid gate,
+                                      # stacked (fp32; bf16: the router's weight alone), the native layer ops read it
+    shared: torch.Tensor | None       # [2 I, H]: shared expert gate and up projections (fp32: a view of moe_in)
+    shared_gate: torch.Tensor | None  # [1, H]: the shared expert's sigmoid gate (fp32: a view of moe_in)
+    shared_down: torch.Tensor | None  # [H, I]
+
+    @property
+    def unstacked_shared(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(gate|up, sigmoid gate) weights the native layer ops project the shared expert with: bf16
+        ones (not rows of ``moe_in``, whose layout may differ: packed or not), else (None, None)."""
+        if self.shared is None or self.moe_in.dtype == torch.float32:
+            return None, None
+        return self.shared, self.shared_gate
+
+
+@dataclass(frozen=True)
+class BoundGraph:
+    """The native ``DecodeGraph`` of a lean decoder: its weights, the runner's KV cache and decode
+    expert copies bound once, so a step under the full router passes only its own inputs."""
+    op: object                        # torch.classes.moetailor.DecodeGraph
+    kv_cache: list                    # what it was bound to: a step that brings others runs the loop
+    block_size: int
+    expert_weights: dict | None
+
+    @classmethod
+    def build(cls, lean: "LeanDecoder", kv_cache: list, block_size: int, expert_weights: dict | None) -> "BoundGraph":
+        cos, sin = lean.rotary_table
+        final = lean.final_norm
+        op = torch.classes.moetailor.DecodeGraph(lean.embed, lean.layers[0].input_norm.weight,
+                                                 lean.layers[0].input_norm.eps, lean.lm_head, cos, sin, lean.heads,
+                                                 lean.kv_heads, block_size, lean.scaling)
+        norms = [layer.input_norm for layer in lean.layers[1:]] + [final]
+        for layer, next_norm in zip(lean.layers, norms):
+            moe = layer.moe
+            gate_up, down = (expert_weights or {}).get(moe.index) or (moe.experts.gate_up_proj, moe.experts.down_proj)
+            qk = (None, None, 0.0) if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps)
+            op.add_layer(layer.qkv, layer.qkv_bias, *qk, *kv_cache[layer.index], layer.o, layer.post_norm.weight,
+                         layer.post_norm.eps, layer.moe_in, moe.top_k, moe.semantics.normalise, gate_up, down,
+                         getattr(moe.experts, "_moetailor_layer", -1), moe.num_experts, layer.shared_down,
+                         *layer.unstacked_shared, next_norm.weight, next_norm.eps, lean.round_weights)
+        return cls(op, kv_cache, block_size, expert_weights)
+
+    def runs(self, step: Step, controller) -> bool:
+        """Whether ``step`` can run as the bound graph: every layer under the full router (no plan, no
+        budgets, no observers) on the cache and expert weights it was bound to."""
+        return (controller.routes_every_layer_in_full(step) and not controller.observers
+                and step.kv.cache is self.kv_cache and step.kv.block_size == self.block_size
+                and step.expert_weights is self.expert_weights)
+
+
+@dataclass(frozen=True)
+class LeanDecoder:
+    layers: tuple[LeanLayer, ...]
+    embed: torch.Tensor               # [V, H]
+    final_norm: Norm
+    lm_head: torch.Tensor             # [V, H]
+    rotary: torch.nn.Module           # the model's rotary embedding (cos, sin for positions)
+    rotary_table: tuple[torch.Tensor, torch.Tensor] | None   # its cos, sin [max_model_len, D] worked out once (static rope)
+    apply_rotary: object              # the model's apply_rotary_pos_emb
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    hooks: tuple[dict, ...]                # every module's forward (pre-)hook dicts, for ``hooked``
+    rotary_kv: object = None               # the native rotary + k/v write op, else the model's rotary and two copies
+    add_norm: object = None                # the native residual add + RMSNorm op, else an add and the norm
+    layer_ops: object = None               # the native decode-layer ops (kernels/decode_layer.cpp), or None
+    graph: "BoundGraph | None" = None      # the whole step under the full router in one native call, or None
+    round_weights: bool = False            # the stock router returns bf16 weights (all but Mixtral): the native ops too
+
+    @classmethod
+    def build(cls, model, controller, attention_kernel, rotary_kernel=None, add_norm_kernel=None,
+              max_model_len: int = 0, layer_ops=None, kv_cache: list | None = None, block_size: int = 0,
+              expert_weights: dict | None = None) -> "LeanDecoder | None":
+        """The lean decoder of ``model``, or None where it does not apply (see the module doc)."""
+        cfg = model.config
+        if cfg.model_type not in FAMILIES or attention_kernel is None or getattr(cfg, "clip_qkv", None) is not None:
+            return None
+        inner = model.model
+        head = model.get_output_embeddings()
+        dtype = head.weight.dtype
+        if dtype not in FAMILIES[cfg.model_type] or getattr(head, "bias", None) is not None:
+            return None
+        if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+            return None
+        moe = {layer.index: layer for layer in moe_layers(model)}
+        layers = []
+        for index, block in enumerate(decoder_layers(model)):
+            attn = block.self_attn
+            if index not in moe or not getattr(block.mlp.experts, "_moetailor_native", False):
+                return None                                                   # dense layers: module path
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            biases = [p.bias for p in projections]
+            if len({kernels.is_packed(p.weight) for p in projections}) > 1:
+                return None                                                   # stacked: one layout for all three
+            if len({type(m) for m in (*projections, attn.o_proj, head)}) > 1:
+                return None         # a layer the engine did not swap (its sizes) runs torch's op in the modules
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            layer = moe[index]
+            shared = shared_gate = shared_down = None
+            moe_in = layer.router.weight.detach()
+            if layer.shared_expert is not None:
+                mlp = layer.shared_expert
+                E, I = moe_in.shape[0], mlp.gate_proj.out_features
+                if len({type(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj, layer.shared_gate, head)}) > 1:
+                    return None
+                if dtype == torch.float32:
+                    moe_in = torch.cat([moe_in, mlp.gate_proj.weight, mlp.up_proj.weight, layer.shared_gate.weight]).detach()
+                    shared, shared_gate = moe_in[E:E + 2 * I], moe_in[E + 2 * I:]   # row ranges: contiguous views
+                elif kernels.is_packed(mlp.gate_proj.weight) == kernels.is_packed(mlp.up_proj.weight):
+                    shared, shared_gate = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), \
+                        layer.shared_gate.weight.detach()
+                else:
+                    return None
+                shared_down = mlp.down_proj.weight.detach()
+            layers.append(LeanLayer(
+                index, Norm.of(block.input_layernorm), Norm.of(block.post_attention_layernorm),
+                torch.cat([p.weight for p in projections]).detach().contiguous(),
+                torch.cat(biases).detach() if all(b is not None for b in biases) else None,
+                Norm.of(q_norm) if q_norm is not None else None, Norm.of(k_norm) if k_norm is not None else None,
+                attn.o_proj.weight.detach(), layer, moe_in, shared, shared_gate, shared_down))
+        if any(t.dtype != dtype for l in layers for t in (l.qkv, l.o, l.moe_in)):
+            return None
+        attn = decoder_layers(model)[0].self_attn
+        fusable = all(l.qkv.is_contiguous() and l.o.is_contiguous() and (l.q_norm is None or l.q_norm.eps == l.k_norm.eps)
+                      and (l.shared_down is None or l.shared_down.is_contiguous()) for l in layers)
+        decoder = cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), head.weight, inner.rotary_emb,
+                      rotary_table(inner.rotary_emb, inner.embed_tokens.weight, max_model_len),
+                      sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
+                      cfg.num_key_value_heads, attn.head_dim, float(attn.scaling),
+                      tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)),
+                      rotary_kernel, add_norm_kernel,
+                      layer_ops if fusable and rotary_kernel is not None and add_norm_kernel is not None else None,
+                      round_weights=controller.spec.cast_weights_to_logits_dtype)
+        if decoder.layer_ops is None or decoder.rotary_table is None or kv_cache is None or \
+                not all(getattr(l.moe.router, "_moetailor_native", False) for l in layers):
+            return decoder
+        return replace(decoder, graph=BoundGraph.build(decoder, kv_cache, block_size, expert_weights))
+
+    def hooked(self) -> bool:
+        """Whether a forward (pre-)hook is registered on the model or globally: the step then runs
+        transformers' modules, which call them."""
+        from torch.nn.modules import module as nn_module
+
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return True
+        return any(self.hooks)   # registering a hook adds to these dicts in place: one C-level pass a step
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, step: Step, controller) -> torch.Tensor:
+        """One decode step: ids [B], positions [B] -> logits [B, V]. Runs inside ``running(step)``
+        (the router and experts read it); writes each layer's new k/v at ``step.kv.slot_mapping``.
+        Each projection runs as the module path's layer does (``module_linear``: up to
+        ``NATIVE_LINEAR_ROWS`` rows or packed the native op, else torch's GEMM; stacking rows of a
+        weight changes no column of either). Each residual add is fused with the norm after it (the
+        next layer's, or the final one)."""
+        kernel, norm, kv = step.linear_kernel, step.norm_kernel, step.kv
+        native_rows = kernel is not None and ids.shape[0] <= NATIVE_LINEAR_ROWS   # the native layer ops' condition
+        if self.graph is not None and native_rows and norm is not None and self.graph.runs(step, controller):
+            budget = step.routing.k_max if step.routing.token_top_k is not None else 0   # 0: each layer's own k
+            return self.graph.op.forward(ids, positions, kv.slot_mapping, kv.block_table, kv.context_lens,
+                                         step.experts_read, int(budget))     # [B, V]: what follows, in one call
+        B, nH, nKV, D = ids.shape[0], self.heads, self.kv_heads, self.head_dim
+        x = F.embedding(ids, self.embed)                                      # [B, H] the residual stream
+        if self.rotary_table is not None:
+            cos, sin = (t[positions][None] for t in self.rotary_table)        # [1, B, D] each
+        else:
+            cos, sin = self.rotary(x, positions[None])                        # [1, B, D] each
+        h = self.layers[0].input_norm(x, norm)                                # [B, H]
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        if self.layer_ops is not None and native_rows and norm is not None:   # a native call or three a layer
+            for layer, next_norm in zip(self.layers, next_norms):
+                x, h = self.native_layer(layer, next_norm, x, h, cos[0], sin[0], step, controller)  # [B, H] each
+            return module_linear(h, self.lm_head)                             # [B, V]
+        for layer, next_norm in zip(self.layers, next_norms):
+            qkv = module_linear(h, layer.qkv, layer.qkv_bias).view(B, nH + 2 * nKV, D)   # [B, nH + 2 nKV, D]
+            q, k, v = torch.split_with_sizes(qkv, (nH, nKV, nKV), dim=1)      # [B, nH | nKV | nKV, D] views
+            if layer.q_norm is not None:
+                q, k = layer.q_norm.heads(q, norm), layer.k_norm.heads(k, norm)
+            k_cache, v_cache = kv.cache[layer.index]                          # [slots, nKV, D]
+            if self.rotary_kv is not None:                                    # one op: rotary, k/v written
+                q = self.rotary_kv(q, k, v, cos[0], sin[0], k_cache, v_cache, kv.slot_mapping)  # [B, nH, D]
+            else:
+                q, k = self.apply_rotary(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)  # [1, n, B, D]
+                k_cache.index_copy_(0, kv.slot_mapping, k[0].transpose(0, 1).to(k_cache.dtype))
+                v_cache.index_copy_(0, kv.slot_mapping, v.to(v_cache.dtype))
+                q = q[0].transpose(0, 1).contiguous()                         # [B, nH, D]
+            o = kv.native(q.float(), k_cache, v_cache, kv.block_table, kv.context_lens, kv.block_size,
+                          self.scaling).to(x.dtype)                          # [B, nH, D]: fp32 inside, as the module path
+            x, h = layer.post_norm.after_add(x, module_linear(o.reshape(B, nH * D), layer.o), norm,
+                                             self.add_norm)                         # [B, H] each
+            x, h = next_norm.after_add(x, self.moe(layer, h, controller, step), norm, self.add_norm)
+        return module_linear(h, self.lm_head)                                 # [B, V]
+
+    def native_layer(self, layer: LeanLayer, next_norm: Norm, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, step: Step, controller) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer through the native layer ops, the same arithmetic as ``forward``'s Python loop op for op:
+        one ``decode_layer`` call under the full router, else ``attention_block``, the controller's
+        routing of the layer's logits (plans, budgets, observers), then ``moe_block``."""
+        kv, moe, ops = step.kv, layer.moe, self.layer_ops
+        k_cache, v_cache = kv.cache[layer.index]                              # [slots, nKV, D] each
+        gate_up, down = step_weights(moe.experts, step)                       # [E, 2I, H], [E, H, I]
+        qk_norms = (None, None, 0.0) if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight,
+                                                                    layer.q_norm.eps)
+        attention = (layer.qkv, layer.qkv_bias, *qk_norms, cos, sin, k_cache, v_cache, kv.slot_mapping, kv.block_table,
+                     kv.context_lens, kv.block_size, self.scaling, layer.o, layer.post_norm.weight,
+                     layer.post_norm.eps, layer.moe_in, self.heads, self.kv_heads)
+        E, experts_layer = moe.num_experts, getattr(moe.experts, "_moetailor_layer", -1)
+        if controller.selects_natively(moe, step) and not controller.observers:
+            return ops.decode_layer(x, h, *attention, controller.native_top_k(moe, step), moe.semantics.normalise, gate_up, down,
+                                    step.experts_read, experts_layer, E, layer.shared_down, *layer.unstacked_shared,
+                                    next_norm.weight, next_norm.eps, self.round_weights)
+        x, h, moe_in_out = ops.attention_block(x, h, *attention)             # [B, H] x2, [B, E (+ 2I + 1)]
+        _, weights, index = controller.route_layer(moe, h, logits=moe_in_out[:, :E])   # [B, K] each
+        constant, weights, index = novice_split(layer_policy(moe.experts, step), weights, index)
+        if constant is not None:   # novice experts' g * c_e joins the residual the block adds the experts to
+            x = x + constant.to(x.dtype)
+        return ops.moe_block(x, h, index.long().contiguous(), weights.float().contiguous(), gate_up, down,
+                             step.experts_read, experts_layer, moe_in_out, E, layer.shared_down,
+                             *layer.unstacked_shared, next_norm.weight, next_norm.eps)
+
+    @staticmethod
+    def moe(layer: LeanLayer, h: torch.Tensor, controller, step: Step) -> torch.Tensor:
+        """The sparse MoE block: routed experts (+ the sigmoid-gated shared expert). The experts run
+        the module path's native call directly (not through the module and transformers' dispatch)."""
+        _, weights, index = controller.route_layer(layer.moe, h)                   # [B, K] each
+        constant, weights, index = novice_split(layer_policy(layer.moe.experts, step), weights, index)
+        out = native_experts_forward(layer.moe.experts, h, index, weights, step)   # [B, H]
+        if constant is not None:
+            out = out + constant.to(out.dtype)
+        if layer.shared is None:
+            return out
+        gate, up = module_linear(h, layer.shared).chunk(2, dim=-1)            # [B, I] each
+        shared = module_linear(F.silu(gate) * up, layer.shared_down)          # [B, H]
+        return out + torch.sigmoid(module_linear(h, layer.shared_gate)) * shared

@@ -1,0 +1,289 @@
+"""The engine's own decode forward (runtime/decoder.py) against transformers' modules: the
+same greedy tokens and logprobs bit for bit and the same experts read, under a decode pool, skipping
+and mixed per-request budgets; hooks and uncovered architectures keep the module path."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moetailor import kernels
+from moetailor.serving import LLM, SamplingParams
+from moetailor.models.tiny import tiny_model
+from moetailor.plans import uniform_plan
+from moetailor.routing import LayerPolicy
+
+from engine_helpers import random_prompts
+
+
+def run(model, plan, lean: bool, prompts, params, **engine):
+    llm = LLM(model, plan, lean_decode=lean, **engine)
+    assert (llm.runner.lean is not None) == lean
+    assert llm.runner.native_norm is not None and type(model.model.norm).__name__.startswith("Native")
+    outs = llm.generate(prompts, params)
+    reads = [r.distinct_experts for r in llm.step_log if r.phase == "decode"]
+    return [(o.token_ids, o.logprobs) for o in outs], reads
+
+
+@pytest.mark.parametrize("arch,dtype,packed", [("qwen2_moe", torch.float32, False), ("qwen3_moe", torch.float32, False),
+                                                ("qwen2_moe", torch.bfloat16, False), ("qwen3_moe", torch.bfloat16, True),
+                                                ("olmoe", torch.bfloat16, False), ("olmoe", torch.bfloat16, True),
+                                                ("mixtral", torch.bfloat16, True)])
+def test_lean_decode_equals_the_module_path(one_thread, arch, dtype, packed):
+    """bf16 (what real checkpoints ship) rounds where transformers' modules round, with the linear
+    layers as the user's model holds them or packed by the engine for its op."""
+    if packed and not kernels.packed_weights_pay():
+        pytest.skip("the engine packs only where the packed tile is compiled (AVX-512)")
+    model = tiny_model(arch, seed=3)
+    with torch.no_grad():              # qwen2_moe's q/k/v biases start at zero: give them values to get wrong
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0.0, 0.1)
+    model = model.to(dtype)
+    plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 1, 2, 3, 5), skip_beta=0.2))
+    prompts = random_prompts([5, 17, 9, 12, 3, 8, 21, 4, 6, 11, 2, 14], seed=3)   # steps above and below 8 rows
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2, expert_top_k=(None, 1, 2)[i % 3])
+              for i in range(len(prompts))]
+    engine = {"pack_weights": packed}
+    lean, modules = run(model, plan, True, prompts, params, **engine), run(model, plan, False, prompts, params, **engine)
+    assert lean == modules
+    full = run(model, None, True, prompts, params, **engine)
+    assert full[0] != lean[0]          # the plan changes outputs, so the equality above can fail
+
+
+class CountingOps:
+    """The decode-layer ops, counting the calls of each."""
+    def __init__(self, ops):
+        self.ops, self.calls = ops, {}
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return getattr(self.ops, name)(*args)
+        return call
+
+
+@pytest.mark.parametrize("arch,dtype,packed", [("qwen2_moe", torch.float32, None), ("qwen3_moe", torch.float32, None),
+                                                ("qwen3_moe", torch.bfloat16, False), ("olmoe", torch.bfloat16, True),
+                                                ("mixtral", torch.bfloat16, True), ("qwen2_moe", torch.bfloat16, True),
+                                                ("qwen2_moe", torch.bfloat16, False)])
+def test_decode_layers_run_in_one_native_call_under_the_full_router(one_thread, arch, dtype, packed):
+    """Steps of at most 8 rows: the whole step in one native call (the bound ``DecodeGraph``) under
+    the full router, else one ``decode_layer`` call a layer, and ``attention_block`` + the controller
+    + ``moe_block`` under a plan; each equals the module path (bf16: converted and rounded where the
+    Python loop converts and rounds, OLMoE's q/k norm over the whole projection, Mixtral's routing
+    weights kept in fp32, Qwen2-MoE's shared expert through its own projections; packed projections as
+    real-size bf16 checkpoints have them)."""
+    if packed and not kernels.packed_weights_pay():
+        pytest.skip("the engine packs only where the packed tile is compiled (AVX-512)")
+    model = tiny_model(arch, seed=4).to(dtype)
+    prompts = random_prompts([5, 17, 9, 3], seed=4)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
+    layers, steps = len(model.model.layers), 5
+    plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 2, 5)))
+    for plan, graph, calls in ((None, True, {}), (None, False, {"decode_layer": steps * layers}),
+                               (plan, True, {"attention_block": steps * layers, "moe_block": steps * layers})):
+        llm = LLM(model, plan, pack_weights=packed)
+        assert llm.runner.lean.graph is not None and (not packed or kernels.is_packed(llm.runner.lean.layers[0].qkv))
+        counting = CountingOps(llm.runner.lean.layer_ops)
+        llm.runner.lean = dataclasses.replace(llm.runner.lean, layer_ops=counting,
+                                              graph=llm.runner.lean.graph if graph else None)
+        got = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+        assert counting.calls == calls
+        assert got == run(model, plan, False, prompts, params, pack_weights=packed)[0]
+
+
+@pytest.mark.parametrize("arch,masked", [("qwen2_moe", False), ("qwen3_moe", False), ("olmoe", False),
+                                         ("mixtral", False), ("qwen2_moe", True)])
+def test_decode_steps_run_the_native_router_with_the_stock_routes(one_thread, arch, masked):
+    """Decode steps route through the native ``softmax_topk`` op (logits through the step's linear
+    op): the lean forward (its ``decode_layer`` op selects inside) still equals the module path bit
+    for bit, and the outputs equal the stock router's (torch's linear, softmax and top-k) up to float
+    rounding."""
+    model = tiny_model(arch, seed=5)
+    plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 2, 3, 5), pool_mode="mask")) if masked else None
+    prompts = random_prompts([5, 17, 9, 3, 12], seed=5)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
+    native = LLM(model, plan, lean_decode=False)
+    calls = []
+    op = native.runner.native_router
+    native.runner.native_router = lambda *args: calls.append(args[0].shape[0]) or op(*args)
+    got = [(o.token_ids, o.logprobs) for o in native.generate(prompts, params)]
+    assert len(calls) == 9 * len(model.model.layers)          # every decode step's every layer; no prefill
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        assert run(model, plan, True, prompts, params)[0] == got
+    stock = LLM(model, plan)
+    stock.runner.native_router = None
+    want = [(o.token_ids, o.logprobs) for o in stock.generate(prompts, params)]
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        for x, y in zip(a, b):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_the_bundled_model_decodes_through_the_lean_forward():
+    llm = LLM("reference")
+    assert llm.runner.lean is not None and len(llm.runner.lean.layers) == 6
+    assert llm.runner.native_norm is not None
+    assert (llm.runner.native_linear is not None) == kernels.rows_linear_pays()   # torch's GEMV where it is faster
+
+
+@pytest.mark.parametrize("arch,masked", [("olmoe", False), ("mixtral", False), ("qwen2_moe", True)])
+def test_bf16_decode_steps_route_natively_with_the_stock_routes(one_thread, arch, masked):
+    """A bf16 model's decode steps route through the native selection too (the bf16 logits widened,
+    as the stock router widens them; the weights cast back to bf16 where it casts them, Mixtral's
+    kept in fp32): the lean loop (bf16) and the module path both, and the routes are the stock
+    router's: the same tokens, logprobs as close as bf16 allows."""
+    model = tiny_model(arch, seed=5).to(torch.bfloat16)
+    plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 2, 3, 5), pool_mode="mask")) if masked else None
+    prompts = random_prompts([5, 17, 9], seed=5)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
+    native = LLM(model, plan)
+    assert native.runner.native_router is not None
+    calls, routed = [], []
+    op = native.runner.native_router
+    native.runner.native_router = lambda *args: calls.append(args[0].dtype) or op(*args)
+    observe = native.controller.observing(lambda layer, hidden, logits, weights, index: routed.append(weights.dtype))
+    with observe:
+        got = native.generate(prompts, params)
+    assert calls == [torch.float32] * (3 * len(model.model.layers))   # every decode step's layers, fp32 logits
+    assert set(routed) == {torch.float32 if arch == "mixtral" else torch.bfloat16}
+    stock = LLM(model, plan)
+    stock.runner.native_router = None
+    for a, b in zip(got, stock.generate(prompts, params)):
+        assert a.token_ids[:2] == b.token_ids[:2]
+        torch.testing.assert_close(torch.tensor([e.logprob for e in a.logprobs[:2]]),
+                                   torch.tensor([e.logprob for e in b.logprobs[:2]]), atol=0.05, rtol=0)
+
+
+@pytest.mark.parametrize("arch,dtype", [("olmoe", torch.float32), ("mixtral", torch.float32),
+                                        ("deepseek_v3", torch.bfloat16)])
+def test_other_architectures_keep_the_module_path(arch, dtype):
+    assert LLM(tiny_model(arch).to(dtype)).runner.lean is None
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])
+def test_a_projection_the_engine_did_not_swap_keeps_the_module_path(one_thread, arch):
+    """A linear layer the engine leaves to torch (here a non-contiguous weight) runs torch's op in the
+    modules; the lean loop would run the native op on it, so the engine keeps the modules."""
+    model = tiny_model(arch, seed=1).to(torch.bfloat16)
+    o = model.model.layers[1].self_attn.o_proj
+    o.weight = torch.nn.Parameter(o.weight.detach().t().contiguous().t(), requires_grad=False)   # same values
+    llm = LLM(model)
+    assert llm.runner.native_linear is None or type(o) is torch.nn.Linear
+    assert llm.runner.lean is None or llm.runner.native_linear is None
+    prompts = random_prompts([5, 9, 3], seed=1)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == \
+        [o.token_ids for o in LLM(model, lean_decode=False).generate(prompts, params)]
+
+
+def test_a_forward_hook_sends_the_step_through_the_modules(one_thread):
+    model = tiny_model("qwen2_moe", seed=4)
+    llm = LLM(model)
+    calls = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda m, args, out: calls.append(out.shape[-2]))
+    try:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    finally:
+        handle.remove()
+    assert len(calls) == 4             # the prefill and every decode step called the LM head module
+    calls.clear()
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert calls == []
+
+
+def test_a_swapped_norm_is_the_stock_norm_outside_a_decode_step():
+    """Outside an engine decode step (and on bf16 input, as under a prefill autocast) a swapped RMSNorm
+    runs transformers' own forward, which takes the variance in fp32."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeRMSNorm
+
+    from moetailor.runtime.native_layers import install_native_norms
+
+    torch.manual_seed(0)
+    norm, stock = Qwen2MoeRMSNorm(64), Qwen2MoeRMSNorm(64)
+    norm.weight.data = stock.weight.data = torch.randn(64)
+    assert install_native_norms(norm) == 1 and type(norm).__name__ == "NativeQwen2MoeRMSNorm"
+    for x in (torch.randn(3, 64), torch.randn(3, 64).bfloat16()):
+        assert torch.equal(norm(x), stock(x))
+
+
+def test_a_bf16_models_norm_runs_the_native_op_in_a_decode_step_and_rounds_as_transformers():
+    """A bf16 checkpoint's RMSNorms (OLMoE: 17 a step on the 4-layer real-size model, each eight torch
+    ops) run the native op in a decode step on bf16 input, rounding where transformers' bf16 norm
+    does; under an fp32 autocast-style input and outside a step, the stock forward."""
+    from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
+
+    from moetailor.runtime.native_layers import install_native_norms
+    from moetailor.runtime.step import Step, running
+
+    torch.manual_seed(0)
+    norm, stock = OlmoeRMSNorm(256, eps=1e-5), OlmoeRMSNorm(256, eps=1e-5)
+    norm.weight.data = stock.weight.data = torch.randn(256)
+    norm, stock = norm.bfloat16(), stock.bfloat16()
+    assert install_native_norms(norm) == 1
+    calls = []
+
+    def kernel(x, weight, eps):
+        calls.append(x.dtype)
+        return kernels.rms_norm()(x, weight, eps)
+
+    x = (3 * torch.randn(2, 5, 256)).bfloat16()
+    with running(Step(is_prefill=False, norm_kernel=kernel)):
+        y = norm(x)
+        assert torch.equal(norm(x.float()), stock(x.float()))       # fp32 rows on bf16 weights: stock
+    assert calls == [torch.bfloat16] and y.dtype is torch.bfloat16 and y.shape == x.shape
+    assert (y == stock(x)).float().mean() > 0.99                    # the variance's order: rare last-bit flips
+    torch.testing.assert_close(y.float(), stock(x).float(), rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(norm(x), stock(x))
+    # the lean decoder's norm without the op (``native_layers.rms_norm``) is transformers' bf16 norm, bit for bit
+    from moetailor.runtime.native_layers import rms_norm
+    assert torch.equal(rms_norm(x, stock.weight, stock.variance_epsilon, None), stock(x))
+
+
+@pytest.mark.parametrize("flags, onednn, fast", [
+    ("fpu avx2 fma avx512f avx512bw avx512_vnni", True, False),   # AVX-512 without bf16: oneDNN says yes, widens in software
+    ("fpu avx512f avx512bw avx512_bf16", True, True),
+    ("fpu avx512f amx_bf16 amx_tile", True, True),
+    ("fpu avx512f avx512_bf16", False, False),                     # a torch built without oneDNN's bf16
+    ("fpu avx2 fma", False, False),
+    ("", False, False)])                                         # no /proc/cpuinfo
+def test_torch_bf16_gemm_counts_as_fast_only_with_bf16_in_hardware(monkeypatch, flags, onednn, fast):
+    """A bf16 layer of more than a few rows leaves the native op for torch's GEMM only where the processor
+    multiplies bf16 itself: on an AVX-512 core without it oneDNN claims bf16 support, and ran 2-3x slower
+    than the op (2026-12-03)."""
+    from moetailor.serving import native_layers
+
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: f"flags\t\t: {flags}\n")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
+    monkeypatch.setattr(native_layers, "_BF16_GEMM_FAST", [])
+    assert native_layers.bf16_gemm_is_fast() is fast
+
+
+@pytest.mark.parametrize("rows", [3, 32])
+def test_a_bf16_linear_in_a_decode_step_runs_the_native_op_and_rounds_once(rows):
+    """A bf16 checkpoint's projections in a decode step: the bf16 rows go to the op, whose fp32 sums of
+    the bf16 weights are rounded to bf16 once, as torch's bf16 GEMM computes them (in another order: equal within bf16 rounding), at any
+    row count where that GEMM has no hardware kernels; outside a step the stock layer."""
+    from moetailor.runtime.native_layers import NativeLinear, bf16_gemm_is_fast, install_native_linears
+    from moetailor.runtime.step import Step, running
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 40).bfloat16()
+    assert install_native_linears(layer) == 1 and type(layer) is NativeLinear
+    x = torch.randn(rows, 64).bfloat16()
+    calls = []
+
+    def kernel(rows, weight, bias=None):
+        calls.append((rows.dtype, weight.dtype))
+        return kernels.rows_linear()(rows, weight, bias)
+
+    with running(Step(is_prefill=False, linear_kernel=kernel)):
+        y = layer(x)
+    native = rows <= 8 or not bf16_gemm_is_fast()
+    assert calls == ([(torch.bfloat16, torch.bfloat16)] if native else []) and y.dtype is torch.bfloat16
+    assert y.shape == (rows, 40)
+    torch.testing.assert_close(y, (x.float() @ layer.weight.float().T + layer.bias.float()).bfloat16())
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
