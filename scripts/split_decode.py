@@ -53,8 +53,8 @@ def main() -> None:
             llms[label] = make_llm(model, max(args.batches), args.prompt_len + args.steps + 4,
                                    pack_weights=kernels.packed_weights_pay())
         full = {label: moe_layers(llm.model)[0].top_k for label, llm in llms.items()}
-        lean = {label: llm.runner.lean is not None and llm.runner.lean.graph is not None for label, llm in llms.items()}
-        print(f"top-k: original {full['original']}, split {full['split']}; lean decoder with the bound graph: {lean}")
+        lean = {label: llm.runner.decoder is not None and llm.runner.decoder.graph is not None for label, llm in llms.items()}
+        print(f"top-k: original {full['original']}, split {full['split']}; engine decoder with the bound graph: {lean}")
         for llm in llms.values():   # untimed: the first steps in a process pay one-off set-up costs
             engine_decode(llm, max(args.batches), args.prompt_len, 4)
         times: dict[tuple, list[float]] = {}

@@ -2,7 +2,6 @@ import os
 
 import pytest
 import torch
-
 from engine_helpers import char_tokenizer
 
 torch.set_num_threads(1)

@@ -29,7 +29,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-
 MARKER = ".moetailor-output"   # written into every directory moetailor replaces as a whole
 OWN_FILES = (MARKER, "moetailor_pruning.json", "moetailor_split.json", "moetailor_distill.json",
              "moetailor_synthetic.json")   # the sidecars mark checkpoints written before the marker existed

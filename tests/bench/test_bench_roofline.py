@@ -1,8 +1,20 @@
 """The GPU roofline projection: byte accounting, SLO batch search, pool speedups."""
 import pytest
 
-from moetailor.bench.roofline import (GPUS, IDEAL, REALISTIC, SHAPES, Efficiency, kept_experts, memory_batch_cap,
-                                      project, resident_bytes, roofline_costs, slo_batch, step_cost)
+from moetailor.bench.roofline import (
+    GPUS,
+    IDEAL,
+    REALISTIC,
+    SHAPES,
+    Efficiency,
+    kept_experts,
+    memory_batch_cap,
+    project,
+    resident_bytes,
+    roofline_costs,
+    slo_batch,
+    step_cost,
+)
 from moetailor.bench.traffic import expected_distinct
 
 

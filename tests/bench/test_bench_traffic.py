@@ -2,8 +2,15 @@
 import pytest
 import torch
 
-from moetailor.bench.traffic import (RouteCounter, distinct_experts, expected_distinct, expected_expert_bytes,
-                                     expert_bytes, ideal_speedup, measured_expert_bytes)
+from moetailor.bench.traffic import (
+    RouteCounter,
+    distinct_experts,
+    expected_distinct,
+    expected_expert_bytes,
+    expert_bytes,
+    ideal_speedup,
+    measured_expert_bytes,
+)
 
 
 def test_formula_known_values():

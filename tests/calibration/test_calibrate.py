@@ -6,8 +6,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetailor.calibration import (BETA_BINS, Collector, ExpertStats, StatsMismatch, calibrate, calibrate_batches,
-                                   iter_documents, iter_token_windows, load_fold_tables, parse_data_spec)
+from moetailor.calibration import (
+    BETA_BINS,
+    Collector,
+    ExpertStats,
+    StatsMismatch,
+    calibrate,
+    calibrate_batches,
+    iter_documents,
+    iter_token_windows,
+    load_fold_tables,
+    parse_data_spec,
+)
 from moetailor.models import moe_layers
 from moetailor.models.tiny import TINY_ARCHITECTURES, char_tokenizer, tiny_model
 from moetailor.routing.router import select

@@ -108,8 +108,8 @@ def test_a_folder_or_non_utf8_file_as_a_plan_is_one_line(tmp_path, capsys):
 def test_non_utf8_data_and_task_files_name_the_file(tmp_path, capsys):
     bad = tmp_path / "tasks.jsonl"
     bad.write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')
-    from moetailor.eval.user_tasks import read_jsonl
     from moetailor.calibration.data import _file_documents
+    from moetailor.eval.user_tasks import read_jsonl
 
     for call in (lambda: read_jsonl(bad), lambda: next(iter(_file_documents(bad)))):
         with pytest.raises(ValueError, match="not UTF-8") as info:
@@ -141,9 +141,9 @@ def test_distill_refuses_non_finite_learning_rates_before_training(tmp_path, cap
 
 
 def test_distill_never_exports_non_finite_weights(tmp_path):
-    from moetailor.transforms.distill import Student, export
     from moetailor.plans import uniform_plan
     from moetailor.routing import LayerPolicy
+    from moetailor.transforms.distill import Student, export
 
     model = tiny_model("qwen2_moe", num_experts=8, top_k=2)
     plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 1, 2, 3)))

@@ -91,7 +91,7 @@ def test_a_claimed_out_refuses_a_second_process(tiny, tmp_path):
 
 
 def test_a_dead_runs_claim_is_taken_over(tiny, tmp_path):
-    from moetailor.outputs import _lock_file, LOCK_DIR
+    from moetailor.outputs import LOCK_DIR, _lock_file
 
     model, (low, _) = tiny
     out = tmp_path / "X"

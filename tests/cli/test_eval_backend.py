@@ -79,12 +79,12 @@ def test_vllm_url_without_backend_vllm(argv, words, tmp_path, capsys):
 def test_engine_backend_is_what_eval_ran(tmp_path):
     """The interface on the embedded engine: generation equals the engine's own, the held-out score
     equals the scorer's, and the plan is reset after each call."""
-    from moetailor.serving import LLM, SamplingParams
     from moetailor.eval.backends import EngineBackend
     from moetailor.eval.metrics import HeldoutScorer
     from moetailor.models import load_model, load_tokenizer
     from moetailor.models.paths import resolve_model_path
     from moetailor.plans import Plan
+    from moetailor.serving import LLM, SamplingParams
 
     model, tok = load_model("reference"), load_tokenizer("reference")
     plan = Plan.load(resolve_model_path("reference").parent / "plans" / "reference-reap-50.json")

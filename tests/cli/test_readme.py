@@ -5,8 +5,8 @@ import re
 from pathlib import Path
 
 from moetailor.data.tasks.base import extract_answer
-from moetailor.serving import LLM, SamplingParams
 from moetailor.plans import Plan
+from moetailor.serving import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "src" / "moetailor" / "assets" / "plans" / "reference-reap-50.json"

@@ -77,8 +77,8 @@ def test_a_floor_on_few_prompts_is_not_claimed(model_dir, tmp_path, capsys):
     floor as a point estimate (which used to be printed as "chosen: ... meets"), but the interval straddles
     it, so tune names it as a pick with that caveat and the prompts that would decide, exits 1 and writes
     no plan.json."""
-    from moetailor.serving import LLM, SamplingParams
     from moetailor.models import load_model
+    from moetailor.serving import LLM, SamplingParams
 
     llm = LLM(load_model(model_dir), tokenizer=char_tokenizer(), max_num_seqs=8)
     prompts = [f"add {a} + {b}\n" for a in range(3) for b in range(4)]

@@ -9,12 +9,12 @@ import contextlib
 import pytest
 import torch
 
-from moetailor.serving import LLM, SamplingParams
 from moetailor.integrations.vllm.routing import LayerRouting, step_routes
 from moetailor.models.architectures import RouterSemantics
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import CompiledPolicy, FoldTables, LayerPolicy, RoutingController
+from moetailor.serving import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = "cuda"

@@ -3,8 +3,19 @@ import random
 
 import pytest
 
-from moetailor.data.tasks import TASKS, eval_examples, extract_answer, get_task, resolve_tasks, score, training_rng
-from moetailor.data.tasks import addition, brackets, expressions, sorting
+from moetailor.data.tasks import (
+    TASKS,
+    addition,
+    brackets,
+    eval_examples,
+    expressions,
+    extract_answer,
+    get_task,
+    resolve_tasks,
+    score,
+    sorting,
+    training_rng,
+)
 
 
 @pytest.mark.parametrize("name", list(TASKS))

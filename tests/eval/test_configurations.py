@@ -1,7 +1,6 @@
 import pytest
 
-from moetailor.eval.configurations import (CONFIGURATIONS, PHASE_CONFIGURATIONS, ConfigSpec, configuration,
-                                           parse_configs)
+from moetailor.eval.configurations import CONFIGURATIONS, PHASE_CONFIGURATIONS, ConfigSpec, configuration, parse_configs
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import PlanMismatch, uniform_plan
 from moetailor.routing import FULL_PHASE, LayerPolicy

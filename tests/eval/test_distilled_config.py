@@ -38,9 +38,9 @@ def test_untrained_distilled_decoder_equals_phase_aware(setup, tmp_path):
 
 
 def test_disaggregated_distilled_decoder_generates_like_the_masked_model(setup):
+    from moetailor.plans import Plan
     from moetailor.serving import LLM, SamplingParams
     from moetailor.serving.disagg import DisaggregatedLLM
-    from moetailor.plans import Plan
 
     root = setup
     plan = Plan.load(root / "plan.json")

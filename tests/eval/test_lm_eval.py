@@ -18,11 +18,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the test extras: pip install -e '.[test]'")
 
-from moetailor.serving import LLM, SamplingParams  # noqa: E402
 from moetailor.eval import lm_eval_tasks  # noqa: E402
 from moetailor.eval.user_tasks import load_user_tasks  # noqa: E402
 from moetailor.models import load_model, load_tokenizer  # noqa: E402
 from moetailor.models.chat import chat_prompt  # noqa: E402
+from moetailor.serving import LLM, SamplingParams  # noqa: E402
 
 # a server process, lm-eval and the engine on the same CPUs: ~90 s here under load (two cores shared)
 pytestmark = pytest.mark.slow

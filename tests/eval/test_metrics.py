@@ -3,8 +3,7 @@ import math
 import pytest
 import torch
 
-from moetailor.eval.metrics import (Generation, HeldoutScorer, accuracy, kl_divergence, length_stats, mean_std,
-                                    percentile)
+from moetailor.eval.metrics import Generation, HeldoutScorer, accuracy, kl_divergence, length_stats, mean_std, percentile
 from moetailor.models.tiny import tiny_model
 from moetailor.routing import LayerPolicy, PhasePolicy
 
@@ -144,6 +143,7 @@ def test_the_interval_covers_the_true_ratio_in_repeated_paired_draws():
     """Seeded draws of 60 paired prompts where the candidate never gains a prompt (the case a bootstrap
     over prompts collapses on): the 95% interval holds the true ratio at least 93% of the time."""
     import numpy as np
+
     from moetailor.eval.metrics import PairedCounts, ratio_interval
     rng = np.random.default_rng(0)
     probs = [0.5, 0.0, 0.02, 0.48]                     # both, gained, lost, neither: true ratio 0.5 / 0.52

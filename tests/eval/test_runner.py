@@ -4,8 +4,8 @@ import json
 import pytest
 
 from moetailor.cli.main import main
-from moetailor.eval.configurations import parse_configs
 from moetailor.data.tasks import TASKS, eval_examples
+from moetailor.eval.configurations import parse_configs
 from moetailor.eval.runner import CellMismatch, EvalSettings, Sweep, parse_sweep, task_budget
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import PlanMismatch, uniform_plan

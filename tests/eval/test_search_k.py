@@ -4,10 +4,10 @@ import json
 import pytest
 import torch
 
+from moetailor.eval.search_k import search_k, uniform_allocation
 from moetailor.models import moe_layers
 from moetailor.models.tiny import char_tokenizer, tiny_model
 from moetailor.plans import Plan
-from moetailor.eval.search_k import search_k, uniform_allocation
 from moetailor.plans.techniques import Shape, layer_ks
 
 K = 4

@@ -4,15 +4,14 @@ import pytest
 import torch
 
 from moetailor.calibration import ExpertStats, calibrate_batches
-from moetailor.models.adapters import moe_layers
+from moetailor.models.adapters import moe_layers, semantics_for
+from moetailor.models.architectures import arch_spec
 from moetailor.models.tiny import tiny_model
 from moetailor.plans.criteria import make_plan, super_experts
 from moetailor.plans.merging import average_linkage, dominant_assignment, weighted_groups
 from moetailor.plans.plan import Plan
 from moetailor.routing.policy import LayerPolicy
 from moetailor.routing.router import CompiledPolicy
-from moetailor.models.adapters import semantics_for
-from moetailor.models.architectures import arch_spec
 
 
 @pytest.fixture(scope="module")

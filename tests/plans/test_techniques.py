@@ -7,9 +7,21 @@ import torch
 from moetailor.calibration import StatsMismatch, calibrate_batches
 from moetailor.models import moe_layers
 from moetailor.models.tiny import tiny_model
-from moetailor.plans.techniques import (Shape, attach_fold_tables, fold_decode, fold_prefill, interpolate_k,
-                                        layer_k_policy, parse_k_list, plan_from_specs, policy_from_spec,
-                                        pool_with_fold, skip_policy, technique_plan, top_k_policy)
+from moetailor.plans.techniques import (
+    Shape,
+    attach_fold_tables,
+    fold_decode,
+    fold_prefill,
+    interpolate_k,
+    layer_k_policy,
+    parse_k_list,
+    plan_from_specs,
+    policy_from_spec,
+    pool_with_fold,
+    skip_policy,
+    technique_plan,
+    top_k_policy,
+)
 from moetailor.routing import FoldTables, LayerPolicy, PhasePolicy, RoutingController
 from moetailor.routing.router import select
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from moetailor.calibration import calibrate_batches
-from moetailor.serving import LLM, SamplingParams
 from moetailor.models import moe_layers
 from moetailor.models.loading import load_model
 from moetailor.plans.criteria import make_plan
 from moetailor.routing import RoutingController
+from moetailor.serving import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

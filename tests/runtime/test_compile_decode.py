@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from moetailor.serving import LLM, SamplingParams
 from moetailor.models.tiny import tiny_model
+from moetailor.serving import LLM, SamplingParams
 
 
 def test_compiled_decode_equals_eager_on_a_model_the_lean_forward_does_not_cover():
@@ -17,7 +17,7 @@ def test_compiled_decode_equals_eager_on_a_model_the_lean_forward_does_not_cover
     prompts = [[5, 9, 17, 33, 2], [7, 7, 1], [40, 41, 42, 43, 44, 45, 46]]
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
     eager = LLM(model, max_num_seqs=4, max_model_len=64)
-    assert eager.runner.lean is None and eager.runner._compiled is None
+    assert eager.runner.decoder is None and eager.runner._compiled is None
     expected = eager.generate(prompts, params)
     torch._dynamo.reset()
     compiled = LLM(model, max_num_seqs=4, max_model_len=64, compile_decode=True)

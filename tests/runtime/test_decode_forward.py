@@ -7,19 +7,19 @@ import dataclasses
 
 import pytest
 import torch
+from engine_helpers import random_prompts
 
 from moetailor import kernels
-from moetailor.serving import LLM, SamplingParams
-from moetailor.models.tiny import tiny_model
+from moetailor.models.adapters import moe_layers
+from moetailor.models.tiny import tiny_grouped_model, tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
-
-from engine_helpers import random_prompts
+from moetailor.serving import LLM, SamplingParams
 
 
 def run(model, plan, lean: bool, prompts, params, **engine):
-    llm = LLM(model, plan, lean_decode=lean, **engine)
-    assert (llm.runner.lean is not None) == lean
+    llm = LLM(model, plan, own_decoder=lean, **engine)
+    assert (llm.runner.decoder is not None) == lean
     assert llm.runner.native_norm is not None and type(model.model.norm).__name__.startswith("Native")
     outs = llm.generate(prompts, params)
     reads = [r.distinct_experts for r in llm.step_log if r.phase == "decode"]
@@ -30,7 +30,7 @@ def run(model, plan, lean: bool, prompts, params, **engine):
                                                 ("qwen2_moe", torch.bfloat16, False), ("qwen3_moe", torch.bfloat16, True),
                                                 ("olmoe", torch.bfloat16, False), ("olmoe", torch.bfloat16, True),
                                                 ("mixtral", torch.bfloat16, True)])
-def test_lean_decode_equals_the_module_path(one_thread, arch, dtype, packed):
+def test_own_decoder_equals_the_module_path(one_thread, arch, dtype, packed):
     """bf16 (what real checkpoints ship) rounds where transformers' modules round, with the linear
     layers as the user's model holds them or packed by the engine for its op."""
     if packed and not kernels.packed_weights_pay():
@@ -85,10 +85,10 @@ def test_decode_layers_run_in_one_native_call_under_the_full_router(one_thread, 
     for plan, graph, calls in ((None, True, {}), (None, False, {"decode_layer": steps * layers}),
                                (plan, True, {"attention_block": steps * layers, "moe_block": steps * layers})):
         llm = LLM(model, plan, pack_weights=packed)
-        assert llm.runner.lean.graph is not None and (not packed or kernels.is_packed(llm.runner.lean.layers[0].qkv))
-        counting = CountingOps(llm.runner.lean.layer_ops)
-        llm.runner.lean = dataclasses.replace(llm.runner.lean, layer_ops=counting,
-                                              graph=llm.runner.lean.graph if graph else None)
+        assert llm.runner.decoder.graph is not None and (not packed or kernels.is_packed(llm.runner.decoder.layers[0].qkv))
+        counting = CountingOps(llm.runner.decoder.layer_ops)
+        llm.runner.decoder = dataclasses.replace(llm.runner.decoder, layer_ops=counting,
+                                              graph=llm.runner.decoder.graph if graph else None)
         got = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
         assert counting.calls == calls
         assert got == run(model, plan, False, prompts, params, pack_weights=packed)[0]
@@ -105,7 +105,7 @@ def test_decode_steps_run_the_native_router_with_the_stock_routes(one_thread, ar
     plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 2, 3, 5), pool_mode="mask")) if masked else None
     prompts = random_prompts([5, 17, 9, 3, 12], seed=5)
     params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
-    native = LLM(model, plan, lean_decode=False)
+    native = LLM(model, plan, own_decoder=False)
     calls = []
     op = native.runner.native_router
     native.runner.native_router = lambda *args: calls.append(args[0].shape[0]) or op(*args)
@@ -125,7 +125,7 @@ def test_decode_steps_run_the_native_router_with_the_stock_routes(one_thread, ar
 
 def test_the_bundled_model_decodes_through_the_lean_forward():
     llm = LLM("reference")
-    assert llm.runner.lean is not None and len(llm.runner.lean.layers) == 6
+    assert llm.runner.decoder is not None and len(llm.runner.decoder.layers) == 6
     assert llm.runner.native_norm is not None
     assert (llm.runner.native_linear is not None) == kernels.rows_linear_pays()   # torch's GEMV where it is faster
 
@@ -158,10 +158,10 @@ def test_bf16_decode_steps_route_natively_with_the_stock_routes(one_thread, arch
                                    torch.tensor([e.logprob for e in b.logprobs[:2]]), atol=0.05, rtol=0)
 
 
-@pytest.mark.parametrize("arch,dtype", [("olmoe", torch.float32), ("mixtral", torch.float32),
-                                        ("deepseek_v3", torch.bfloat16)])
-def test_other_architectures_keep_the_module_path(arch, dtype):
-    assert LLM(tiny_model(arch).to(dtype)).runner.lean is None
+@pytest.mark.parametrize("arch,dtype", [("olmoe", torch.float32), ("mixtral", torch.float32)])
+def test_fp32_olmoe_and_mixtral_keep_the_module_path(arch, dtype):
+    """Their fp32 projections run packed in the modules (the Qwen-MoE decoder stacks its own copies)."""
+    assert LLM(tiny_model(arch).to(dtype)).runner.decoder is None
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])
@@ -173,11 +173,11 @@ def test_a_projection_the_engine_did_not_swap_keeps_the_module_path(one_thread, 
     o.weight = torch.nn.Parameter(o.weight.detach().t().contiguous().t(), requires_grad=False)   # same values
     llm = LLM(model)
     assert llm.runner.native_linear is None or type(o) is torch.nn.Linear
-    assert llm.runner.lean is None or llm.runner.native_linear is None
+    assert llm.runner.decoder is None or llm.runner.native_linear is None
     prompts = random_prompts([5, 9, 3], seed=1)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, params)] == \
-        [o.token_ids for o in LLM(model, lean_decode=False).generate(prompts, params)]
+        [o.token_ids for o in LLM(model, own_decoder=False).generate(prompts, params)]
 
 
 def test_a_forward_hook_sends_the_step_through_the_modules(one_thread):
@@ -238,7 +238,7 @@ def test_a_bf16_models_norm_runs_the_native_op_in_a_decode_step_and_rounds_as_tr
     assert (y == stock(x)).float().mean() > 0.99                    # the variance's order: rare last-bit flips
     torch.testing.assert_close(y.float(), stock(x).float(), rtol=2 ** -7, atol=1e-6)
     assert torch.equal(norm(x), stock(x))
-    # the lean decoder's norm without the op (``native_layers.rms_norm``) is transformers' bf16 norm, bit for bit
+    # the engine decoder's norm without the op (``native_layers.rms_norm``) is transformers' bf16 norm, bit for bit
     from moetailor.runtime.native_layers import rms_norm
     assert torch.equal(rms_norm(x, stock.weight, stock.variance_epsilon, None), stock(x))
 
@@ -254,7 +254,7 @@ def test_torch_bf16_gemm_counts_as_fast_only_with_bf16_in_hardware(monkeypatch, 
     """A bf16 layer of more than a few rows leaves the native op for torch's GEMM only where the processor
     multiplies bf16 itself: on an AVX-512 core without it oneDNN claims bf16 support, and ran 2-3x slower
     than the op (2026-12-03)."""
-    from moetailor.serving import native_layers
+    from moetailor.runtime import native_layers
 
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: f"flags\t\t: {flags}\n")
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
@@ -287,3 +287,34 @@ def test_a_bf16_linear_in_a_decode_step_runs_the_native_op_and_rounds_once(rows)
     assert y.shape == (rows, 40)
     torch.testing.assert_close(y, (x.float() @ layer.weight.float().T + layer.bias.float()).bfloat16())
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("arch,dtype,decoder", [("qwen2_moe", torch.float32, "Decoder"),
+                                                 ("olmoe", torch.bfloat16, "Decoder"),
+                                                 ("deepseek_v3", torch.float32, "MlaDecoder"),
+                                                 ("deepseek_v3", torch.bfloat16, "MlaDecoder"),
+                                                 ("grouped", torch.float32, "MlaDecoder")])
+def test_prefill_and_decode_steps_run_the_engines_decoder(one_thread, monkeypatch, arch, dtype, decoder):
+    """Where the engine's decoder applies, no engine step calls transformers' modules, prefill steps
+    (prompt logprobs included) as well as decode steps, and the outputs are the module path's bit for
+    bit, under a plan (which changes them) as under the full router. DeepSeek-V3 (multi-head latent
+    attention; ``grouped``: grouped routing and a dense first layer) has its own decoder."""
+    model = (tiny_grouped_model(seed=1) if arch == "grouped" else tiny_model(arch, seed=2)).to(dtype)
+    prompts = random_prompts([5, 9, 3], seed=2)
+    params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    E = moe_layers(model)[0].num_experts
+    plan = uniform_plan(model, decode=LayerPolicy(keep=tuple(range(0, E, 2)), pool_mode="mask"),
+                        prefill=LayerPolicy(top_k=1))
+    modules = [LLM(model, p, own_decoder=False).generate(prompts, params) for p in (None, plan)]
+    assert [o.token_ids for o in modules[0]] != [o.token_ids for o in modules[1]]   # the plan changes outputs
+    engines = [LLM(model, p) for p in (None, plan)]
+    assert type(engines[0].runner.decoder).__name__ == decoder
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an engine step called transformers' forward")
+
+    monkeypatch.setattr(type(model), "forward", refuse)
+    for llm, want in zip(engines, modules):
+        got = llm.generate(prompts, params)
+        assert [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in got] == \
+            [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in want]

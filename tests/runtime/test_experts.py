@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from moetailor.runtime.step import Step, experts_read_buffer, running
 from moetailor.models.tiny import TINY_ARCHITECTURES, tiny_model
 from moetailor.routing import RoutingController
+from moetailor.runtime.step import Step, experts_read_buffer, running
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -3,8 +3,8 @@ against decode with torch's ops, on the bundled model: same greedy tokens, same 
 import shutil
 
 import pytest
-
 from engine_helpers import random_prompts
+
 from moetailor import kernels
 from moetailor.serving import LLM, SamplingParams
 
@@ -76,7 +76,7 @@ def test_bf16_linears_are_packed_exactly_where_that_pays(one_thread, monkeypatch
     itself (``kernels.experts_round_to_bf16``), which beats oneDNN at a decode step's rows."""
     import torch
 
-    from moetailor.serving import native_layers
+    from moetailor.runtime import native_layers
 
     monkeypatch.setattr(native_layers, "_BF16_GEMM_FAST", [gemm_hardware])
     llm = LLM("reference", dtype=torch.bfloat16, max_num_seqs=4, pack_weights=True)
@@ -95,8 +95,8 @@ def test_bf16_linears_whose_rows_all_run_the_op_are_packed_too(one_thread, monke
     bf16 rounds differently summed fp32 values, so: the same first tokens, logprobs close."""
     import torch
 
-    from moetailor.serving import native_layers
     from moetailor.runtime.step import current
+    from moetailor.runtime import native_layers
 
     monkeypatch.setattr(native_layers, "_BF16_GEMM_FAST", [False])      # as on a CPU without AVX512-BF16 / AMX
     prompts = random_prompts([5, 17, 9], vocab=8000, seed=4)
@@ -115,8 +115,8 @@ def test_bf16_linears_whose_rows_all_run_the_op_are_packed_too(one_thread, monke
                                atol=0.02, rtol=0.02)
 
 
-def test_fp32_linears_are_packed_where_no_lean_decoder_reads_them(one_thread):
-    """An engine that packs (AVX-512) packs an fp32 model's linear layers too, unless its lean decoder
+def test_fp32_linears_are_packed_where_no_own_decoderr_reads_them(one_thread):
+    """An engine that packs (AVX-512) packs an fp32 model's linear layers too, unless its engine decoder
     (fp32 Qwen MoE) holds them; greedy outputs equal the checkpoint layout's, and the model still
     computes outside the engine's steps."""
     import copy
@@ -134,12 +134,12 @@ def test_fp32_linears_are_packed_where_no_lean_decoder_reads_them(one_thread):
     q = model.model.layers[0].self_attn.q_proj
     if packs.runner.native_linear is None or packs.runner.expert_weights[True] is None:
         pytest.skip("this processor's engine does not pack")
-    assert packs.runner.lean is None and kernels.is_packed(q.weight)
+    assert packs.runner.decoder is None and kernels.is_packed(q.weight)
     assert not kernels.is_packed(model.model.layers[0].mlp.gate.weight)          # the router stays
     assert [o.token_ids for o in packs.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
     ids = torch.tensor([prompts[1]])
     with torch.inference_mode():
         torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
-    lean = LLM("reference", max_num_seqs=4)                                       # owned: packs, lean decoder on
+    lean = LLM("reference", max_num_seqs=4)                                       # owned: packs, engine decoder on
     layer = lean.model.model.layers[0].self_attn
-    assert lean.runner.lean is not None and not kernels.is_packed(layer.o_proj.weight)
+    assert lean.runner.decoder is not None and not kernels.is_packed(layer.o_proj.weight)

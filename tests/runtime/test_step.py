@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import hf_greedy, random_prompts, stock_twin
 
-from moetailor.serving import LLM, SamplingParams
-from moetailor.routing.traffic import StepCost
-from moetailor.serving.load_pools import PoolRung, PoolsByLoad
-from moetailor.runtime.step import current
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
-
-from engine_helpers import hf_greedy, random_prompts, stock_twin
+from moetailor.routing.traffic import StepCost
+from moetailor.runtime.step import current
+from moetailor.serving import LLM, SamplingParams
+from moetailor.serving.load_pools import PoolRung, PoolsByLoad
 
 
 def test_implementations_are_installed_once_and_the_step_is_cleared():
@@ -157,9 +156,9 @@ def test_bf16_decode_experts_read_half_the_bytes_and_prefill_keeps_fp32(pack):
 
 def test_grouped_experts_never_read_the_device_and_drop_sentinels(monkeypatch):
     from moetailor.models.adapters import moe_layers
-    from moetailor.runtime.step import Step, experts_read_buffer, read_experts, running
     from moetailor.routing.controller import RoutingController
     from moetailor.runtime.experts import grouped_experts_forward, loop_experts_forward
+    from moetailor.runtime.step import Step, experts_read_buffer, read_experts, running
 
     model = tiny_model("qwen2_moe", seed=3)
     RoutingController.of(model)                                                          # names each layer

@@ -1,13 +1,13 @@
 """`moetailor generate` on a saved tiny checkpoint: full prefill + planned decode, errors exit 2."""
 from __future__ import annotations
 
+from engine_helpers import char_tokenizer
+
 from moetailor.cli.main import main
-from moetailor.serving import LLM, SamplingParams
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
-
-from engine_helpers import char_tokenizer
+from moetailor.serving import LLM, SamplingParams
 
 
 def test_generate_prints_the_engine_output_with_a_decode_plan(tmp_path, capsys):

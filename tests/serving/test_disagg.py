@@ -3,15 +3,14 @@ checkpoint and masked model), freed weights become KV blocks, decode-worker deat
 from __future__ import annotations
 
 import pytest
+from engine_helpers import random_prompts
 
-from moetailor.serving import LLM, SamplingParams
-from moetailor.serving.disagg import DisaggregatedLLM
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
+from moetailor.serving import LLM, SamplingParams
+from moetailor.serving.disagg import DisaggregatedLLM
 from moetailor.transforms.prune import prune_checkpoint
-
-from engine_helpers import random_prompts
 
 KEEP = (0, 2, 5, 7, 9, 11)
 

@@ -15,16 +15,15 @@ import time
 
 import httpx
 import pytest
+from engine_helpers import char_tokenizer
 
-from moetailor.serving import SamplingParams
-from moetailor.serving.disagg import DisaggregatedLLM, RemoteSequence
-from moetailor.serving.wire import Add
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
+from moetailor.serving import SamplingParams
+from moetailor.serving.disagg import DisaggregatedLLM, RemoteSequence
+from moetailor.serving.wire import Add
 from moetailor.transforms.prune import prune_checkpoint
-
-from engine_helpers import char_tokenizer
 
 KEY = "test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -13,14 +13,13 @@ import time
 
 import httpx
 import pytest
+from engine_helpers import char_tokenizer
+from test_disagg_faults import alive, health, recovered, start_streams, wait_for
 
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
 from moetailor.transforms.prune import prune_checkpoint
-
-from engine_helpers import char_tokenizer
-from test_disagg_faults import alive, health, recovered, start_streams, wait_for
 
 TIMEOUT = 3.0   # --heartbeat-timeout
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import hf_greedy, random_prompts, stock_handover, stock_pruned_twin, stock_twin
 
-from moetailor.serving import LLM, SamplingParams
 from moetailor.models.tiny import TINY_ARCHITECTURES, tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
-
-from engine_helpers import hf_greedy, random_prompts, stock_handover, stock_pruned_twin, stock_twin
+from moetailor.serving import LLM, SamplingParams
 
 LENGTHS = [3, 9, 17, 5, 1, 12, 30, 7]
 

@@ -4,14 +4,13 @@ and the collapse guard catches a group-balanced pool that never emits EOS."""
 from __future__ import annotations
 
 import pytest
+from engine_helpers import hf_greedy, random_prompts, stock_handover, stock_pruned_twin, stock_twin
+from test_guard import length_hits, with_and_without_guard
 
-from moetailor.serving import LLM, SamplingParams
 from moetailor.models.tiny import tiny_grouped_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
-
-from engine_helpers import hf_greedy, random_prompts, stock_handover, stock_pruned_twin, stock_twin
-from test_guard import length_hits, with_and_without_guard
+from moetailor.serving import LLM, SamplingParams
 
 BALANCED = (0, 1, 4, 5, 8, 9, 12, 13)      # 2 of 4 in every group: a prunable decode pool
 DROPPED = (2, 3, 6, 7, 10, 11, 14, 15)

@@ -7,15 +7,14 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from engine_helpers import random_prompts
 
-from moetailor.serving import LLM, SamplingParams
-from moetailor.serving.guard import GuardConfig, repetition, window_stats
-from moetailor.serving.server import guard_metrics
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy, RoutingController
-
-from engine_helpers import random_prompts
+from moetailor.serving import LLM, SamplingParams
+from moetailor.serving.guard import GuardConfig, repetition, window_stats
+from moetailor.serving.server import guard_metrics
 
 EOS = 0
 GATE = (4, 5, 6, 7)          # EOS can only win on a token routed through one of these experts

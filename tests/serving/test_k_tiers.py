@@ -6,8 +6,15 @@ import random
 import pytest
 
 from moetailor.routing.budgets import expert_top_k_value, validate_expert_top_k
-from moetailor.routing.k_tiers import (KRequest, OnlineLanes, StepCost, estimated_seconds,
-                                      plan_fcfs_max_k, plan_offline, wait_bound)
+from moetailor.routing.k_tiers import (
+    KRequest,
+    OnlineLanes,
+    StepCost,
+    estimated_seconds,
+    plan_fcfs_max_k,
+    plan_offline,
+    wait_bound,
+)
 from moetailor.routing.traffic import expected_distinct
 
 # a memory-bound-ish model: touching an expert dominates, compute per route is small
@@ -143,8 +150,8 @@ def test_cost_fit_recovers_coefficients():
 def test_engine_rejects_out_of_range_expert_top_k():
     import pytest
 
-    from moetailor.serving import LLM, SamplingParams
     from moetailor.models.tiny import tiny_model
+    from moetailor.serving import LLM, SamplingParams
 
     llm = LLM(tiny_model("qwen2_moe", top_k=2), num_kv_blocks=16)
     with pytest.raises(ValueError, match=r"expert_top_k=3 is out of range.*\[1, 2\]"):
@@ -160,8 +167,9 @@ def test_engine_rejects_out_of_range_expert_top_k():
 # ---- the engine's k-aware schedules -------------------------------------------------------------
 
 def _budget_workload():
-    from moetailor.serving import SamplingParams
     from engine_helpers import random_prompts
+
+    from moetailor.serving import SamplingParams
 
     prompts = random_prompts([5, 9, 4, 7, 6, 8, 3, 10, 5, 6], seed=11)
     ks = [1, 4, 1, 4, 1, 4, 1, 4, 1, 4]

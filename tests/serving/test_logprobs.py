@@ -8,12 +8,11 @@ import json
 import httpx
 import pytest
 import torch
+from engine_helpers import assert_stock, start_server
 
+from moetailor.models import load_tokenizer
 from moetailor.serving import LLM, SamplingParams
 from moetailor.serving.server import create_app
-from moetailor.models import load_tokenizer
-
-from engine_helpers import assert_stock, start_server
 
 TOL = 1e-4
 PROMPTS = ["add 12 + 34\n", "sort 5 3 9 1\n", "reverse a b c d\n"]
@@ -179,8 +178,8 @@ def test_tokenizer_endpoints(server, reference):
 def test_disaggregated_server_returns_the_same_logprobs(reference):
     """Prompt logprobs come from the prefill worker, generated ones from both workers (the first
     token is sampled at prefill): all equal a transformers forward."""
-    from moetailor.serving.disagg import DisaggregatedLLM
     from moetailor.plans import uniform_plan
+    from moetailor.serving.disagg import DisaggregatedLLM
 
     model, tok = reference
     llm = DisaggregatedLLM("reference", plan=uniform_plan(model), max_num_seqs=4)

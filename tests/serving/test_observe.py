@@ -6,14 +6,13 @@ import hashlib
 
 import pytest
 import torch
+from engine_helpers import random_prompts
 
 from moetailor.calibration import ExpertStats, calibrate_batches
-from moetailor.serving import LLM, SamplingParams
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
-
-from engine_helpers import random_prompts
+from moetailor.serving import LLM, SamplingParams
 
 MODEL = dict(model_type="qwen2_moe", vocab=128, seed=4)
 
@@ -124,11 +123,10 @@ def test_server_observes_writes_on_demand_and_at_shutdown(tmp_path, one_thread):
     key like every path) writes the file at once, stopping the server writes it again, and the
     statistics equal calibration on the served tokens."""
     import httpx
-
-    from moetailor.serving.server import create_app
-    from moetailor.models.tiny import char_tokenizer
-
     from engine_helpers import start_server
+
+    from moetailor.models.tiny import char_tokenizer
+    from moetailor.serving.server import create_app
 
     path = tmp_path / "served.safetensors"
     llm = LLM(tiny_model(**MODEL), tokenizer=char_tokenizer(), block_size=4, max_model_len=64, observe=path)

@@ -1,6 +1,6 @@
 """A split (sub-expert) checkpoint on the engine's fast decode path: its sub-experts are narrower than
 the native kernel's 16-wide vectors (48 / 4 = 12), so the engine pads them with zero neurons and runs
-the lean decoder's bound graph; it must give the greedy tokens the module path and torch's kernels give
+the engine decoder's bound graph; it must give the greedy tokens the module path and torch's kernels give
 (logprobs within 1e-4: the fp32 sums run in another order), at the
 full budget and at a per-request budget (which changes the output), and a model handed in keeps its
 own weights."""
@@ -10,13 +10,12 @@ import copy
 
 import pytest
 import torch
+from engine_helpers import random_prompts
 
-from moetailor.serving import LLM, SamplingParams
 from moetailor.models import moe_layers
 from moetailor.models.tiny import tiny_model
+from moetailor.serving import LLM, SamplingParams
 from moetailor.transforms.split import LayerSplit, random_partition, split_model
-
-from engine_helpers import random_prompts
 
 WIDTH, PARTS = 48, 4
 
@@ -49,9 +48,9 @@ def generate(model, budget, **engine):
 def test_split_checkpoint_runs_the_bound_graph_and_equals_the_module_path(one_thread, split, budget):
     llm, tokens, logprobs = generate(split, budget)
     assert moe_layers(split)[0].experts.down_proj.shape[-1] == WIDTH // PARTS
-    assert llm.runner.lean is not None and llm.runner.lean.graph is not None   # the fast path
+    assert llm.runner.decoder is not None and llm.runner.decoder.graph is not None   # the fast path
     assert all(l.experts._moetailor_native for l in llm.runner.controller.layers)
-    for path in ({"lean_decode": False}, {"native_kernels": False}):   # the module path; unpadded, torch's kernels
+    for path in ({"own_decoder": False}, {"native_kernels": False}):   # the module path; unpadded, torch's kernels
         _, other_tokens, other_logprobs = generate(split, budget, **path)
         assert tokens == other_tokens
         for a, b in zip(logprobs, other_logprobs):
@@ -70,5 +69,5 @@ def test_a_model_handed_in_keeps_its_own_expert_width(one_thread, split):
     pads copies; with pack_weights=True it pads (and packs) in place, as it packs."""
     model = copy.deepcopy(split)
     llm = LLM(model, pack_weights=False)
-    assert llm.runner.padded and llm.runner.lean.graph is not None
+    assert llm.runner.padded and llm.runner.decoder.graph is not None
     assert moe_layers(model)[0].experts.down_proj.shape[-1] == WIDTH // PARTS

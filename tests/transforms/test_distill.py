@@ -9,8 +9,18 @@ from moetailor.cli.main import main
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy, RoutingController
-from moetailor.transforms.distill import (DistillConfig, Student, bucket_kl, distill_loss, export, load_distilled,
-                                          row_cache, split_fraction, teacher_targets, train)
+from moetailor.transforms.distill import (
+    DistillConfig,
+    Student,
+    bucket_kl,
+    distill_loss,
+    export,
+    load_distilled,
+    row_cache,
+    split_fraction,
+    teacher_targets,
+    train,
+)
 
 KEEP = (0, 2, 3, 6)
 VOCAB = 96
@@ -122,8 +132,8 @@ def test_merged_checkpoint_is_stock_and_equals_se1_plus_se2(arch, tmp_path):
         got = loaded(input_ids=x, use_cache=False).logits
     assert (want - got).abs().max() <= 1e-5
     # load_model carries the plan on the model: the disaggregated decode worker reads it there
-    from moetailor.serving.disagg import distilled_plan
     from moetailor.models.loading import load_model
+    from moetailor.serving.disagg import distilled_plan
     assert distilled_plan(load_model(out)).to_json() == saved.to_json()
     assert distilled_plan(loaded) is None     # a model loaded without load_model has no sidecars
 

@@ -10,7 +10,7 @@ import pytest
 from moetailor.cli.main import main
 from moetailor.models.tiny import tiny_config
 from moetailor.plans import Plan
-from moetailor.transforms.gguf import (gguf_plan, override_kv, pre_tokenizer_name, routing_difference)
+from moetailor.transforms.gguf import gguf_plan, override_kv, pre_tokenizer_name, routing_difference
 
 ASSETS = Path(__file__).resolve().parents[2] / "src" / "moetailor" / "assets"
 PLAN = ASSETS / "plans" / "reference-reap-50.json"

@@ -6,8 +6,7 @@ import torch
 
 from moetailor.calibration import calibrate_batches
 from moetailor.models import moe_layers
-from moetailor.models.groups import (balanced_keep, checkpoint_problem, per_group_counts, same_group_only,
-                                     unreachable)
+from moetailor.models.groups import balanced_keep, checkpoint_problem, per_group_counts, same_group_only, unreachable
 from moetailor.models.tiny import tiny_grouped_model
 from moetailor.plans import uniform_plan
 from moetailor.plans.criteria import expert_scores, make_plan
@@ -193,8 +192,7 @@ def test_split_grouped_router_routes_like_the_original(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from moetailor.models.groups import split_order
-    from moetailor.transforms.split import (SplitResult, group_agreement, plan_split, profile_neurons, split_model,
-                                            write_split)
+    from moetailor.transforms.split import SplitResult, group_agreement, plan_split, profile_neurons, split_model, write_split
 
     model = tiny_grouped_model(seed=2)
     batches = [torch.randint(3, 96, (4, 32), generator=torch.Generator().manual_seed(s)) for s in range(2)]

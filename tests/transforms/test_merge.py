@@ -9,7 +9,6 @@ from transformers import AutoModelForCausalLM
 
 from moetailor.calibration import calibrate_batches
 from moetailor.cli.main import main
-from moetailor.serving import LLM, SamplingParams
 from moetailor.eval.configurations import parse_configs
 from moetailor.models.adapters import moe_layers
 from moetailor.models.loading import load_model, model_fingerprint
@@ -17,6 +16,7 @@ from moetailor.plans.criteria import make_plan
 from moetailor.plans.plan import Plan
 from moetailor.routing import RoutingController
 from moetailor.routing.policy import LayerPolicy, PhasePolicy
+from moetailor.serving import LLM, SamplingParams
 from moetailor.transforms import read_sidecar
 
 
@@ -32,8 +32,8 @@ def identical(tmp_path_factory):
             ex.down_proj[1::2] = ex.down_proj[0::2]
             layer.router.weight[1::2] = layer.router.weight[0::2]
     model.save_pretrained(root / "src")
-    from moetailor.transforms.artifacts import copy_tokenizer
     from moetailor.models.loading import resolve_model_path
+    from moetailor.transforms.artifacts import copy_tokenizer
     copy_tokenizer(resolve_model_path("reference"), root / "src")
     return root, load_model(root / "src", dtype=torch.float32)
 

@@ -9,10 +9,10 @@ from safetensors import safe_open
 
 from moetailor.calibration import calibrate_batches
 from moetailor.cli.main import main
-from moetailor.serving import LLM, SamplingParams
 from moetailor.models.loading import load_model
 from moetailor.plans.criteria import make_plan
 from moetailor.plans.plan import Plan
+from moetailor.serving import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

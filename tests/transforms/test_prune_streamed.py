@@ -5,14 +5,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_prune import KEEP, max_diff_from_masked
 
 from moetailor.models.tiny import TINY_ARCHITECTURES, tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
 from moetailor.transforms import prune_checkpoint, read_sidecar
 from moetailor.transforms.streaming import prune_checkpoint_streamed
-
-from test_prune import KEEP, max_diff_from_masked
 
 
 def all_tensors(path):

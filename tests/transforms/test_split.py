@@ -7,9 +7,20 @@ import torch
 from moetailor.models import moe_layers
 from moetailor.models.tiny import TINY_ARCHITECTURES, tiny_model
 from moetailor.routing import RoutingController
-from moetailor.transforms.split import (anneal_partition, check_partition, greedy_partition,
-                                        objective, plan_split, profile_neurons, random_partition, read_split_sidecar,
-                                        split_model, write_split, SplitResult, check_parts)
+from moetailor.transforms.split import (
+    SplitResult,
+    anneal_partition,
+    check_partition,
+    check_parts,
+    greedy_partition,
+    objective,
+    plan_split,
+    profile_neurons,
+    random_partition,
+    read_split_sidecar,
+    split_model,
+    write_split,
+)
 
 WIDTH, PARTS = 16, 4
 

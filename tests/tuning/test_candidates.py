@@ -2,10 +2,10 @@
 import pytest
 
 from moetailor.calibration import calibrate
-from moetailor.serving import LLM, SamplingParams
 from moetailor.models.loading import model_fingerprint
 from moetailor.models.tiny import char_tokenizer, tiny_model
 from moetailor.plans.criteria import expert_scores, top_experts
+from moetailor.serving import LLM, SamplingParams
 from moetailor.tuning.candidates import Candidate, candidate_plan
 
 

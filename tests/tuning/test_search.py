@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from moetailor.serving import LLM, SamplingParams
 from moetailor.models import load_model
 from moetailor.models.tiny import char_tokenizer, tiny_grouped_model, tiny_model
 from moetailor.plans import Plan
+from moetailor.serving import LLM, SamplingParams
 from moetailor.tuning.search import Tuner, TuneSettings
 
 SMALL = dict(calib_tokens=512, kl_tokens=256, kl_window=32, criteria=("reap", "ean"))

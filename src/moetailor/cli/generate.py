@@ -51,7 +51,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode with torch's ops only, not moetailor's compiled CPU kernels (experts, paged attention)")
     p.add_argument("--compile-decode", action="store_true",
                    help="decode steps through torch.compile (about 30 s of compiling at the first steps) instead of "
-                        "the engine's lean forward: may pay on checkpoints the lean forward does not cover (DeepSeek, "
+                        "the engine's own decoder: may pay on checkpoints that decoder does not cover (DeepSeek, "
                         "fp32 OLMoE / Mixtral); beside it, on bf16 Qwen-MoE / OLMoE / Mixtral and fp32 Qwen-MoE, it "
                         "measured 0.87-1.03x (docs/benchmarks.md)")
     p.add_argument("--k-schedule", choices=("mixed", "max", "lanes", "tiers"), default="mixed",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from . import _module, _SOURCES, _HEADERS, build_name
+from . import _HEADERS, _SOURCES, _module, build_name
 
 
 def main() -> int:

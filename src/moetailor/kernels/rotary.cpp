@@ -8,7 +8,7 @@
 // Arithmetic equal to transformers' bit for bit: out = (x * cos) + (rotate_half(x) * sin) with
 // rotate_half(x) = cat(-x[D/2:], x[:D/2]), each product and the sum rounded to the inputs' dtype in
 // that order (fp32; or bf16, as torch's bf16 ops compute in fp32 and round to nearest even; no fused
-// multiply-add: the function is compiled with fp-contract off), so the engine's lean forward and
+// multiply-add: the function is compiled with fp-contract off), so the engine's decoder and
 // transformers' modules write the same cache and attend with the same query.
 //
 // q [B, nH, D], k [B, nKV, D], v [B, nKV, Dv] fp32 or bf16, one dtype (any row and head strides, last

@@ -22,16 +22,15 @@ def load_model(name: str | Path, dtype: torch.dtype = torch.float32, device: str
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    from .architectures import arch_spec
-
     from ..device import Placement
+    from .architectures import arch_spec
 
     placement = placement or Placement.of(device)
     path = resolve_model_path(name)
     arch_spec(read_config(path))  # clear error before loading weights
     try:
         if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
-            from .checkpoint import load_whole   # plain reads: resident memory = the weights
+            from .checkpoint import load_whole  # plain reads: resident memory = the weights
             model = load_whole(path, dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)

@@ -209,7 +209,7 @@ def attach_plan_fold_tables(model, plan) -> None:
     Every consumer of a plan (engine, eval, tune) calls this."""
     carried = getattr(model, "moetailor_constants", None)
     if plan is not None and plan.needs_constants and carried and not plan.fold_stats:
-        from ..routing import RoutingController   # a novice checkpoint's own constants (models/novice.py)
+        from ..routing import RoutingController  # a novice checkpoint's own constants (models/novice.py)
         ctl = RoutingController.of(model)
         if ctl.constants_source != "checkpoint":
             ctl.set_constants(carried, source="checkpoint")

@@ -166,7 +166,7 @@ class RoutingController:
     def route_layer(self, layer: MoeLayer, hidden_states: torch.Tensor, logits: torch.Tensor | None = None):
         """The layer's routes under the routing of the step being run (the stock router without one).
         ``logits`` [T, E]: the router's output where the caller computed it with the step's linear
-        op (the lean decoder's stacked projection); only read in an engine decode step."""
+        op (the engine decoder's stacked projection); only read in an engine decode step."""
         router = layer.router
         step = current()
         routing = step.routing if step is not None else None
@@ -190,14 +190,14 @@ class RoutingController:
                                                     layer.semantics.normalise, None)
                 weights = self._as_stock(weights, logits)
             else:
-                weights, index = self._apply(layer, logits, cp, token_k, k_max, step.router_kernel if native else None)
+                weights, index = self.apply_policy(layer, logits, cp, token_k, k_max, step.router_kernel if native else None)
         if self.observers:
             hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
             for observer in self.observers:
                 observer(layer, hidden, logits, weights, index)
         return logits, weights, index
 
-    def _apply(self, layer: MoeLayer, logits: torch.Tensor, cp: CompiledPolicy | None, token_k: torch.Tensor | None,
+    def apply_policy(self, layer: MoeLayer, logits: torch.Tensor, cp: CompiledPolicy | None, token_k: torch.Tensor | None,
                k_max: int | None, select_kernel) -> tuple[torch.Tensor, torch.Tensor]:
         """``route`` under the layer's compiled policy (the full router's, compiled once, for budgets alone)."""
         if cp is None:

@@ -32,35 +32,54 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    # query [1, nH, T, Dk], key [1, nKV, T, Dk], value [1, nKV, T, Dv]
-    num_tokens = query.shape[2]
-    k_cache, v_cache = kv.cache[module.layer_idx]                         # [N*bs, nKV, D]
-    k_cache.index_copy_(0, kv.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))     # [T, nKV, Dk]
-    v_cache.index_copy_(0, kv.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))   # [T, nKV, Dv]
     if step.is_prefill:
-        # Prompts start at position 0 (no prefix cache), so a sequence attends to its own new k/v.
-        cu = kv.cu_seqlens or (0, num_tokens)
-        if len(cu) == 2:
-            o = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
-            return o.transpose(1, 2), None                                # [1, T, nH, Dv]
-        out = query.new_empty(num_tokens, query.shape[1], value.shape[-1])   # [T, nH, Dv]
-        for start, end in zip(cu[:-1], cu[1:]):
-            o = F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                                               is_causal=True, scale=scaling, enable_gqa=True)  # [1, nH, L, Dv]
-            out[start:end] = o[0].transpose(0, 1)
-        return out.unsqueeze(0), None                                     # [1, T, nH, Dv]
-    # decode: one new token per sequence, attending over its cached positions read in place
+        return prefill_attention(query, key, value, kv, module.layer_idx, scaling), None    # [1, T, nH, Dv]
+    return decode_attention(query, key, value, kv, module.layer_idx, scaling), None   # [1, B, nH, Dv]
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: PagedKV, layer: int,
+                     scaling: float | None) -> torch.Tensor:
+    """A decode step's attention: one new token per sequence, its k/v written into the pool, then
+    attending over the sequence's cached positions, read in place by the native kernel or gathered
+    (the step's slots and buffers). query [1, nH, B, Dk], key [1, nKV, B, Dk], value [1, nKV, B, Dv]
+    -> [1, B, nH, Dv]. Both the module path and the engine's decoders call it."""
+    num_tokens = query.shape[2]
+    k_cache, v_cache = kv.cache[layer]                                    # [N*bs, nKV, D]
+    k_cache.index_copy_(0, kv.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))     # [B, nKV, Dk]
+    v_cache.index_copy_(0, kv.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))   # [B, nKV, Dv]
     if kv.native is not None:
         q = query[0].transpose(0, 1).float().contiguous()                 # [B, nH, Dk]
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         o = kv.native(q, k_cache, v_cache, kv.block_table, kv.context_lens, kv.block_size, scale)
-        return o.to(query.dtype).unsqueeze(0), None                       # [1, B, nH, Dv]
+        return o.to(query.dtype).unsqueeze(0)                             # [1, B, nH, Dv]
     k_all = _cached(kv, k_cache, query.dtype, "k")                        # [B, nKV, S, Dk]
     v_all = _cached(kv, v_cache, query.dtype, "v")                        # [B, nKV, S, Dv]
     q = query[0].transpose(0, 1).unsqueeze(2)                             # [B, nH, 1, Dk]
     o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=kv.kv_mask, scale=scaling,
                                        enable_gqa=True)                   # [B, nH, 1, Dv]
-    return o.transpose(1, 2).reshape(1, num_tokens, query.shape[1], -1), None  # [1, B, nH, Dv]
+    return o.transpose(1, 2).reshape(1, num_tokens, query.shape[1], -1)  # [1, B, nH, Dv]
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: PagedKV, layer: int,
+                      scaling: float | None) -> torch.Tensor:
+    """A prefill step's attention: the new k/v written into the pool at the step's slots, then each
+    sequence causal over its own new k/v (prompts start at position 0: no prefix cache).
+    query [1, nH, T, Dk], key [1, nKV, T, Dk], value [1, nKV, T, Dv] -> [1, T, nH, Dv]. Both the
+    module path (``paged_attention``) and the engine's decoder (``runtime.decoder``) call it."""
+    num_tokens = query.shape[2]
+    k_cache, v_cache = kv.cache[layer]                                    # [N*bs, nKV, D]
+    k_cache.index_copy_(0, kv.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))     # [T, nKV, Dk]
+    v_cache.index_copy_(0, kv.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))   # [T, nKV, Dv]
+    cu = kv.cu_seqlens or (0, num_tokens)
+    if len(cu) == 2:
+        o = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        return o.transpose(1, 2)                                          # [1, T, nH, Dv]
+    out = query.new_empty(num_tokens, query.shape[1], value.shape[-1])   # [T, nH, Dv]
+    for start, end in zip(cu[:-1], cu[1:]):
+        o = F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+                                           is_causal=True, scale=scaling, enable_gqa=True)  # [1, nH, L, Dv]
+        out[start:end] = o[0].transpose(0, 1)
+    return out.unsqueeze(0)                                               # [1, T, nH, Dv]
 
 
 def native_ok(kwargs: dict) -> bool:

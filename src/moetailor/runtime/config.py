@@ -33,10 +33,10 @@ class EngineConfig:
     # that tile is compiled (kernels.packed_weights_pay) and the engine loaded the model itself;
     # True = also a model passed in, which the engine then takes over; False = the model's layout.
     pack_weights: bool | None = None
-    # decode steps of a few sequences on a Qwen-MoE-style checkpoint run the engine's own forward
-    # (runtime/decoder.py: the same arithmetic without transformers' module calls); False =
+    # prefill and decode steps of a Qwen-MoE-style checkpoint run the engine's own decoder
+    # (runtime/decoder.py: transformers' arithmetic without its module calls); False =
     # transformers' modules for every step
-    lean_decode: bool = True
+    own_decoder: bool = True
     # decode steps run the model through torch.compile (inductor fuses the ops between the kernels;
     # the first decode steps of each new shape pay the compilation, about a minute here)
     compile_decode: bool = False

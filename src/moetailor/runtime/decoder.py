@@ -1,19 +1,25 @@
-"""The engine's decode forward for Qwen-MoE-style decoders, in one function (gpt-fast's shape).
+"""The engine's decoder for Qwen-MoE-style checkpoints: one definition that runs prefill and
+decode steps alike (gpt-fast's shape: the layer written out, shapes beside each line).
 
 Why: at batch 1 a decode step is almost all fixed cost. Through transformers' modules it is ~110
-module calls and ~50 small ops per layer; here it is the same arithmetic written out: pre-norm,
-one stacked q|k|v projection, the rotary embedding and the new k/v written into the paged pool in
-one native op (``rotary_kv_write``, equal to the model's rotary bit for bit) and attended over in place, the MoE block through the same routing controller and experts
-implementation every other path uses (so plans, budgets, observers and the experts-read count
-are unchanged), and one stacked gate|up projection for the shared expert. Prefill steps keep
-transformers' modules (they are compute-bound, and calibration and evaluation read them).
+module calls and ~50 small ops per layer; here it is the same arithmetic written out. ``prefill``
+runs transformers' decoder layer op for op over every prompt token of the step (its projections one
+by one, so its GEMMs are transformers'), writing the new k/v into the paged pool
+(``attention.prefill_attention``, the one prefill attention of the engine). ``forward`` is a decode
+step: pre-norm, one stacked q|k|v projection, the rotary embedding and the new k/v written into the
+paged pool in one native op (``rotary_kv_write``, equal to the model's rotary bit for bit) and
+attended over in place, and one stacked gate|up projection for the shared expert. Both run the MoE
+block through the same routing controller and experts implementation every other path uses (so
+plans, budgets, observers and the experts-read count are unchanged). A prefill under an autocast
+(``EngineConfig.prefill_dtype``) runs transformers' modules, as do calibration and evaluation, which
+hook them (observers on every router, forward hooks on modules).
 
 With the native ops and at most ``NATIVE_LINEAR_ROWS`` rows the loop runs in C++ (the same ops in
 the same order, ``kernels/decode_layer.cpp``): a whole full-router step is one call of the
 ``DecodeGraph`` bound at start-up (``BoundGraph``), a layer one ``decode_layer`` call, or under a plan,
 budgets or observers ``attention_block`` + the controller's routing + ``moe_block``.
 
-Covered (``LeanDecoder.build`` returns None otherwise, and the engine keeps the module path):
+Covered (``Decoder.build`` returns None otherwise, and the engine keeps the module path):
 ``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 or bf16, ``olmoe`` and ``mixtral`` ones in bf16 (the
 weights real checkpoints ship; in fp32 those keep the module path, whose fp32 projections the engine
 packs for every row count), with the native experts and attention kernels, every layer a
@@ -38,7 +44,8 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
-from .experts import layer_policy, native_experts_forward, novice_split, step_weights
+from . import attention
+from .experts import experts_forward, layer_policy, native_experts_forward, novice_split, step_weights
 from .native_layers import NATIVE_LINEAR_ROWS, native_linear, rms_norm
 from .step import Step
 
@@ -50,7 +57,7 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # rope types whose cos/s
 
 
 def module_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` as the module path's ``NativeLinear`` runs it, so the lean loop rounds where
+    """``x @ weight.T + bias`` as the module path's ``NativeLinear`` runs it, so the decoder rounds where
     it does: a weight the engine packed on the native op (rows in the weight's dtype, the result in
     ``x``'s), any other through ``native_linear`` (the op up to ``NATIVE_LINEAR_ROWS`` rows, else torch)."""
     if kernels.is_packed(weight):
@@ -68,6 +75,21 @@ def rotary_table(rotary: torch.nn.Module, like: torch.Tensor, positions: int) ->
     with torch.inference_mode():
         cos, sin = rotary(like[:1], torch.arange(positions, device=like.device)[None])   # [1, P, D] each
     return cos[0], sin[0]
+
+
+def model_hooks(model) -> tuple[dict, ...]:
+    """Every module's forward (pre-)hook dicts, for ``hooked``."""
+    return tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks))
+
+
+def hooked(hooks: tuple[dict, ...]) -> bool:
+    """Whether a forward (pre-)hook is registered on the model (``hooks``: ``model_hooks``) or globally:
+    the step then runs transformers' modules, which call them."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(hooks)   # registering a hook adds to these dicts in place: one C-level pass a step
 
 
 @dataclass(frozen=True)
@@ -100,7 +122,7 @@ class Norm:
 
 
 @dataclass(frozen=True)
-class LeanLayer:
+class DecoderLayer:
     index: int
     input_norm: Norm
     post_norm: Norm
@@ -115,6 +137,10 @@ class LeanLayer:
     shared: torch.Tensor | None       # [2 I, H]: shared expert gate and up projections (fp32: a view of moe_in)
     shared_gate: torch.Tensor | None  # [1, H]: the shared expert's sigmoid gate (fp32: a view of moe_in)
     shared_down: torch.Tensor | None  # [H, I]
+    # the layer's own weights, unstacked (prefill steps run each projection as transformers does):
+    # (weight, bias) of q, k, v; the shared expert's gate, up and sigmoid gate weights
+    projections: tuple = ()
+    shared_own: tuple | None = None
 
     @property
     def unstacked_shared(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -127,7 +153,7 @@ class LeanLayer:
 
 @dataclass(frozen=True)
 class BoundGraph:
-    """The native ``DecodeGraph`` of a lean decoder: its weights, the runner's KV cache and decode
+    """The native ``DecodeGraph`` of a engine decoder: its weights, the runner's KV cache and decode
     expert copies bound once, so a step under the full router passes only its own inputs."""
     op: object                        # torch.classes.moetailor.DecodeGraph
     kv_cache: list                    # what it was bound to: a step that brings others runs the loop
@@ -135,21 +161,21 @@ class BoundGraph:
     expert_weights: dict | None
 
     @classmethod
-    def build(cls, lean: "LeanDecoder", kv_cache: list, block_size: int, expert_weights: dict | None) -> "BoundGraph":
-        cos, sin = lean.rotary_table
-        final = lean.final_norm
-        op = torch.classes.moetailor.DecodeGraph(lean.embed, lean.layers[0].input_norm.weight,
-                                                 lean.layers[0].input_norm.eps, lean.lm_head, cos, sin, lean.heads,
-                                                 lean.kv_heads, block_size, lean.scaling)
-        norms = [layer.input_norm for layer in lean.layers[1:]] + [final]
-        for layer, next_norm in zip(lean.layers, norms):
+    def build(cls, decoder: "Decoder", kv_cache: list, block_size: int, expert_weights: dict | None) -> "BoundGraph":
+        cos, sin = decoder.rotary_table
+        final = decoder.final_norm
+        op = torch.classes.moetailor.DecodeGraph(decoder.embed, decoder.layers[0].input_norm.weight,
+                                                 decoder.layers[0].input_norm.eps, decoder.lm_head, cos, sin, decoder.heads,
+                                                 decoder.kv_heads, block_size, decoder.scaling)
+        norms = [layer.input_norm for layer in decoder.layers[1:]] + [final]
+        for layer, next_norm in zip(decoder.layers, norms):
             moe = layer.moe
             gate_up, down = (expert_weights or {}).get(moe.index) or (moe.experts.gate_up_proj, moe.experts.down_proj)
             qk = (None, None, 0.0) if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps)
             op.add_layer(layer.qkv, layer.qkv_bias, *qk, *kv_cache[layer.index], layer.o, layer.post_norm.weight,
                          layer.post_norm.eps, layer.moe_in, moe.top_k, moe.semantics.normalise, gate_up, down,
                          getattr(moe.experts, "_moetailor_layer", -1), moe.num_experts, layer.shared_down,
-                         *layer.unstacked_shared, next_norm.weight, next_norm.eps, lean.round_weights)
+                         *layer.unstacked_shared, next_norm.weight, next_norm.eps, decoder.round_weights)
         return cls(op, kv_cache, block_size, expert_weights)
 
     def runs(self, step: Step, controller) -> bool:
@@ -161,8 +187,8 @@ class BoundGraph:
 
 
 @dataclass(frozen=True)
-class LeanDecoder:
-    layers: tuple[LeanLayer, ...]
+class Decoder:
+    layers: tuple[DecoderLayer, ...]
     embed: torch.Tensor               # [V, H]
     final_norm: Norm
     lm_head: torch.Tensor             # [V, H]
@@ -183,8 +209,8 @@ class LeanDecoder:
     @classmethod
     def build(cls, model, controller, attention_kernel, rotary_kernel=None, add_norm_kernel=None,
               max_model_len: int = 0, layer_ops=None, kv_cache: list | None = None, block_size: int = 0,
-              expert_weights: dict | None = None) -> "LeanDecoder | None":
-        """The lean decoder of ``model``, or None where it does not apply (see the module doc)."""
+              expert_weights: dict | None = None) -> "Decoder | None":
+        """The engine decoder of ``model``, or None where it does not apply (see the module doc)."""
         cfg = model.config
         if cfg.model_type not in FAMILIES or attention_kernel is None or getattr(cfg, "clip_qkv", None) is not None:
             return None
@@ -225,12 +251,16 @@ class LeanDecoder:
                 else:
                     return None
                 shared_down = mlp.down_proj.weight.detach()
-            layers.append(LeanLayer(
+            layers.append(DecoderLayer(
                 index, Norm.of(block.input_layernorm), Norm.of(block.post_attention_layernorm),
                 torch.cat([p.weight for p in projections]).detach().contiguous(),
                 torch.cat(biases).detach() if all(b is not None for b in biases) else None,
                 Norm.of(q_norm) if q_norm is not None else None, Norm.of(k_norm) if k_norm is not None else None,
-                attn.o_proj.weight.detach(), layer, moe_in, shared, shared_gate, shared_down))
+                attn.o_proj.weight.detach(), layer, moe_in, shared, shared_gate, shared_down,
+                tuple((p.weight.detach(), None if p.bias is None else p.bias.detach()) for p in projections),
+                None if layer.shared_expert is None else tuple(
+                    m.weight.detach() for m in (layer.shared_expert.gate_proj, layer.shared_expert.up_proj,
+                                                layer.shared_gate))))
         if any(t.dtype != dtype for l in layers for t in (l.qkv, l.o, l.moe_in)):
             return None
         attn = decoder_layers(model)[0].self_attn
@@ -240,7 +270,7 @@ class LeanDecoder:
                       rotary_table(inner.rotary_emb, inner.embed_tokens.weight, max_model_len),
                       sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
                       cfg.num_key_value_heads, attn.head_dim, float(attn.scaling),
-                      tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)),
+                      model_hooks(model),
                       rotary_kernel, add_norm_kernel,
                       layer_ops if fusable and rotary_kernel is not None and add_norm_kernel is not None else None,
                       round_weights=controller.spec.cast_weights_to_logits_dtype)
@@ -250,13 +280,7 @@ class LeanDecoder:
         return replace(decoder, graph=BoundGraph.build(decoder, kv_cache, block_size, expert_weights))
 
     def hooked(self) -> bool:
-        """Whether a forward (pre-)hook is registered on the model or globally: the step then runs
-        transformers' modules, which call them."""
-        from torch.nn.modules import module as nn_module
-
-        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-            return True
-        return any(self.hooks)   # registering a hook adds to these dicts in place: one C-level pass a step
+        return hooked(self.hooks)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, step: Step, controller) -> torch.Tensor:
         """One decode step: ids [B], positions [B] -> logits [B, V]. Runs inside ``running(step)``
@@ -303,7 +327,46 @@ class LeanDecoder:
             x, h = next_norm.after_add(x, self.moe(layer, h, controller, step), norm, self.add_norm)
         return module_linear(h, self.lm_head)                                 # [B, V]
 
-    def native_layer(self, layer: LeanLayer, next_norm: Norm, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, step: Step, controller,
+                keep: torch.Tensor) -> torch.Tensor:
+        """One prefill step: ids [T], positions [T] (every prompt back to back) -> logits [K, V] of the
+        rows ``keep`` [K]. transformers' decoder layer op for op (its projections one by one, its norms,
+        rotary, attention through ``attention.prefill_attention``, the MoE block through the routing
+        controller and the step's experts path), so it equals the module path bit for bit; without the
+        decode step's native linear and norm ops, which a prefill step does not use."""
+        T, nH, nKV, D = ids.shape[0], self.heads, self.kv_heads, self.head_dim
+        x = F.embedding(ids, self.embed)                                      # [T, H] the residual stream
+        if self.rotary_table is not None:
+            cos, sin = (t[positions][None] for t in self.rotary_table)        # [1, T, D] each
+        else:
+            cos, sin = self.rotary(x, positions[None])                        # [1, T, D] each
+        for layer in self.layers:
+            h = layer.input_norm(x, None)                                     # [T, H]
+            q, k, v = (module_linear(h, w, b) for w, b in layer.projections)  # [T, nH D | nKV D | nKV D]
+            if layer.q_norm is not None:
+                q, k = layer.q_norm.heads(q.view(T, nH, D), None), layer.k_norm.heads(k.view(T, nKV, D), None)
+            q, k, v = (t.reshape(1, T, -1, D).transpose(1, 2) for t in (q, k, v))   # [1, n, T, D]
+            q, k = self.apply_rotary(q, k, cos, sin)                          # [1, n, T, D]
+            o = attention.prefill_attention(q, k, v, step.kv, layer.index, self.scaling)   # [1, T, nH, D]
+            x = x + module_linear(o.reshape(T, nH * D), layer.o)             # [T, H]
+            h = layer.post_norm(x, None)
+            x = x + self.moe_prefill(layer, h, controller, step)              # [T, H]
+        return module_linear(self.final_norm(x, None)[keep], self.lm_head)   # [K, V]
+
+    @staticmethod
+    def moe_prefill(layer: DecoderLayer, h: torch.Tensor, controller, step: Step) -> torch.Tensor:
+        """The sparse MoE block of a prefill step: the routed experts through the step's experts path
+        (``experts_forward``, as transformers' block calls its experts module), plus the sigmoid-gated
+        shared expert from its own three projections."""
+        _, weights, index = controller.route_layer(layer.moe, h)                     # [T, K] each
+        out = experts_forward(layer.moe.experts, h, index, weights)                  # [T, H]
+        if layer.shared_own is None:
+            return out
+        gate, up, shared_gate = layer.shared_own
+        shared = module_linear(F.silu(module_linear(h, gate)) * module_linear(h, up), layer.shared_down)  # [T, H]
+        return out + torch.sigmoid(module_linear(h, shared_gate)) * shared
+
+    def native_layer(self, layer: DecoderLayer, next_norm: Norm, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, step: Step, controller) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer through the native layer ops, the same arithmetic as ``forward``'s Python loop op for op:
         one ``decode_layer`` call under the full router, else ``attention_block``, the controller's
@@ -331,7 +394,7 @@ class LeanDecoder:
                              *layer.unstacked_shared, next_norm.weight, next_norm.eps)
 
     @staticmethod
-    def moe(layer: LeanLayer, h: torch.Tensor, controller, step: Step) -> torch.Tensor:
+    def moe(layer: DecoderLayer, h: torch.Tensor, controller, step: Step) -> torch.Tensor:
         """The sparse MoE block: routed experts (+ the sigmoid-gated shared expert). The experts run
         the module path's native call directly (not through the module and transformers' dispatch)."""
         _, weights, index = controller.route_layer(layer.moe, h)                   # [B, K] each

@@ -3,7 +3,7 @@
 Why: at batch 1 a decode step is dispatch-bound; a linear layer of a few rows through the library
 GEMM pays for packing its weight, and transformers' RMSNorm is six ops. Each layer's ``__class__`` is
 swapped once (like the routers'), so outside an engine decode step it is the stock layer, and the
-module path and the lean path (``decode_forward.py``) run the same arithmetic, bit for bit.
+module path and the engine's decoder (``runtime/decoder.py``) run the same arithmetic, bit for bit.
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def install_native_linears(model) -> int:
 
 def pack_linears(model, keep: tuple = (), dtypes: tuple = (torch.bfloat16,)) -> int:
     """Pack, in place, the native linear layers whose weights are of ``dtypes`` (bf16 where that pays:
-    ``packed_bf16_linears_pay``; fp32 where the engine packs and no lean decoder reads the layers, see
+    ``packed_bf16_linears_pay``; fp32 where the engine packs and no engine decoder reads the layers, see
     ``ModelRunner``): the op's panel tile then reads them (``kernels.pack_weight``), in decode steps and
     prefill steps alike (at prefill's rows it is GEMM-shaped). A weight another module also holds (tied
     embeddings) stays as it is, as do the modules in ``keep`` (routers: routing reads their weight).

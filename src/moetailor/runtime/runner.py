@@ -14,7 +14,8 @@ import torch
 from .. import kernels
 from . import attention, experts
 from .config import EngineConfig
-from .decoder import LeanDecoder
+from .decoder import Decoder
+from .deepseek import MlaDecoder
 from .native_layers import (
     bf16_gemm_is_fast,
     install_native_linears,
@@ -97,18 +98,21 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.kv_cache = self._allocate()
         self._compiled = torch.compile(model, dynamic=True) if config.compile_decode else None   # decode steps
-        self.lean = LeanDecoder.build(model, self.controller, self.native_attention,
-                                      kernels.rotary_kv_write() if self.native_attention is not None else None,
-                                      kernels.add_rms_norm() if self.native_attention is not None else None,
-                                      config.max_model_len,
-                                      kernels.decode_layer_ops() if self.native_attention is not None else None,
-                                      self.kv_cache, config.block_size, self.expert_weights[False]) \
-            if config.lean_decode and self._compiled is None else None
-        if self.lean is None and self.native_linear is not None and self.expert_weights[True] is not None:
-            # fp32 layers too, where the engine packs (AVX-512) and no lean decoder holds them: the packed
-            # op runs a 2048 x 2048 fp32 layer 1.2-4.6x faster than torch's fp32 GEMM at 1-512 rows
-            # (docs/benchmarks.md), whose decode-size GEMMs were a third of a batch-32 step of the synthetic model
+        own = config.own_decoder and self._compiled is None
+        self.decoder = Decoder.build(model, self.controller, self.native_attention,
+                                     kernels.rotary_kv_write() if self.native_attention is not None else None,
+                                     kernels.add_rms_norm() if self.native_attention is not None else None,
+                                     config.max_model_len,
+                                     kernels.decode_layer_ops() if self.native_attention is not None else None,
+                                     self.kv_cache, config.block_size, self.expert_weights[False]) if own else None
+        if self.decoder is None and self.native_linear is not None and self.expert_weights[True] is not None:
+            # fp32 layers too, where the engine packs (AVX-512) and the Qwen-MoE decoder, which stacks them, does
+            # not hold them: the packed op runs a 2048 x 2048 fp32 layer 1.2-4.6x faster than torch's fp32 GEMM at
+            # 1-512 rows (docs/benchmarks.md), whose decode-size GEMMs were a third of a batch-32 step of the
+            # synthetic model
             pack_linears(self.model, keep=tuple(l.router for l in self.controller.layers), dtypes=(torch.float32,))
+        if self.decoder is None and own:   # after packing: it reads the layers' weights as packed
+            self.decoder = MlaDecoder.build(model, config.max_model_len)
 
     def _pad_experts(self, owns_model: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Experts whose width is not a multiple of the native kernel's vector (``experts.pad_width``), padded:
@@ -304,11 +308,14 @@ class ModelRunner:
             keep = self._tensor([p for i, all_rows in enumerate(every)
                                  for p in (range(cu[i], cu[i + 1]) if all_rows else [cu[i + 1] - 1])])  # [K]
         cast = self.config.prefill_dtype if is_prefill else None
-        autocast = torch.autocast(self.device.type, dtype=cast) if cast is not None and cast != self.config.dtype \
-            else nullcontext()
+        cast = cast if cast is not None and cast != self.config.dtype else None
+        autocast = torch.autocast(self.device.type, dtype=cast) if cast is not None else nullcontext()
+        own = self.decoder is not None and cast is None and not self.decoder.hooked()   # else transformers' modules
         with running(step), autocast:
-            if not is_prefill and self.lean is not None and not self.lean.hooked():
-                logits = self.lean.forward(packed[0], packed[1], step, self.controller)  # [B, V]
+            if own and is_prefill:
+                logits = self.decoder.prefill(packed[0], packed[1], step, self.controller, keep)   # [K, V]
+            elif own:
+                logits = self.decoder.forward(packed[0], packed[1], step, self.controller)  # [B, V]
             else:
                 forward = self.model if is_prefill or self._compiled is None else self._compiled
                 logits = forward(input_ids=packed[0][None], position_ids=packed[1][None],   # [1, T] each

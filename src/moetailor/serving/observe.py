@@ -33,7 +33,7 @@ def full_routes(controller, layer: MoeLayer, logits: torch.Tensor, weights: torc
     routing = step.routing if step is not None else None
     if routing is None or (routing.policy.get(layer.index) is None and routing.token_top_k is None):
         return weights, index
-    return controller._apply(layer, logits, None, None, None, None)
+    return controller.apply_policy(layer, logits, None, None, None, None)
 
 
 def engine_observer(model, controller, path: str | Path, every: int = 0, command: str | None = None) -> ObservedStats:

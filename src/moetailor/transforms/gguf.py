@@ -146,7 +146,7 @@ def import_converter():
             sys.path.insert(0, str(path))
     try:
         import conversion
-        import gguf   # noqa: F401
+        import gguf  # noqa: F401
     except ImportError as e:
         raise FileNotFoundError(f"llama.cpp's converter in {where} cannot be imported ({e}); run {SETUP}") from None
     return conversion

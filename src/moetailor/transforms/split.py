@@ -59,13 +59,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
 from ..models.adapters import MoeLayer, moe_layers
 from ..models.architectures import arch_spec
 from ..models.groups import chosen_groups, is_grouped, split_order
-from ..models.loading import model_fingerprint, resolve_model_path
-from ..models.loading import read_split_sidecar  # noqa: F401 (the split record, read where it is written)
+from ..models.loading import (
+    model_fingerprint,
+    read_split_sidecar,  # noqa: F401 (the split record, read where it is written)
+    resolve_model_path,
+)
 from ..models.sidecars import SPLIT_SIDECAR
+from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
 
 SIDECAR = SPLIT_SIDECAR
 METHODS = ("anneal", "random")

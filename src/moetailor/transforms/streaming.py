@@ -17,7 +17,6 @@ from .artifacts import COPIED, checkpoint_directory, copy_tokenizer, refuse_exis
 from .prune import kept_per_layer, novice_substituted, pruned_config, pruned_name, write_sidecar
 
 
-
 def prune_checkpoint_streamed(source: str | Path, plan: Plan | str | Path, out: str | Path, overwrite: bool = False,
                               phase: str = "decode", command: str | None = None, shard_bytes: int = 1 << 30,
                               progress: bool = True) -> Path:

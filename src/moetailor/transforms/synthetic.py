@@ -163,8 +163,8 @@ def write_synthetic(preset: str, out: str | Path, *, layers: int | None = None, 
     """Write a synthetic checkpoint of ``preset``'s shape to ``out`` (bf16, sharded); returns ``out``."""
     from tqdm import tqdm
 
-    from .artifacts import checkpoint_directory, copy_tokenizer
     from ..models.loading import REFERENCE_DIR
+    from .artifacts import checkpoint_directory, copy_tokenizer
 
     config = synthetic_config(preset, layers, **overrides)
     dtype = torch.bfloat16

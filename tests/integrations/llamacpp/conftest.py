@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from llamacpp_helpers import ASSETS, BUNDLED_PLAN, task_prompts, with_config
 
 

@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import pytest
-
 from llamacpp_helpers import SKIP_REASON, TOLERANCE, copy_bundled_tokenizer, engine_run, top_logprob_gap
 
 pytest.importorskip("llama_cpp", reason=SKIP_REASON)
 
-from moetailor.integrations.llamacpp import greedy, last_logits, load   # noqa: E402
+from moetailor.integrations.llamacpp import greedy, last_logits, load  # noqa: E402
 
 PROMPTS = ["12+34=", "reverse: abc ->", "sort 3 1 2:", "the quick brown fox", "def f(x):\n    return x"]
 KEEP = (0, 2, 5, 7)

@@ -6,14 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from llamacpp_helpers import (ASSETS, MAX_TOKENS, SKIP_REASON, TOLERANCE, engine_run, heldout_texts,
-                              top_logprob_gap)
+from llamacpp_helpers import ASSETS, MAX_TOKENS, SKIP_REASON, TOLERANCE, engine_run, heldout_texts, top_logprob_gap
 
 pytest.importorskip("llama_cpp", reason=SKIP_REASON)
 
-from moetailor.integrations.llamacpp import (BatchedDecoder, greedy, last_logits, load,   # noqa: E402
-                                             phase_aware_greedy, tokenize)
+from moetailor.integrations.llamacpp import BatchedDecoder, greedy, last_logits, load, phase_aware_greedy, tokenize  # noqa: E402
 
 EOS = {0}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from vllm_helpers import BUNDLED_PLAN, task_prompts
 
 # the plugin's engine calls reach vLLM's workers as functions (moetailor.integrations.vllm.rpc); vLLM's

@@ -3,7 +3,6 @@ vLLM's fused-MoE layer: phase-aware masking and per-request budgets equal moetai
 from __future__ import annotations
 
 import pytest
-
 from vllm_helpers import SKIP_REASON, vllm_engine
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
@@ -32,8 +31,8 @@ def tiny_checkpoint(arch: str, path):
 def test_tiny_model_phase_aware_and_budget_equal_engine(arch, experts_kernel, tmp_path):
     """experts_kernel: the MoE layers on moetailor's experts kernel (vLLM's compiled mode traces
     through these architectures' MoE layers, so the kernel's path must be traceable)."""
-    from moetailor.serving import LLM, SamplingParams
     from moetailor.integrations.vllm.launch import engine_kwargs
+    from moetailor.serving import LLM, SamplingParams
 
     plan_path, plan = tiny_checkpoint(arch, tmp_path)
     ks = [None, 1, None, 1, 2, None]

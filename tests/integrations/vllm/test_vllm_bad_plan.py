@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from vllm_helpers import BUNDLED_PLAN, SKIP_REASON
 
 pytest.importorskip("vllm", reason=SKIP_REASON)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-
 from vllm_helpers import MAX_TOKENS, SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
@@ -31,9 +30,9 @@ def pair(pruned, tmp_path_factory):
 def test_disaggregated_pair_equals_phase_aware_engine(pair, prompts, quarter_plan):
     from vllm import SamplingParams
 
-    from moetailor.serving import LLM
     from moetailor.integrations.vllm.disagg import generate_pair
     from moetailor.plans import Plan
+    from moetailor.serving import LLM
 
     prefill_llm, decode_llm, storage = pair
     tok = LLM("reference").tokenizer

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from vllm_helpers import SKIP_REASON
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
@@ -17,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_docs_python_example_runs_and_equals_engine(tmp_path):
-    from moetailor.serving import LLM, SamplingParams
     from moetailor.plans import Plan
+    from moetailor.serving import LLM, SamplingParams
 
     text = (ROOT / "docs" / "vllm.md").read_text()
     block = re.search(r"```python\n(.*?)```", text, re.S).group(1)

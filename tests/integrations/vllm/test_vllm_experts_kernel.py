@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from vllm_helpers import SKIP_REASON
 
 pytest.importorskip("vllm", reason=SKIP_REASON)

@@ -7,7 +7,6 @@ import contextlib
 import os
 
 import pytest
-
 from vllm_helpers import MAX_TOKENS, SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)

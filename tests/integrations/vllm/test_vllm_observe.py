@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-
 from vllm_helpers import SKIP_REASON, vllm_engine
 
 pytest.importorskip("vllm", reason=SKIP_REASON)

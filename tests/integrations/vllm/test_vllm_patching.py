@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-
 from vllm_helpers import SKIP_REASON
 
 pytest.importorskip("vllm", reason=SKIP_REASON)

@@ -4,7 +4,6 @@ compiled mode (on CPU: one Dynamo trace, guards dropped) and with enforce_eager.
 from __future__ import annotations
 
 import pytest
-
 from vllm_helpers import SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
@@ -27,7 +26,7 @@ def phase_aware_vllm(request, quarter_plan):
     with vllm_engine(**kwargs) as llm:
         if "experts kernel" in request.param:
             assert call(llm, experts_kernel_layers) == [6], "every MoE layer on moetailor's kernel"
-            from moetailor import kernels    # its experts packed as the engine holds them, where that pays
+            from moetailor import kernels  # its experts packed as the engine holds them, where that pays
             assert call(llm, experts_kernel_layers, True) == \
                 [6 if kernels.packed_weights_pay() else 0]
         yield llm

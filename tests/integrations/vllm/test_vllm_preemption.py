@@ -11,7 +11,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
 from vllm_helpers import MAX_TOKENS, SKIP_REASON, engine_token_ids, vllm_engine, vllm_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
@@ -27,9 +26,9 @@ def case(quarter_plan, prompts, tmp_path_factory):
     """The pair's prefill instance (full model, started once) and what each decode instance needs.
     The decode model keeps a quarter of the experts (`quarter_plan`): the bundled 50% plan leaves
     these prompts' outputs unchanged, so a wrong prompt recompute could not show with it."""
-    from moetailor.serving import LLM
     from moetailor.integrations.vllm.disagg import pair_kwargs
     from moetailor.plans import Plan
+    from moetailor.serving import LLM
     from moetailor.transforms import prune_checkpoint
 
     tmp = tmp_path_factory.mktemp("preempt")

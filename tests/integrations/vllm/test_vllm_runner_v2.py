@@ -20,7 +20,6 @@ import types
 
 import numpy as np
 import pytest
-
 from vllm_helpers import SKIP_REASON
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
@@ -75,8 +74,8 @@ def _req_states(prompt_lens):
 
 
 def test_the_v2_adapter_reads_each_token_phase_and_budget_from_vllms_own_objects():
-    from moetailor.integrations.vllm.runners import watch_model_state
     from moetailor.integrations.vllm.routing import StepTokens
+    from moetailor.integrations.vllm.runners import watch_model_state
 
     state, seen = _model_state()
     tokens = StepTokens(8, 4, "cpu")

@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from vllm_helpers import SKIP_REASON, engine_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)

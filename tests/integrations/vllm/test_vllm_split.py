@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from vllm_helpers import SKIP_REASON, vllm_engine, vllm_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)

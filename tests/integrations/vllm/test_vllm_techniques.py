@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from vllm_helpers import BUNDLED_PLAN, SKIP_REASON, vllm_engine, vllm_token_ids
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
@@ -67,8 +66,8 @@ def stacked_vllm(request, stacked_plan):
 
 
 def engine_run(plan_path, prompts, ks):
-    from moetailor.serving import LLM, SamplingParams
     from moetailor.plans import Plan
+    from moetailor.serving import LLM, SamplingParams
 
     llm = LLM("reference", Plan.load(plan_path) if plan_path else None)
     out = llm.generate(prompts, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, expert_top_k=k) for k in ks])

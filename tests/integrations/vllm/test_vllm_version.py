@@ -4,7 +4,6 @@ registered name changed."""
 from __future__ import annotations
 
 import pytest
-
 from vllm_helpers import SKIP_REASON
 
 pytest.importorskip("vllm", reason=SKIP_REASON)

@@ -4,8 +4,15 @@ from __future__ import annotations
 import pytest
 
 from moetailor.serving.server import ServerLimits
-from moetailor.serving.server.requests import (BadRequest, TooLarge, completion_request, detokenize_request,
-                                              resolve_plan, sampling_from, tokenize_request)
+from moetailor.serving.server.requests import (
+    BadRequest,
+    TooLarge,
+    completion_request,
+    detokenize_request,
+    resolve_plan,
+    sampling_from,
+    tokenize_request,
+)
 
 
 def test_sampling_fields_become_sampling_params():

@@ -6,14 +6,13 @@ import time
 
 import httpx
 import pytest
+from engine_helpers import char_tokenizer, start_server
 
-from moetailor.serving import LLM, SamplingParams
-from moetailor.serving.server import create_app
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
-
-from engine_helpers import char_tokenizer, start_server
+from moetailor.serving import LLM, SamplingParams
+from moetailor.serving.server import create_app
 
 NUM_BLOCKS = 64
 

@@ -9,14 +9,13 @@ import random
 
 import httpx
 import pytest
+from engine_helpers import char_tokenizer, idle, start_server
 
-from moetailor.serving import LLM
-from moetailor.serving.server import ServerLimits, create_app
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
-
-from engine_helpers import char_tokenizer, idle, start_server
+from moetailor.serving import LLM
+from moetailor.serving.server import ServerLimits, create_app
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "seed", "stop", "stream", "ignore_eos", "expert_top_k", "expert_plan", "n", "best_of", "presence_penalty",

@@ -11,15 +11,14 @@ import time
 
 import httpx
 import pytest
+from engine_helpers import char_tokenizer, idle, start_server
 
-from moetailor.serving import LLM, SamplingParams
-from moetailor.serving.guard import GuardConfig, shadow_id
-from moetailor.serving.server import ServerLimits, create_app
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
-
-from engine_helpers import char_tokenizer, idle, start_server
+from moetailor.serving import LLM, SamplingParams
+from moetailor.serving.guard import GuardConfig, shadow_id
+from moetailor.serving.server import ServerLimits, create_app
 
 MAX_LEN = 8192       # long enough that a dropped request could not finish on its own during a test
 

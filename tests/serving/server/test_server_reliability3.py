@@ -13,11 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from engine_helpers import start_server
 
 from moetailor.serving import LLM, SamplingParams
 from moetailor.serving.server import create_app
-
-from engine_helpers import start_server
 
 ROOT = Path(__file__).resolve().parents[3]
 REAP_50 = ROOT / "src" / "moetailor" / "assets" / "plans" / "reference-reap-50.json"

@@ -17,12 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from engine_helpers import char_tokenizer, idle, start_server
 
+from moetailor.models.tiny import tiny_model
 from moetailor.serving import LLM
 from moetailor.serving.server import ServerLimits, create_app
-from moetailor.models.tiny import tiny_model
-
-from engine_helpers import char_tokenizer, idle, start_server
 
 ROOT = Path(__file__).resolve().parents[3]
 ADD = {"prompt": "add 12 + 34", "max_tokens": 20, "temperature": 0}   # "\n2+4+0=6 c0 | 6\n1+3+0=" greedily

@@ -81,10 +81,10 @@ def prepare(args) -> dict:
     if args.model == "synthetic":
         model_dir = args.out / "synthetic"
         if not (model_dir / "config.json").exists():
+            import torch
+
             from ...bench.synthetic import synthetic_model
             from ...models.tiny import char_tokenizer
-
-            import torch
 
             model = synthetic_model(layers=2).to(getattr(torch, args.dtype))
             model.save_pretrained(model_dir)

@@ -93,8 +93,7 @@ def _unsupported(experts, layer) -> str | None:
 
 def install_patches() -> None:
     """Wrap ``CPUUnquantizedExperts`` (idempotent; a build without it has no CPU fused-MoE to replace)."""
-    from .names import CPU_EXPERTS
-    from .names import wrap_method
+    from .names import CPU_EXPERTS, wrap_method
 
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts

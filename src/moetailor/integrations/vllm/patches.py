@@ -15,9 +15,9 @@ import os
 from vllm.logger import init_logger
 
 from . import names as N
-from .plan import EXPERT_TOP_K, load_checked_plan, plan_settings, router_tables
 from .names import wrap_method
 from .observe import OBSERVE_KEY, OBSERVERS, check_observable, make_observer, observe_settings, writes_here
+from .plan import EXPERT_TOP_K, load_checked_plan, plan_settings, router_tables
 from .runners import adapters_for
 
 log = init_logger("moetailor.vllm")

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...routing.budgets import budget_of
 from ...models.architectures import RouterSemantics
+from ...routing.budgets import budget_of
 from ...routing.router import CompiledPolicy, route
 from .plan import DECODE_FROM, EXPERT_TOP_K, RouterTables
 
