@@ -53,7 +53,7 @@ def test_own_decoder_equals_the_module_path(one_thread, arch, dtype, packed):
 
 
 class CountingOps:
-    """The decode-layer ops, counting the calls of each."""
+    """A bound decode graph, counting the calls of each of its methods."""
     def __init__(self, ops):
         self.ops, self.calls = ops, {}
 
@@ -70,8 +70,8 @@ class CountingOps:
                                                 ("qwen2_moe", torch.bfloat16, False)])
 def test_decode_layers_run_in_one_native_call_under_the_full_router(one_thread, arch, dtype, packed):
     """Steps of at most 8 rows: the whole step in one native call (the bound ``DecodeGraph``) under
-    the full router, else one ``decode_layer`` call a layer, and ``attention_block`` + the controller
-    + ``moe_block`` under a plan; each equals the module path (bf16: converted and rounded where the
+    the full router, else one call of each bound layer (``layer``), and its ``attention`` + the
+    controller + its ``moe`` under a plan; each equals the module path (bf16: converted and rounded where the
     Python loop converts and rounds, OLMoE's q/k norm over the whole projection, Mixtral's routing
     weights kept in fp32, Qwen2-MoE's shared expert through its own projections; packed projections as
     real-size bf16 checkpoints have them)."""
@@ -82,13 +82,14 @@ def test_decode_layers_run_in_one_native_call_under_the_full_router(one_thread, 
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
     layers, steps = len(model.model.layers), 5
     plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 2, 5)))
-    for plan, graph, calls in ((None, True, {}), (None, False, {"decode_layer": steps * layers}),
-                               (plan, True, {"attention_block": steps * layers, "moe_block": steps * layers})):
+    for plan, whole_step, calls in ((None, True, {"forward": steps}), (None, False, {"layer": steps * layers}),
+                                    (plan, True, {"attention": steps * layers, "moe": steps * layers})):
         llm = LLM(model, plan, pack_weights=packed)
-        assert llm.runner.decoder.graph is not None and (not packed or kernels.is_packed(llm.runner.decoder.layers[0].qkv))
-        counting = CountingOps(llm.runner.decoder.layer_ops)
-        llm.runner.decoder = dataclasses.replace(llm.runner.decoder, layer_ops=counting,
-                                              graph=llm.runner.decoder.graph if graph else None)
+        graph = llm.runner.decoder.graph
+        assert graph is not None and graph.whole_step and (not packed or kernels.is_packed(llm.runner.decoder.layers[0].qkv))
+        counting = CountingOps(graph.op)
+        llm.runner.decoder = dataclasses.replace(llm.runner.decoder, graph=dataclasses.replace(
+            graph, op=counting, whole_step=whole_step))
         got = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
         assert counting.calls == calls
         assert got == run(model, plan, False, prompts, params, pack_weights=packed)[0]
@@ -98,7 +99,7 @@ def test_decode_layers_run_in_one_native_call_under_the_full_router(one_thread, 
                                          ("mixtral", False), ("qwen2_moe", True)])
 def test_decode_steps_run_the_native_router_with_the_stock_routes(one_thread, arch, masked):
     """Decode steps route through the native ``softmax_topk`` op (logits through the step's linear
-    op): the lean forward (its ``decode_layer`` op selects inside) still equals the module path bit
+    op): the engine's decoder (its bound ``layer`` selects inside) still equals the module path bit
     for bit, and the outputs equal the stock router's (torch's linear, softmax and top-k) up to float
     rounding."""
     model = tiny_model(arch, seed=5)

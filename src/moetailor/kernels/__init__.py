@@ -136,20 +136,6 @@ def _register_fakes() -> None:
     def _(q, k_cache, v_cache, block_table, lengths, block_size, scale):
         return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])       # [B, nH, Dv] fp32
 
-    @torch.library.register_fake("moetailor::attention_block")
-    def _(x, h, qkv, qkv_bias, q_norm, k_norm, qk_eps, cos, sin, k_cache, v_cache, slot_mapping, block_table,
-          context_lens, block_size, scaling, o, post_norm, post_eps, moe_in, heads, kv_heads):
-        return torch.empty_like(x), torch.empty_like(x), x.new_empty(x.shape[0], moe_in.shape[0])  # [B, H] x2, [B, N]
-
-    @torch.library.register_fake("moetailor::moe_block")
-    def _(x, h, index, weight, gate_up, down, experts_read, layer, moe_in_out, num_experts, shared_down,
-          shared_gate_up, shared_gate, next_norm, next_eps):
-        return torch.empty_like(x), torch.empty_like(x)                     # [B, H] each
-
-    @torch.library.register_fake("moetailor::decode_layer")
-    def _(x, *args):
-        return torch.empty_like(x), torch.empty_like(x)                     # [B, H] each
-
 
 def swiglu_experts():
     """The op ``swiglu_experts(x [T, H] fp32, gate_up [E, 2I, H], down [E, H, I], index [T, K] int64,
@@ -193,12 +179,11 @@ def add_rms_norm():
     return None if ops is None else ops.add_rms_norm
 
 
-def decode_layer_ops():
-    """The ops that run one decode layer in one to three calls (``decode_layer.cpp``:
-    ``attention_block``, ``moe_block`` and both with the selection between them, ``decode_layer``),
-    as the ``torch.ops.moetailor`` namespace, or None."""
-    return _module()
-
+def decode_graph():
+    """The native decode step as a torch class (``decode_layer.cpp``: ``DecodeGraph``, the layers' weights
+    and KV cache bound once; a whole full-router step in one call, or one bound layer in one to three
+    calls: ``attention``, ``moe``, and both with the selection between them, ``layer``), or None."""
+    return None if _module() is None else torch.classes.moetailor.DecodeGraph
 
 def rows_linear_pays() -> bool:
     """Whether ``rows_linear`` beats torch's GEMV on this processor: where the kernels have a register

@@ -18,24 +18,13 @@ TORCH_LIBRARY(moetailor, m) {
         "int block_size, float scale) -> Tensor");
   m.def("rotary_kv_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
-  m.def("attention_block(Tensor x, Tensor h, Tensor qkv, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
-        "float qk_eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-        "Tensor block_table, Tensor context_lens, int block_size, float scaling, Tensor o, Tensor post_norm, "
-        "float post_eps, Tensor moe_in, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
-  m.def("moe_block(Tensor x, Tensor h, Tensor index, Tensor weight, Tensor gate_up, Tensor down, "
-        "Tensor(a!) experts_read, int layer, Tensor moe_in_out, int num_experts, Tensor? shared_down, "
-        "Tensor? shared_gate_up, Tensor? shared_gate, Tensor next_norm, float next_eps) -> (Tensor, Tensor)");
-  m.def("decode_layer(Tensor x, Tensor h, Tensor qkv, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
-        "float qk_eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-        "Tensor block_table, Tensor context_lens, int block_size, float scaling, Tensor o, Tensor post_norm, "
-        "float post_eps, Tensor moe_in, int heads, int kv_heads, int top_k, bool normalise, Tensor gate_up, "
-        "Tensor down, Tensor(c!) experts_read, int layer, int num_experts, Tensor? shared_down, "
-        "Tensor? shared_gate_up, Tensor? shared_gate, Tensor next_norm, float next_eps, bool round_weights) "
-        "-> (Tensor, Tensor)");
   m.class_<DecodeGraph>("DecodeGraph")
       .def(torch::init<at::Tensor, at::Tensor, double, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t,
                        double>())
       .def("add_layer", &DecodeGraph::add_layer)
+      .def("attention", &DecodeGraph::attention)
+      .def("moe", &DecodeGraph::moe)
+      .def("layer", &DecodeGraph::layer)
       .def("forward", &DecodeGraph::forward);
 }
 
@@ -47,7 +36,4 @@ TORCH_LIBRARY_IMPL(moetailor, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("rotary_kv_write", &rotary_kv_write);
-  m.impl("attention_block", &attention_block);
-  m.impl("moe_block", &moe_block);
-  m.impl("decode_layer", &decode_layer);
 }

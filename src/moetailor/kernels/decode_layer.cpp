@@ -2,7 +2,7 @@
 // Why: at batch 1 a step is ~150 torch ops from Python, each costing a few microseconds of dispatch
 // and interpreter time beside kernels that read a few hundred kilobytes; llama.cpp runs its whole
 // graph without returning to a host language. These compose the existing ops (ops.h) in the order
-// engine/decode_forward.py calls them one by one, and the elementwise steps of the shared expert
+// runtime/decoder.py calls them one by one, and the elementwise steps of the shared expert
 // through ATen's own kernels (at::silu, at::sigmoid), so the result is the same, bit for bit.
 // fp32 or bf16: a bf16 layer converts where the Python loop converts (the attention and the experts take
 // fp32 rows and give back the layer's dtype; the router's logits are selected over in fp32 and its
@@ -22,7 +22,7 @@
 namespace {
 
 at::Tensor head_norm(const at::Tensor& t, const at::Tensor& weight, double eps) {
-  // decode_forward's Norm.heads on [B, heads, D]: per head where the weight holds D values (Qwen3-MoE),
+  // runtime/decoder.py's Norm.heads on [B, heads, D]: per head where the weight holds D values (Qwen3-MoE),
   // else over each token's whole projection (OLMoE), back to the view's shape
   const int64_t width = weight.numel() == t.size(-1) ? t.size(-1) : t.size(1) * t.size(2);
   return rms_norm(t.reshape({-1, width}).contiguous(), weight, eps).view(t.sizes());
@@ -125,7 +125,37 @@ void DecodeGraph::add_layer(at::Tensor qkv, c10::optional<at::Tensor> qkv_bias, 
                     next_norm, next_eps, round_weights});
 }
 
-// decode_forward.py's loop, in the same order: embedding, cos/sin rows of the table, the first norm,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> DecodeGraph::attention(
+    int64_t i, const at::Tensor& x, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& context_lens) {
+  auto& l = layers.at(i);
+  return attention_block(x, h, l.qkv, l.qkv_bias, l.q_norm, l.k_norm, l.qk_eps, cos, sin, l.k_cache, l.v_cache,
+                         slot_mapping, block_table, context_lens, block_size, scaling, l.o, l.post_norm, l.post_eps,
+                         l.moe_in, heads, kv_heads);
+}
+
+std::tuple<at::Tensor, at::Tensor> DecodeGraph::moe(int64_t i, const at::Tensor& x, const at::Tensor& h,
+                                                    const at::Tensor& index, const at::Tensor& weight,
+                                                    at::Tensor experts_read, const at::Tensor& moe_in_out) {
+  auto& l = layers.at(i);
+  return moe_block(x, h, index, weight, l.gate_up, l.down, experts_read, l.experts_layer, moe_in_out, l.num_experts,
+                   l.shared_down, l.shared_gate_up, l.shared_gate, l.next_norm, l.next_eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> DecodeGraph::layer(int64_t i, const at::Tensor& x, const at::Tensor& h,
+                                                      const at::Tensor& cos, const at::Tensor& sin,
+                                                      const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                                      const at::Tensor& context_lens, at::Tensor experts_read,
+                                                      int64_t top_k) {
+  auto& l = layers.at(i);
+  return decode_layer(x, h, l.qkv, l.qkv_bias, l.q_norm, l.k_norm, l.qk_eps, cos, sin, l.k_cache, l.v_cache,
+                      slot_mapping, block_table, context_lens, block_size, scaling, l.o, l.post_norm, l.post_eps,
+                      l.moe_in, heads, kv_heads, top_k > 0 ? std::min(l.top_k, top_k) : l.top_k, l.normalise,
+                      l.gate_up, l.down, experts_read, l.experts_layer, l.num_experts, l.shared_down,
+                      l.shared_gate_up, l.shared_gate, l.next_norm, l.next_eps, l.round_weights);
+}
+
+// runtime/decoder.py's loop, in the same order: embedding, cos/sin rows of the table, the first norm,
 // each layer's decode_layer, the LM head. top_k > 0: every layer routes min(its k, top_k) experts (a step whose
 // requests all share one budget); 0: each layer's own k.
 at::Tensor DecodeGraph::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
@@ -134,12 +164,7 @@ at::Tensor DecodeGraph::forward(const at::Tensor& ids, const at::Tensor& positio
   auto x = at::embedding(embed, ids);                                                      // [B, H]
   auto cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);  // [B, D]
   auto h = rms_norm(x, first_norm, first_eps);
-  for (auto& l : layers)
-    std::tie(x, h) = decode_layer(x, h, l.qkv, l.qkv_bias, l.q_norm, l.k_norm, l.qk_eps, cos, sin, l.k_cache,
-                                  l.v_cache, slot_mapping, block_table, context_lens, block_size, scaling, l.o,
-                                  l.post_norm, l.post_eps, l.moe_in, heads, kv_heads,
-                                  top_k > 0 ? std::min(l.top_k, top_k) : l.top_k, l.normalise, l.gate_up,
-                                  l.down, experts_read, l.experts_layer, l.num_experts, l.shared_down,
-                                  l.shared_gate_up, l.shared_gate, l.next_norm, l.next_eps, l.round_weights);
+  for (int64_t i = 0; i < static_cast<int64_t>(layers.size()); ++i)
+    std::tie(x, h) = layer(i, x, h, cos, sin, slot_mapping, block_table, context_lens, experts_read, top_k);
   return rows_linear(h, lm_head, c10::nullopt);                                           // [B, V]
 }

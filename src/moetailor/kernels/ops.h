@@ -83,6 +83,21 @@ struct DecodeGraph : torch::CustomClassHolder {
                  at::Tensor gate_up, at::Tensor down, int64_t experts_layer, int64_t num_experts,
                  c10::optional<at::Tensor> shared_down, c10::optional<at::Tensor> shared_gate_up,
                  c10::optional<at::Tensor> shared_gate, at::Tensor next_norm, double next_eps, bool round_weights);
+  // One bound layer (its index in add_layer order) of a decode step, the step's own inputs only:
+  // cos, sin [B, D]; slot_mapping, context_lens [B], block_table [B, nb] int64; experts_read [L] (written).
+  // `attention`: attention_block -> (x, h, h through moe_in); `moe`: moe_block on the step's routes
+  // (index [B, K] int64, weight [B, K] fp32) -> (x, h); `layer`: both with the full router's selection
+  // between them (top_k > 0: min(the layer's k, top_k)).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> attention(int64_t i, const at::Tensor& x, const at::Tensor& h,
+                                                           const at::Tensor& cos, const at::Tensor& sin,
+                                                           const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                                           const at::Tensor& context_lens);
+  std::tuple<at::Tensor, at::Tensor> moe(int64_t i, const at::Tensor& x, const at::Tensor& h, const at::Tensor& index,
+                                         const at::Tensor& weight, at::Tensor experts_read, const at::Tensor& moe_in_out);
+  std::tuple<at::Tensor, at::Tensor> layer(int64_t i, const at::Tensor& x, const at::Tensor& h, const at::Tensor& cos,
+                                           const at::Tensor& sin, const at::Tensor& slot_mapping,
+                                           const at::Tensor& block_table, const at::Tensor& context_lens,
+                                           at::Tensor experts_read, int64_t top_k);
   // ids, positions, slot_mapping, context_lens [B], block_table [B, nb] int64; experts_read [L] (written)
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                      const at::Tensor& block_table, const at::Tensor& context_lens, at::Tensor experts_read,

@@ -16,8 +16,8 @@ hook them (observers on every router, forward hooks on modules).
 
 With the native ops and at most ``NATIVE_LINEAR_ROWS`` rows the loop runs in C++ (the same ops in
 the same order, ``kernels/decode_layer.cpp``): a whole full-router step is one call of the
-``DecodeGraph`` bound at start-up (``BoundGraph``), a layer one ``decode_layer`` call, or under a plan,
-budgets or observers ``attention_block`` + the controller's routing + ``moe_block``.
+``DecodeGraph`` bound at start-up (``BoundGraph``), a layer one call of its bound layer, or under a
+plan, budgets or observers its ``attention`` + the controller's routing + its ``moe``.
 
 Covered (``Decoder.build`` returns None otherwise, and the engine keeps the module path):
 ``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 or bf16, ``olmoe`` and ``mixtral`` ones in bf16 (the
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from . import attention
-from .experts import experts_forward, layer_policy, native_experts_forward, novice_split, step_weights
+from .experts import experts_forward, layer_policy, native_experts_forward, novice_split
 from .native_layers import NATIVE_LINEAR_ROWS, native_linear, rms_norm
 from .step import Step
 
@@ -153,21 +153,22 @@ class DecoderLayer:
 
 @dataclass(frozen=True)
 class BoundGraph:
-    """The native ``DecodeGraph`` of a engine decoder: its weights, the runner's KV cache and decode
-    expert copies bound once, so a step under the full router passes only its own inputs."""
+    """The native ``DecodeGraph`` of an engine decoder: its layers' weights, the runner's KV cache and
+    decode expert copies bound once, so a step passes only its own inputs: the whole step in one call
+    (``op.forward``) or one bound layer (``op.layer``, ``op.attention`` / ``op.moe``)."""
     op: object                        # torch.classes.moetailor.DecodeGraph
-    kv_cache: list                    # what it was bound to: a step that brings others runs the loop
+    kv_cache: list                    # what it was bound to: a step that brings others runs the Python loop
     block_size: int
     expert_weights: dict | None
+    whole_step: bool                  # every router selects natively: a full-router step is one call
 
     @classmethod
-    def build(cls, decoder: "Decoder", kv_cache: list, block_size: int, expert_weights: dict | None) -> "BoundGraph":
+    def build(cls, decoder: "Decoder", graph_class, kv_cache: list, block_size: int,
+              expert_weights: dict | None, whole_step: bool) -> "BoundGraph":
         cos, sin = decoder.rotary_table
-        final = decoder.final_norm
-        op = torch.classes.moetailor.DecodeGraph(decoder.embed, decoder.layers[0].input_norm.weight,
-                                                 decoder.layers[0].input_norm.eps, decoder.lm_head, cos, sin, decoder.heads,
-                                                 decoder.kv_heads, block_size, decoder.scaling)
-        norms = [layer.input_norm for layer in decoder.layers[1:]] + [final]
+        op = graph_class(decoder.embed, decoder.layers[0].input_norm.weight, decoder.layers[0].input_norm.eps,
+                         decoder.lm_head, cos, sin, decoder.heads, decoder.kv_heads, block_size, decoder.scaling)
+        norms = [layer.input_norm for layer in decoder.layers[1:]] + [decoder.final_norm]
         for layer, next_norm in zip(decoder.layers, norms):
             moe = layer.moe
             gate_up, down = (expert_weights or {}).get(moe.index) or (moe.experts.gate_up_proj, moe.experts.down_proj)
@@ -176,14 +177,18 @@ class BoundGraph:
                          layer.post_norm.eps, layer.moe_in, moe.top_k, moe.semantics.normalise, gate_up, down,
                          getattr(moe.experts, "_moetailor_layer", -1), moe.num_experts, layer.shared_down,
                          *layer.unstacked_shared, next_norm.weight, next_norm.eps, decoder.round_weights)
-        return cls(op, kv_cache, block_size, expert_weights)
+        return cls(op, kv_cache, block_size, expert_weights, whole_step)
+
+    def binds(self, step: Step) -> bool:
+        """Whether ``step`` reads the cache and expert weights the graph was bound to."""
+        return (step.kv.cache is self.kv_cache and step.kv.block_size == self.block_size
+                and step.expert_weights is self.expert_weights)
 
     def runs(self, step: Step, controller) -> bool:
-        """Whether ``step`` can run as the bound graph: every layer under the full router (no plan, no
-        budgets, no observers) on the cache and expert weights it was bound to."""
-        return (controller.routes_every_layer_in_full(step) and not controller.observers
-                and step.kv.cache is self.kv_cache and step.kv.block_size == self.block_size
-                and step.expert_weights is self.expert_weights)
+        """Whether ``step`` runs as one call: every layer under the full router (no plan, no budgets, no
+        observers) on what the graph was bound to."""
+        return (self.whole_step and controller.routes_every_layer_in_full(step) and not controller.observers
+                and self.binds(step))
 
 
 @dataclass(frozen=True)
@@ -202,13 +207,12 @@ class Decoder:
     hooks: tuple[dict, ...]                # every module's forward (pre-)hook dicts, for ``hooked``
     rotary_kv: object = None               # the native rotary + k/v write op, else the model's rotary and two copies
     add_norm: object = None                # the native residual add + RMSNorm op, else an add and the norm
-    layer_ops: object = None               # the native decode-layer ops (kernels/decode_layer.cpp), or None
-    graph: "BoundGraph | None" = None      # the whole step under the full router in one native call, or None
+    graph: "BoundGraph | None" = None      # the native decode step (kernels/decode_layer.cpp), or None
     round_weights: bool = False            # the stock router returns bf16 weights (all but Mixtral): the native ops too
 
     @classmethod
     def build(cls, model, controller, attention_kernel, rotary_kernel=None, add_norm_kernel=None,
-              max_model_len: int = 0, layer_ops=None, kv_cache: list | None = None, block_size: int = 0,
+              max_model_len: int = 0, graph_class=None, kv_cache: list | None = None, block_size: int = 0,
               expert_weights: dict | None = None) -> "Decoder | None":
         """The engine decoder of ``model``, or None where it does not apply (see the module doc)."""
         cfg = model.config
@@ -271,13 +275,12 @@ class Decoder:
                       sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
                       cfg.num_key_value_heads, attn.head_dim, float(attn.scaling),
                       model_hooks(model),
-                      rotary_kernel, add_norm_kernel,
-                      layer_ops if fusable and rotary_kernel is not None and add_norm_kernel is not None else None,
-                      round_weights=controller.spec.cast_weights_to_logits_dtype)
-        if decoder.layer_ops is None or decoder.rotary_table is None or kv_cache is None or \
-                not all(getattr(l.moe.router, "_moetailor_native", False) for l in layers):
+                      rotary_kernel, add_norm_kernel, round_weights=controller.spec.cast_weights_to_logits_dtype)
+        if not fusable or None in (graph_class, rotary_kernel, add_norm_kernel, decoder.rotary_table, kv_cache):
             return decoder
-        return replace(decoder, graph=BoundGraph.build(decoder, kv_cache, block_size, expert_weights))
+        whole_step = all(getattr(l.moe.router, "_moetailor_native", False) for l in layers)
+        return replace(decoder, graph=BoundGraph.build(decoder, graph_class, kv_cache, block_size, expert_weights,
+                                                       whole_step))
 
     def hooked(self) -> bool:
         return hooked(self.hooks)
@@ -302,11 +305,11 @@ class Decoder:
         else:
             cos, sin = self.rotary(x, positions[None])                        # [1, B, D] each
         h = self.layers[0].input_norm(x, norm)                                # [B, H]
-        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-        if self.layer_ops is not None and native_rows and norm is not None:   # a native call or three a layer
-            for layer, next_norm in zip(self.layers, next_norms):
-                x, h = self.native_layer(layer, next_norm, x, h, cos[0], sin[0], step, controller)  # [B, H] each
+        if self.graph is not None and native_rows and norm is not None and self.graph.binds(step):
+            for i, layer in enumerate(self.layers):                           # a native call or three a layer
+                x, h = self.native_layer(i, layer, x, h, cos[0], sin[0], step, controller)  # [B, H] each
             return module_linear(h, self.lm_head)                             # [B, V]
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         for layer, next_norm in zip(self.layers, next_norms):
             qkv = module_linear(h, layer.qkv, layer.qkv_bias).view(B, nH + 2 * nKV, D)   # [B, nH + 2 nKV, D]
             q, k, v = torch.split_with_sizes(qkv, (nH, nKV, nKV), dim=1)      # [B, nH | nKV | nKV, D] views
@@ -366,32 +369,24 @@ class Decoder:
         shared = module_linear(F.silu(module_linear(h, gate)) * module_linear(h, up), layer.shared_down)  # [T, H]
         return out + torch.sigmoid(module_linear(h, shared_gate)) * shared
 
-    def native_layer(self, layer: DecoderLayer, next_norm: Norm, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
+    def native_layer(self, i: int, layer: DecoderLayer, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, step: Step, controller) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer through the native layer ops, the same arithmetic as ``forward``'s Python loop op for op:
-        one ``decode_layer`` call under the full router, else ``attention_block``, the controller's
-        routing of the layer's logits (plans, budgets, observers), then ``moe_block``."""
-        kv, moe, ops = step.kv, layer.moe, self.layer_ops
-        k_cache, v_cache = kv.cache[layer.index]                              # [slots, nKV, D] each
-        gate_up, down = step_weights(moe.experts, step)                       # [E, 2I, H], [E, H, I]
-        qk_norms = (None, None, 0.0) if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight,
-                                                                    layer.q_norm.eps)
-        attention = (layer.qkv, layer.qkv_bias, *qk_norms, cos, sin, k_cache, v_cache, kv.slot_mapping, kv.block_table,
-                     kv.context_lens, kv.block_size, self.scaling, layer.o, layer.post_norm.weight,
-                     layer.post_norm.eps, layer.moe_in, self.heads, self.kv_heads)
-        E, experts_layer = moe.num_experts, getattr(moe.experts, "_moetailor_layer", -1)
+        """Layer ``i`` through the bound graph's layer ops, the same arithmetic as ``forward``'s Python loop
+        op for op: one ``layer`` call under the full router, else ``attention``, the controller's routing
+        of the layer's logits (plans, budgets, observers), then ``moe``."""
+        kv, moe, graph = step.kv, layer.moe, self.graph.op
         if controller.selects_natively(moe, step) and not controller.observers:
-            return ops.decode_layer(x, h, *attention, controller.native_top_k(moe, step), moe.semantics.normalise, gate_up, down,
-                                    step.experts_read, experts_layer, E, layer.shared_down, *layer.unstacked_shared,
-                                    next_norm.weight, next_norm.eps, self.round_weights)
-        x, h, moe_in_out = ops.attention_block(x, h, *attention)             # [B, H] x2, [B, E (+ 2I + 1)]
-        _, weights, index = controller.route_layer(moe, h, logits=moe_in_out[:, :E])   # [B, K] each
+            budget = step.routing.k_max if step.routing.token_top_k is not None else 0   # 0: the layer's own k
+            return graph.layer(i, x, h, cos, sin, kv.slot_mapping, kv.block_table, kv.context_lens,
+                               step.experts_read, int(budget))               # [B, H] each
+        x, h, moe_in_out = graph.attention(i, x, h, cos, sin, kv.slot_mapping, kv.block_table,
+                                           kv.context_lens)                   # [B, H] x2, [B, E (+ 2I + 1)]
+        _, weights, index = controller.route_layer(moe, h, logits=moe_in_out[:, :moe.num_experts])   # [B, K] each
         constant, weights, index = novice_split(layer_policy(moe.experts, step), weights, index)
         if constant is not None:   # novice experts' g * c_e joins the residual the block adds the experts to
             x = x + constant.to(x.dtype)
-        return ops.moe_block(x, h, index.long().contiguous(), weights.float().contiguous(), gate_up, down,
-                             step.experts_read, experts_layer, moe_in_out, E, layer.shared_down,
-                             *layer.unstacked_shared, next_norm.weight, next_norm.eps)
+        return graph.moe(i, x, h, index.long().contiguous(), weights.float().contiguous(), step.experts_read,
+                         moe_in_out)                                          # [B, H] each
 
     @staticmethod
     def moe(layer: DecoderLayer, h: torch.Tensor, controller, step: Step) -> torch.Tensor:

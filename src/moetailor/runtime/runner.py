@@ -103,7 +103,7 @@ class ModelRunner:
                                      kernels.rotary_kv_write() if self.native_attention is not None else None,
                                      kernels.add_rms_norm() if self.native_attention is not None else None,
                                      config.max_model_len,
-                                     kernels.decode_layer_ops() if self.native_attention is not None else None,
+                                     kernels.decode_graph() if self.native_attention is not None else None,
                                      self.kv_cache, config.block_size, self.expert_weights[False]) if own else None
         if self.decoder is None and self.native_linear is not None and self.expert_weights[True] is not None:
             # fp32 layers too, where the engine packs (AVX-512) and the Qwen-MoE decoder, which stacks them, does
