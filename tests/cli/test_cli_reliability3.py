@@ -143,7 +143,7 @@ def test_distill_refuses_non_finite_learning_rates_before_training(tmp_path, cap
 def test_distill_never_exports_non_finite_weights(tmp_path):
     from moetailor.plans import uniform_plan
     from moetailor.routing import LayerPolicy
-    from moetailor.transforms.distill import Student, export
+    from moetailor.training.distill import Student, export
 
     model = tiny_model("qwen2_moe", num_experts=8, top_k=2)
     plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 1, 2, 3)))

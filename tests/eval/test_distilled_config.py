@@ -10,7 +10,7 @@ from moetailor.cli.main import main
 from moetailor.models.tiny import char_tokenizer, tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
-from moetailor.transforms.distill import Student, export
+from moetailor.training.distill import Student, export
 
 
 @pytest.fixture(scope="module")

@@ -95,8 +95,8 @@ def test_bf16_linears_whose_rows_all_run_the_op_are_packed_too(one_thread, monke
     bf16 rounds differently summed fp32 values, so: the same first tokens, logprobs close."""
     import torch
 
-    from moetailor.runtime.step import current
     from moetailor.runtime import native_layers
+    from moetailor.runtime.step import current
 
     monkeypatch.setattr(native_layers, "_BF16_GEMM_FAST", [False])      # as on a CPU without AVX512-BF16 / AMX
     prompts = random_prompts([5, 17, 9], vocab=8000, seed=4)

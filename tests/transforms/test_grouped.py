@@ -159,7 +159,8 @@ def test_distilled_grouped_decoder_becomes_a_pruned_checkpoint(tmp_path):
     stock grouped checkpoint that equals the distilled model with the plan's masked router."""
     from transformers import AutoModelForCausalLM
 
-    from moetailor.transforms.distill import Student, export, load_distilled
+    from moetailor.training.distill import Student, export
+    from moetailor.transforms.artifacts import load_distilled
 
     model = tiny_grouped_model(seed=3)
     plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 1, 4, 5, 8, 9, 12, 13)), criterion="test")

@@ -174,7 +174,7 @@ def test_checkpoint_loads_in_stock_transformers(profiled, tmp_path):
 
 
 def test_router_finetune_lowers_kl_and_trains_only_routers(profiled):
-    from moetailor.transforms.split_finetune import budget_cycle, finetune_router
+    from moetailor.training.split_finetune import budget_cycle, finetune_router
 
     assert budget_cycle(8) == [2, 4, 6, 8] and budget_cycle(2) == [1, 2]
     model, prof = profiled["qwen3_moe"]

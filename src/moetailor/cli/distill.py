@@ -42,7 +42,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..transforms.distill import DistillConfig, distill_checkpoint
+    from ..training.distill import DistillConfig, distill_checkpoint
     from .generate import set_threads
 
     set_threads(args.threads)

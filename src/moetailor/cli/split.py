@@ -42,11 +42,12 @@ def run(args) -> int:
         raise ValueError(f"--tokens must be at least 1 (got {args.tokens})")
     command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
     from ..calibration.data import default_data_spec
+    from ..training.split_finetune import finetune_router
 
     out, result = split_checkpoint(args.model, default_data_spec(args.model, args.data), args.parts, args.out, method=args.method, gate=args.gate,
                                    tokens=args.tokens, seq_len=args.seq_len, steps=args.anneal_steps, seed=args.seed,
                                    overwrite=args.overwrite, finetune_steps=args.finetune_steps, command=command,
-                                   device=args.device)
+                                   device=args.device, finetune_router=finetune_router)
     cfg = result.model.config
     k = int(cfg.num_experts_per_tok)
     rows = [("experts per layer", f"{len(next(iter(result.layers.values())).groups)} -> "

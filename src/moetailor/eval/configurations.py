@@ -142,7 +142,7 @@ def _guarded(model, plan, arg):
                     "(phase-aware + distilled; served disaggregated)")
 def _distilled(model, plan, arg):
     from ..models.loading import fingerprint_mismatch, model_fingerprint
-    from ..transforms.distill import load_distilled
+    from ..transforms.artifacts import load_distilled
 
     distilled = load_distilled(arg)
     source = distilled.plan.meta.get("distillation", {}).get("distilled_from", {})

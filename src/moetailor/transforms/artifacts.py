@@ -12,10 +12,14 @@ import os
 import shutil
 import signal
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ..models.loading import read_distill_sidecar
+from ..models.sidecars import DISTILL_PLAN_FILE, DISTILL_SIDECAR
 from ..outputs import check_output, mark_output, normal_permissions
+from ..plans.plan import Plan
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "vocab.txt",
                    "merges.txt", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
@@ -81,3 +85,28 @@ def copy_tokenizer(source: str | Path | None, dest: Path) -> None:
     for name in TOKENIZER_FILES:
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, dest / name)
+
+
+@dataclass(frozen=True)
+class Distilled:
+    """A distilled decoder on disk: ``model_path`` (stock checkpoint) to decode with ``plan.decode``;
+    ``prefill_model`` is the original model the prefill (and its KV cache) should come from."""
+
+    model_path: Path
+    plan: Plan
+    prefill_model: str | None
+    meta: dict
+
+    def __iter__(self):  # model_path, plan = load_distilled(dir)
+        return iter((self.model_path, self.plan))
+
+
+def load_distilled(path: str | Path) -> Distilled:
+    """Read a ``moetailor distill`` output directory (for evaluation and serving)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; write it first with `moetailor distill MODEL PLAN --out {path}`")
+    side = read_distill_sidecar(path)
+    if side is None:
+        raise FileNotFoundError(f"{path} is not a `moetailor distill` output (no {DISTILL_SIDECAR}); run `moetailor distill`")
+    return Distilled(path, Plan.load(path / DISTILL_PLAN_FILE), side.get("source_path"), side)

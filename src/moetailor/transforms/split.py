@@ -46,7 +46,7 @@ Router rows (``gate``):
   N*topk_group winners are the parts of the original topk_group groups, and the full budget is
   exact; a token's sub-experts still come from at most topk_group original groups.
 * ``"finetune"``: the proxy router, then only router rows are trained to match the original
-  model's next-token distribution (``transforms.split_finetune``).
+  model's next-token distribution (``training.split_finetune``).
 """
 from __future__ import annotations
 
@@ -322,6 +322,9 @@ def plan_split(model, profile: dict[int, LayerProfile], parts: int, method: str 
     """Partition every layer's experts and work out shares (and the proxy direction)."""
     if gate not in GATES:
         raise ValueError(f"unknown --gate {gate!r}; choose one of {GATES}")
+    if gate == "finetune" and finetune_router is None:
+        raise ValueError("gate='finetune' trains the split router: pass finetune_router="
+                         "moetailor.training.split_finetune.finetune_router (`moetailor split --gate finetune` does)")
     out = {}
     for layer in moe_layers(model):
         p = profile[layer.index]
@@ -487,8 +490,11 @@ def write_split(result: SplitResult, source_model, out: str | Path, overwrite: b
 def split_checkpoint(model, data, parts: int, out: str | Path, *, method: str = "anneal", gate: str = "proxy",
                      tokens: int = 16384, seq_len: int = 256, steps: int = 4000, seed: int = 0,
                      overwrite: bool = False, finetune_steps: int = 60, finetune_tokens: int | None = None,
-                     progress: bool = True, command: str | None = None, device="cpu") -> tuple[Path, SplitResult]:
-    """Profile, partition, slice (and optionally fine-tune the router), then write the checkpoint."""
+                     progress: bool = True, command: str | None = None, device="cpu",
+                     finetune_router=None) -> tuple[Path, SplitResult]:
+    """Profile, partition, slice (and optionally fine-tune the router), then write the checkpoint.
+    ``finetune_router``: the router training ``gate="finetune"`` runs (``training.split_finetune``, which
+    `moetailor split` passes; training sits above the transforms)."""
     from ..calibration.data import data_file, iter_token_batches, parse_data_spec
     from ..models.loading import load_model, load_tokenizer
 
@@ -528,7 +534,6 @@ def split_checkpoint(model, data, parts: int, out: str | Path, *, method: str = 
                           "group_choice_agreement": group_agreement(model, split, batches)}
     result = SplitResult(split, splits, parts, gate, method, meta)
     if gate == "finetune":
-        from .split_finetune import finetune_router
         ft_tokens = finetune_tokens or tokens
         ft_batches = list(iter_token_batches(tokenizer, spec, ft_tokens, batch_tokens=2 * seq_len, seq_len=seq_len,
                                              seed=seed + 1))

@@ -20,7 +20,7 @@ Stages (each candidate's evidence is cached in ``OUT/candidates/KEY.json``, so a
    A point meets an accuracy floor only when the paired 95% interval of its share of the full model's
    accuracy lies above it (``eval.metrics.floor_verdict``); one whose interval straddles the floor is
    "not enough prompts to tell", never chosen, and named with the prompts that would decide;
-5. optionally distil the best plan at the target (``transforms.distill``) and evaluate it served as
+5. optionally distil the best plan at the target (``training.distill``) and evaluate it served as
    deployed (prefill on the original model, decode on the distilled checkpoint).
 """
 from __future__ import annotations
@@ -683,7 +683,7 @@ class Tuner:
 
     # ---- stage 5: distillation -----------------------------------------------------------------------
     def distill(self, r: dict) -> dict:
-        from ..transforms.distill import DistillConfig, distill_checkpoint
+        from ..training.distill import DistillConfig, distill_checkpoint
 
         c = Candidate.from_json(r["candidate"])
         out = self.out / "distilled" / f"{c.key}-{self.s.distill_steps}"

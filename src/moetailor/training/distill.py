@@ -55,7 +55,7 @@ from ..outputs import atomic_path, save_figure
 from ..plans.plan import Plan
 from ..routing.controller import RoutingController
 from ..routing.policy import PhasePolicy
-from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
+from ..transforms.artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
 
 SIDECAR, PLAN_FILE = DISTILL_SIDECAR, DISTILL_PLAN_FILE
 STATE_FILE = "state.pt"
@@ -547,31 +547,6 @@ def export(student: Student, out: str | Path, result: DistillResult | None = Non
                 plot_loss(result.log, tmp / "loss_curve.png")
         (tmp / SIDECAR).write_text(json.dumps(side, indent=1))
     return out
-
-
-@dataclass(frozen=True)
-class Distilled:
-    """A distilled decoder on disk: ``model_path`` (stock checkpoint) to decode with ``plan.decode``;
-    ``prefill_model`` is the original model the prefill (and its KV cache) should come from."""
-
-    model_path: Path
-    plan: Plan
-    prefill_model: str | None
-    meta: dict
-
-    def __iter__(self):  # model_path, plan = load_distilled(dir)
-        return iter((self.model_path, self.plan))
-
-
-def load_distilled(path: str | Path) -> Distilled:
-    """Read a ``moetailor distill`` output directory (for evaluation and serving)."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; write it first with `moetailor distill MODEL PLAN --out {path}`")
-    side = read_distill_sidecar(path)
-    if side is None:
-        raise FileNotFoundError(f"{path} is not a `moetailor distill` output (no {SIDECAR}); run `moetailor distill`")
-    return Distilled(path, Plan.load(path / PLAN_FILE), side.get("source_path"), side)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,18 +9,18 @@ from moetailor.cli.main import main
 from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy, RoutingController
-from moetailor.transforms.distill import (
+from moetailor.training.distill import (
     DistillConfig,
     Student,
     bucket_kl,
     distill_loss,
     export,
-    load_distilled,
     row_cache,
     split_fraction,
     teacher_targets,
     train,
 )
+from moetailor.transforms.artifacts import load_distilled
 
 KEEP = (0, 2, 3, 6)
 VOCAB = 96
