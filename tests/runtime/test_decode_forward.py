@@ -290,25 +290,29 @@ def test_a_bf16_linear_in_a_decode_step_runs_the_native_op_and_rounds_once(rows)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
-@pytest.mark.parametrize("arch,dtype,decoder", [("qwen2_moe", torch.float32, "Decoder"),
-                                                 ("olmoe", torch.bfloat16, "Decoder"),
-                                                 ("deepseek_v3", torch.float32, "MlaDecoder"),
-                                                 ("deepseek_v3", torch.bfloat16, "MlaDecoder"),
-                                                 ("grouped", torch.float32, "MlaDecoder")])
-def test_prefill_and_decode_steps_run_the_engines_decoder(one_thread, monkeypatch, arch, dtype, decoder):
+@pytest.mark.parametrize("arch,dtype,decoder,packed", [("qwen2_moe", torch.float32, "Decoder", False),
+                                                        ("olmoe", torch.bfloat16, "Decoder", False),
+                                                        ("deepseek_v3", torch.float32, "MlaDecoder", False),
+                                                        ("deepseek_v3", torch.bfloat16, "MlaDecoder", True),
+                                                        ("grouped", torch.float32, "MlaDecoder", False),
+                                                        ("grouped", torch.float32, "MlaDecoder", True)])
+def test_prefill_and_decode_steps_run_the_engines_decoder(one_thread, monkeypatch, arch, dtype, decoder, packed):
     """Where the engine's decoder applies, no engine step calls transformers' modules, prefill steps
     (prompt logprobs included) as well as decode steps, and the outputs are the module path's bit for
-    bit, under a plan (which changes them) as under the full router. DeepSeek-V3 (multi-head latent
-    attention; ``grouped``: grouped routing and a dense first layer) has its own decoder."""
+    bit, under a plan (which changes them) as under the full router, with the weights as the user's
+    model holds them or packed by the engine (as a checkpoint it loads itself). DeepSeek-V3
+    (multi-head latent attention; ``grouped``: grouped routing and a dense first layer) has its own decoder."""
+    if packed and not kernels.packed_weights_pay():
+        pytest.skip("the engine packs only where the packed tile is compiled (AVX-512)")
     model = (tiny_grouped_model(seed=1) if arch == "grouped" else tiny_model(arch, seed=2)).to(dtype)
     prompts = random_prompts([5, 9, 3], seed=2)
     params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     E = moe_layers(model)[0].num_experts
     plan = uniform_plan(model, decode=LayerPolicy(keep=tuple(range(0, E, 2)), pool_mode="mask"),
                         prefill=LayerPolicy(top_k=1))
-    modules = [LLM(model, p, own_decoder=False).generate(prompts, params) for p in (None, plan)]
+    modules = [LLM(model, p, own_decoder=False, pack_weights=packed).generate(prompts, params) for p in (None, plan)]
     assert [o.token_ids for o in modules[0]] != [o.token_ids for o in modules[1]]   # the plan changes outputs
-    engines = [LLM(model, p) for p in (None, plan)]
+    engines = [LLM(model, p, pack_weights=packed) for p in (None, plan)]
     assert type(engines[0].runner.decoder).__name__ == decoder
 
     def refuse(*args, **kwargs):

@@ -39,7 +39,10 @@ class Linear:
         return cls(module.weight.detach(), None if bias is None else bias.detach(), type(module) is NativeLinear)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return module_linear(x, self.weight, self.bias) if self.native else F.linear(x, self.weight, self.bias)
+        """x [..., K] -> [..., N], as the engine's module runs it (the native op takes rows [T, K])."""
+        if not self.native:
+            return F.linear(x, self.weight, self.bias)
+        return module_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], -1)
 
 
 @dataclass(frozen=True)
