@@ -322,9 +322,6 @@ def plan_split(model, profile: dict[int, LayerProfile], parts: int, method: str 
     """Partition every layer's experts and work out shares (and the proxy direction)."""
     if gate not in GATES:
         raise ValueError(f"unknown --gate {gate!r}; choose one of {GATES}")
-    if gate == "finetune" and finetune_router is None:
-        raise ValueError("gate='finetune' trains the split router: pass finetune_router="
-                         "moetailor.training.split_finetune.finetune_router (`moetailor split --gate finetune` does)")
     out = {}
     for layer in moe_layers(model):
         p = profile[layer.index]
@@ -504,6 +501,9 @@ def split_checkpoint(model, data, parts: int, out: str | Path, *, method: str = 
     out = refuse_existing(out, overwrite, inputs)  # before any work
     if gate not in GATES:
         raise ValueError(f"unknown --gate {gate!r}; choose one of {GATES}")
+    if gate == "finetune" and finetune_router is None:
+        raise ValueError("gate='finetune' trains the split router: pass finetune_router="
+                         "moetailor.training.split_finetune.finetune_router (`moetailor split --gate finetune` does)")
     if method not in METHODS:
         raise ValueError(f"unknown --method {method!r}; choose one of {METHODS}")
     spec = parse_data_spec(data)
