@@ -20,6 +20,7 @@ from moetailor.calibration import (
 )
 from moetailor.models import moe_layers
 from moetailor.models.tiny import TINY_ARCHITECTURES, char_tokenizer, tiny_model
+from moetailor.routing import RoutingController
 from moetailor.routing.router import select
 
 
@@ -51,7 +52,8 @@ def test_statistics_match_hand_counted_routes(arch):
     routes = stock_routes(model, inputs)
     stats = calibrate_batches(model, inputs, progress=False)
     assert stats.meta["tokens"] == sum(x.numel() for x in inputs)
-    assert getattr(model, "_moetailor_controller", None) is None  # calibration leaves the model stock
+    assert RoutingController.installed(model) is None  # calibration leaves the model stock
+    assert all(not m._forward_hooks for m in model.modules())
     for layer in moe_layers(model):
         hidden, logits, index = routes[layer.index]
         st = stats.layers[layer.index]

@@ -13,7 +13,7 @@ import torch
 from moetailor.calibration import ExpertStats, LayerStats
 from moetailor.cli.main import main
 from moetailor.models.loading import model_fingerprint
-from moetailor.models.tiny import char_tokenizer, tiny_model
+from moetailor.models.tiny import tiny_model
 
 ASSETS = Path(__file__).resolve().parents[2] / "src" / "moetailor" / "assets"
 PLAN = ASSETS / "plans" / "reference-reap-50.json"

@@ -4,8 +4,6 @@ eager module path at batch 1, 8 and 32, docs/benchmarks.md). The compiled steps 
 ones do, and must actually run compiled."""
 from __future__ import annotations
 
-import torch
-
 from moetailor.models.tiny import tiny_model
 from moetailor.serving import LLM, SamplingParams
 

@@ -14,6 +14,7 @@ from engine_helpers import random_prompts
 
 from moetailor.models import moe_layers
 from moetailor.models.tiny import tiny_model
+from moetailor.runtime.experts import runs_natively
 from moetailor.serving import LLM, SamplingParams
 from moetailor.transforms.split import LayerSplit, random_partition, split_model
 
@@ -49,7 +50,7 @@ def test_split_checkpoint_runs_the_bound_graph_and_equals_the_module_path(one_th
     llm, tokens, logprobs = generate(split, budget)
     assert moe_layers(split)[0].experts.down_proj.shape[-1] == WIDTH // PARTS
     assert llm.runner.decoder is not None and llm.runner.decoder.graph is not None   # the fast path
-    assert all(l.experts._moetailor_native for l in llm.runner.controller.layers)
+    assert all(runs_natively(l.experts) for l in llm.runner.controller.layers)
     for path in ({"own_decoder": False}, {"native_kernels": False}):   # the module path; unpadded, torch's kernels
         _, other_tokens, other_logprobs = generate(split, budget, **path)
         assert tokens == other_tokens

@@ -16,7 +16,7 @@ from moetailor.transforms.prune import checkpoint_kept, pruned_config
 
 
 def logits_under(model, policy, x):
-    existing = getattr(model, "_moetailor_controller", None)
+    existing = RoutingController.installed(model)
     ctl = existing or RoutingController(model)
     try:
         with torch.no_grad(), ctl.policy(policy):

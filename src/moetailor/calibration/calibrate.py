@@ -173,7 +173,7 @@ def calibrate_batches(model, batches, *, gate: str = "renorm", fold: bool = Fals
     from ..models.loading import model_fingerprint
     from ..routing import RoutingController
 
-    installed = getattr(model, "_moetailor_controller", None) is None
+    installed = RoutingController.installed(model) is None
     ctl = RoutingController.of(model)
     collector = Collector(ctl.layers, gate, fold, all_experts)
     device = ctl.layers[0].router.weight.device

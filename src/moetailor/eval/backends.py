@@ -18,7 +18,6 @@ engine's on the same tokens.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import tempfile

@@ -518,7 +518,6 @@ class Sweep:
         return {**s.to_json(), "seconds": time.time() - t0}
 
     def run(self) -> dict:
-        from tqdm import tqdm
 
         try:
             return self._run()

@@ -1,15 +1,19 @@
-"""Installs routing control on a model; the forward's step (``models.step``) says how to route.
+"""Installs routing control on a model; the forward's step (``runtime.step``) says how to route.
 
-The stock router's ``__class__`` is swapped for a subclass whose forward asks the controller, which
-reads the routing of the step being run (``models.step.current()``): the engine's model runner sets
-one per engine step, ``policy(...)`` sets a routing-only one for calibration, evaluation and
-distillation passes. With no step, or a step that leaves a layer alone, the stock forward runs
-unchanged, so the full model is reproduced bit for bit; observers (calibration, the guard) see
-every layer's inputs and routes.
+Each stock router gets a forward hook (torch's own seam: no class is swapped, nothing is written
+onto transformers' modules) that hands its output to the controller, which reads the routing of the
+step being run (``runtime.step.current()``): the engine's model runner sets one per engine step,
+``policy(...)`` sets a routing-only one for calibration, evaluation and distillation passes. With no
+step, or a step that leaves a layer alone, the stock router's own output stands, so the full model is
+reproduced bit for bit; observers (calibration, the guard) see every layer's inputs and routes. The
+engine's decoders call ``route_layer`` directly. A model's controller is found through a weak map
+(``RoutingController.of``, ``installed``).
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
+from functools import partial
 from typing import Callable
 
 import torch
@@ -25,15 +29,7 @@ from .router import CompiledPolicy, FoldTables, route
 # observer(layer, hidden [T, H], logits [T, E], weights [T, K], index [T, K])
 Observer = Callable[[MoeLayer, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _controlled(cls: type) -> type:
-    if cls not in _SUBCLASSES:
-        def forward(self, hidden_states):
-            return self._moetailor_controller.route_layer(self._moetailor_layer, hidden_states)
-        _SUBCLASSES[cls] = type(f"Controlled{cls.__name__}", (cls,), {"forward": forward, "_moetailor_base": cls})
-    return _SUBCLASSES[cls]
+_CONTROLLERS: "weakref.WeakKeyDictionary[nn.Module, RoutingController]" = weakref.WeakKeyDictionary()
 
 
 # Rows up to which a bf16 router's logits run the step's linear op, above them torch's GEMM: with
@@ -46,8 +42,8 @@ class RoutingController:
     """One per model. ``use(policy)`` sets the phase policy; ``observe`` adds observers."""
 
     def __init__(self, model: nn.Module, fold_tables: dict[int, FoldTables] | None = None):
-        if getattr(model, "_moetailor_controller", None) is not None:
-            raise RuntimeError("this model already has a RoutingController; reuse model._moetailor_controller")
+        if model in _CONTROLLERS:
+            raise RuntimeError("this model already has a RoutingController; reuse RoutingController.of(model)")
         self.model = model
         self.spec = arch_spec(model.config)
         self.layers = moe_layers(model)
@@ -56,22 +52,30 @@ class RoutingController:
         self.constants: dict[int, torch.Tensor] = {}   # MoE layer -> [E, H] novice constants (pool_mode "novice")
         self.constants_source: str | None = None       # where they came from (a statistics file, a checkpoint)
         self.observers: list[Observer] = []
+        self.native_routers: frozenset[int] = frozenset()   # layers an engine's decode steps route natively (runner)
         self._cache: dict[int, tuple[PhasePolicy, dict[int, CompiledPolicy]]] = {}
         self._full: dict[int, CompiledPolicy] = {}   # layer -> the full router compiled (per-token budgets only)
         experts_impl.register()
         for layer in self.layers:
-            layer.router.__class__ = _controlled(type(layer.router))
-            layer.router._moetailor_controller = self
-            layer.router._moetailor_layer = layer
-            layer.experts._moetailor_layer = layer.index
+            experts_impl.INSTALLED[layer.experts] = experts_impl.Installed(layer.index)
+        self.hooks = [layer.router.register_forward_hook(partial(self._routed, layer)) for layer in self.layers]
         self._previous_impl = getattr(model.config, "_experts_implementation", None)
         model.set_experts_implementation(experts_impl.IMPLEMENTATION)
-        model._moetailor_controller = self
+        _CONTROLLERS[model] = self
 
     @classmethod
     def of(cls, model: nn.Module) -> "RoutingController":
         """The model's controller, installing one if needed."""
-        return getattr(model, "_moetailor_controller", None) or cls(model)
+        return _CONTROLLERS.get(model) or cls(model)
+
+    @staticmethod
+    def installed(model: nn.Module) -> "RoutingController | None":
+        """The model's controller, if one is installed."""
+        return _CONTROLLERS.get(model)
+
+    def _routed(self, layer: MoeLayer, router: nn.Module, args: tuple, stock: tuple):
+        """The router's forward hook: its routes under the step being run (the stock output without one)."""
+        return self.route_layer(layer, args[0], stock=stock)
 
     def compile(self, policy: PhasePolicy | None) -> dict[int, CompiledPolicy]:
         if policy is None or policy.is_identity:
@@ -149,12 +153,11 @@ class RoutingController:
         k_max = step.routing.k_max if step.routing.token_top_k is not None else None
         return layer.top_k if k_max is None else min(layer.top_k, int(k_max))
 
-    @classmethod
-    def selects_natively(cls, layer: MoeLayer, step: Step | None) -> bool:
+    def selects_natively(self, layer: MoeLayer, step: Step | None) -> bool:
         """Whether ``step`` routes ``layer`` with the full router through the native selection op alone
         (an engine decode step, no plan for the layer, one budget for every token: ``native_top_k``)."""
-        return (step is not None and step.router_kernel is not None and getattr(layer.router, "_moetailor_native", False)
-                and cls.one_budget(step) and layer.index not in step.routing.policy)
+        return (step is not None and step.router_kernel is not None and layer.index in self.native_routers
+                and self.one_budget(step) and layer.index not in step.routing.policy)
 
     @classmethod
     def routes_every_layer_in_full(cls, step: Step | None) -> bool:
@@ -163,19 +166,21 @@ class RoutingController:
         return (step is not None and step.router_kernel is not None and cls.one_budget(step)
                 and not step.routing.policy)
 
-    def route_layer(self, layer: MoeLayer, hidden_states: torch.Tensor, logits: torch.Tensor | None = None):
+    def route_layer(self, layer: MoeLayer, hidden_states: torch.Tensor, logits: torch.Tensor | None = None,
+                    stock: tuple | None = None):
         """The layer's routes under the routing of the step being run (the stock router without one).
         ``logits`` [T, E]: the router's output where the caller computed it with the step's linear
-        op (the engine decoder's stacked projection); only read in an engine decode step."""
+        op (the engine decoder's stacked projection); only read in an engine decode step. ``stock``:
+        the stock router's own (logits, weights, index), where it already ran (the forward hook)."""
         router = layer.router
         step = current()
         routing = step.routing if step is not None else None
         cp = routing.policy.get(layer.index) if routing is not None else None
         token_k, k_max = (routing.token_top_k, routing.k_max) if routing is not None else (None, None)
-        native = step is not None and step.router_kernel is not None and getattr(router, "_moetailor_native", False) \
+        native = step is not None and step.router_kernel is not None and layer.index in self.native_routers \
             and hidden_states.dtype == router.weight.dtype                   # an engine decode step: native routing
         if cp is None and token_k is None and not native:
-            logits, weights, index = router._moetailor_base.forward(router, hidden_states)
+            logits, weights, index = stock if stock is not None else type(router).forward(router, hidden_states)
         else:
             hidden = hidden_states.reshape(-1, hidden_states.shape[-1])       # [T, H]
             if native and logits is not None:
@@ -216,11 +221,10 @@ class RoutingController:
 
     def remove(self) -> None:
         """Restore the stock routers and experts implementation."""
+        for handle in self.hooks:
+            handle.remove()
         for layer in self.layers:
-            layer.router.__class__ = layer.router._moetailor_base
-            for attr in ("_moetailor_controller", "_moetailor_layer", "_moetailor_native"):
-                layer.router.__dict__.pop(attr, None)
+            experts_impl.INSTALLED.pop(layer.experts, None)
         if self._previous_impl is not None:
             self.model.set_experts_implementation(self._previous_impl)
-        self.model._moetailor_controller = None
-
+        _CONTROLLERS.pop(self.model, None)

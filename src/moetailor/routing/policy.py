@@ -11,7 +11,7 @@ Order of application for one layer and one token (see ``route``):
      routes outside the pool, "fold" keeps the full router's choice and folds outside routes onto
      the lowest-loss pool expert (ExFold), "novice" keeps the full router's choice and replaces an
      outside expert by its constant (MoNE): the route keeps its expert id and gate weight g, and the
-     experts implementation adds g * c_e instead of running the expert (``router.novice_split``;
+     experts implementation adds g * c_e instead of running the expert (``runtime.experts.novice_split``;
      c_e = the expert's mean output on calibration tokens, ``CompiledPolicy.constants``), "merge"
      merges groups of experts into one each (``merge``: per group its members and their weights;
      ``keep`` = each group's representative, whose router row the merged expert takes). A merge

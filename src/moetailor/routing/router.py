@@ -3,7 +3,7 @@
 A route is the pair the transformers experts module consumes: ``weights [T, K]`` and
 ``index [T, K]``. A dropped route has index E (the sentinel one past the last expert) and weight 0;
 transformers' eager experts skip it and moetailor's experts implementation
-(``routing.experts``) never reads its weights.
+(``runtime.experts``) never reads its weights.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 ``install(model)`` sets ``model.config._attn_implementation = "moetailor_paged"`` once, when the
 engine's model runner is built. transformers then calls ``paged_attention(module, q, k, v, mask, ...)``
 from every layer's stock attention module, after its projections, norms and rotary embedding. With
-an engine step set (``models.step``: its ``kv``) it writes the new k/v into the block pool at the
+an engine step set (``runtime.step``: its ``kv``) it writes the new k/v into the block pool at the
 step's slots and attends over each sequence's cached blocks; without one it is plain SDPA with the
 mask transformers builds for SDPA, so the same model object still works for ``model.generate``.
 In an engine step the model is called with packed input_ids [1, T] (all sequences of the step back

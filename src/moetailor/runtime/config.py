@@ -29,7 +29,7 @@ class EngineConfig:
     # their AVX-512 tile reads without transposing; the experts op 1.1-1.35x faster per layer at 8-64
     # rows without AVX512-BF16): the experts, and the bf16 linear layers whose rows all run the native op
     # (no bf16 GEMM hardware), in place: same memory, and the model's experts then run on the native
-    # experts kernel on every path (routing.experts.packed_experts_forward). None = where
+    # experts kernel on every path (runtime.experts.packed_experts_forward). None = where
     # that tile is compiled (kernels.packed_weights_pay) and the engine loaded the model itself;
     # True = also a model passed in, which the engine then takes over; False = the model's layout.
     pack_weights: bool | None = None

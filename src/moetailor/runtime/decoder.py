@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from . import attention
-from .experts import experts_forward, layer_policy, native_experts_forward, novice_split
+from .experts import experts_forward, layer_of, layer_policy, native_experts_forward, novice_split, runs_natively
 from .native_layers import NATIVE_LINEAR_ROWS, native_linear, rms_norm
 from .step import Step
 
@@ -82,14 +82,14 @@ def model_hooks(model) -> tuple[dict, ...]:
     return tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks))
 
 
-def hooked(hooks: tuple[dict, ...]) -> bool:
-    """Whether a forward (pre-)hook is registered on the model (``hooks``: ``model_hooks``) or globally:
-    the step then runs transformers' modules, which call them."""
+def hooked(hooks: tuple[dict, ...], own: int) -> bool:
+    """Whether a forward (pre-)hook besides the routing controller's ``own`` is registered on the model
+    (``hooks``: ``model_hooks``) or globally: the step then runs transformers' modules, which call them."""
     from torch.nn.modules import module as nn_module
 
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return True
-    return any(hooks)   # registering a hook adds to these dicts in place: one C-level pass a step
+    return sum(map(len, hooks)) > own   # registering a hook adds to these dicts in place: one C-level pass a step
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ class BoundGraph:
             qk = (None, None, 0.0) if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps)
             op.add_layer(layer.qkv, layer.qkv_bias, *qk, *kv_cache[layer.index], layer.o, layer.post_norm.weight,
                          layer.post_norm.eps, layer.moe_in, moe.top_k, moe.semantics.normalise, gate_up, down,
-                         getattr(moe.experts, "_moetailor_layer", -1), moe.num_experts, layer.shared_down,
+                         layer_of(moe.experts), moe.num_experts, layer.shared_down,
                          *layer.unstacked_shared, next_norm.weight, next_norm.eps, decoder.round_weights)
         return cls(op, kv_cache, block_size, expert_weights, whole_step)
 
@@ -205,6 +205,7 @@ class Decoder:
     head_dim: int
     scaling: float
     hooks: tuple[dict, ...]                # every module's forward (pre-)hook dicts, for ``hooked``
+    own_hooks: int                         # how many of them are the routing controller's
     rotary_kv: object = None               # the native rotary + k/v write op, else the model's rotary and two copies
     add_norm: object = None                # the native residual add + RMSNorm op, else an add and the norm
     graph: "BoundGraph | None" = None      # the native decode step (kernels/decode_layer.cpp), or None
@@ -229,7 +230,7 @@ class Decoder:
         layers = []
         for index, block in enumerate(decoder_layers(model)):
             attn = block.self_attn
-            if index not in moe or not getattr(block.mlp.experts, "_moetailor_native", False):
+            if index not in moe or not runs_natively(block.mlp.experts):
                 return None                                                   # dense layers: module path
             projections = (attn.q_proj, attn.k_proj, attn.v_proj)
             biases = [p.bias for p in projections]
@@ -274,16 +275,16 @@ class Decoder:
                       rotary_table(inner.rotary_emb, inner.embed_tokens.weight, max_model_len),
                       sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
                       cfg.num_key_value_heads, attn.head_dim, float(attn.scaling),
-                      model_hooks(model),
+                      model_hooks(model), len(controller.hooks),
                       rotary_kernel, add_norm_kernel, round_weights=controller.spec.cast_weights_to_logits_dtype)
         if not fusable or None in (graph_class, rotary_kernel, add_norm_kernel, decoder.rotary_table, kv_cache):
             return decoder
-        whole_step = all(getattr(l.moe.router, "_moetailor_native", False) for l in layers)
+        whole_step = all(l.moe.index in controller.native_routers for l in layers)
         return replace(decoder, graph=BoundGraph.build(decoder, graph_class, kv_cache, block_size, expert_weights,
                                                        whole_step))
 
     def hooked(self) -> bool:
-        return hooked(self.hooks)
+        return hooked(self.hooks, self.own_hooks)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, step: Step, controller) -> torch.Tensor:
         """One decode step: ids [B], positions [B] -> logits [B, V]. Runs inside ``running(step)``

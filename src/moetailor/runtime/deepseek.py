@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from . import attention
-from .decoder import Norm, model_hooks, module_linear, rotary_table
+from .decoder import Norm, hooked, model_hooks, module_linear, rotary_table
 from .experts import experts_forward
 from .native_layers import NativeLinear
 from .step import Step
@@ -92,10 +92,11 @@ class MlaDecoder:
     interleaved: bool                # rope_interleave: rotary pairs (x0, x1), (x2, x3), ...
     scaling: float
     hooks: tuple[dict, ...]
+    own_hooks: int                   # the routing controller's router hooks among them
     native_norms: bool               # the engine gave the norms their native class (``install_native_norms``)
 
     @classmethod
-    def build(cls, model, max_model_len: int) -> "MlaDecoder | None":
+    def build(cls, model, controller, max_model_len: int) -> "MlaDecoder | None":
         """The decoder of a DeepSeek-V3 checkpoint whose every attention layer is full attention, or None."""
         cfg = model.config
         if cfg.model_type != "deepseek_v3" or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
@@ -117,11 +118,11 @@ class MlaDecoder:
         return cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), Linear.of(head), inner.rotary_emb,
                    rotary_table(inner.rotary_emb, inner.embed_tokens.weight, max_model_len), attn.num_heads,
                    attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim, attn.kv_lora_rank,
-                   bool(getattr(cfg, "rope_interleave", False)), float(attn.scaling), model_hooks(model), native_norms)
+                   bool(getattr(cfg, "rope_interleave", False)), float(attn.scaling), model_hooks(model),
+                   len(controller.hooks), native_norms)
 
     def hooked(self) -> bool:
-        from .decoder import hooked
-        return hooked(self.hooks)
+        return hooked(self.hooks, self.own_hooks)
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, step: Step, controller,
                 keep: torch.Tensor) -> torch.Tensor:

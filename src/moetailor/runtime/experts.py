@@ -1,7 +1,7 @@
 """moetailor's experts implementation: grouped by expert, touching only the routed union.
 
 One function is registered in transformers' ``ExpertsInterface`` ("moetailor", installed by the
-routing controller) and it takes its path from the forward's step (``models.step``):
+routing controller) and it takes its path from the forward's step (``runtime.step``):
 
 - ``experts == "native"`` (engine steps on CPU, the default): the routed tokens' SwiGLU experts in
   one native op (``torch.ops.moetailor.swiglu_experts``, ``moetailor/kernels``), which pays one
@@ -14,13 +14,17 @@ routing controller) and it takes its path from the forward's step (``models.step
   the routed experts (``loop_experts_forward``), which runs any expert layout but the one packed
   for the native kernel; a module an engine packed runs on that kernel on every path.
 
-Every path first hands a novice policy's routes to ``router.novice_split`` (a dropped expert's route
+Every path first hands a novice policy's routes to ``novice_split`` (below) (a dropped expert's route
 becomes g * c_e, added to the output, and a sentinel). All share one contract: sentinel routes (index E, from ``route``) cost nothing, and inside a step
 each call writes how many distinct experts it read into the step's ``experts_read`` (a device
-value, read once after the forward: ``models.step.read_experts``), the quantity decode speed is
-bound by. The experts module knows its layer from ``_moetailor_layer`` (set once, at install).
+value, read once after the forward: ``runtime.step.read_experts``), the quantity decode speed is
+bound by. An experts module's layer and whether the native kernel runs it are looked up in
+``INSTALLED`` (a weak map set once, at install: nothing is written onto transformers' modules).
 """
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +36,28 @@ IMPLEMENTATION = "moetailor"
 GROUPED_IMPLEMENTATION = "moetailor_grouped"
 
 
+@dataclass
+class Installed:
+    """What the engine knows of one experts module: its decoder layer (the key of the step's per-layer
+    tensors) and whether the native kernel runs it (its layout, decided once by the engine's runner)."""
+    layer: int
+    native: bool = False
+
+
+INSTALLED: "weakref.WeakKeyDictionary[torch.nn.Module, Installed]" = weakref.WeakKeyDictionary()
+
+
+def layer_of(module) -> int:
+    """The decoder layer an installed experts module belongs to (-1: not installed)."""
+    found = INSTALLED.get(module)
+    return -1 if found is None else found.layer
+
+
+def runs_natively(module) -> bool:
+    found = INSTALLED.get(module)
+    return found is not None and found.native
+
+
 def expert_bytes(gate_up: torch.Tensor, down: torch.Tensor) -> int:
     """Bytes one expert's weights take (what reading it costs), in either layout ([E, ...] first)."""
     return (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
@@ -41,7 +67,7 @@ def step_weights(module, step: Step | None) -> tuple[torch.Tensor, torch.Tensor]
     """(gate_up, down) this step runs: the engine's copy for the step's phase (a decode dtype, or packed
     for the native kernel: ``ModelRunner._expert_weights``), else the module's [E, 2I, H] / [E, H, I]."""
     if step is not None and step.expert_weights:
-        found = step.expert_weights.get(getattr(module, "_moetailor_layer", -1))
+        found = step.expert_weights.get(layer_of(module))
         if found is not None:
             return found
     return module.gate_up_proj, module.down_proj
@@ -49,7 +75,7 @@ def step_weights(module, step: Step | None) -> tuple[torch.Tensor, torch.Tensor]
 
 def _record(module, step: Step | None, n_distinct: int | torch.Tensor) -> None:
     if step is not None and step.experts_read is not None:
-        step.experts_read[getattr(module, "_moetailor_layer", -1)] = n_distinct
+        step.experts_read[layer_of(module)] = n_distinct
 
 
 def sorted_routes(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +153,7 @@ def native_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     gu, down = step_weights(self, step)                                     # [E, 2I, H], [E, H, I]
     out = step.experts_kernel(hidden_states.float().contiguous(), gu, down,  # [T, H]
                               top_k_index.long().contiguous(), top_k_weights.float().contiguous(),
-                              step.experts_read, getattr(self, "_moetailor_layer", -1))
+                              step.experts_read, layer_of(self))
     return out.to(hidden_states.dtype)
 
 
@@ -142,7 +168,7 @@ def packed_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
                            "did not build here (moetailor.kernels); load the model again, or build the engine "
                            "with pack_weights=False")
     if step is not None and step.experts_read is not None:                  # a step counts what it reads
-        read, layer = step.experts_read, getattr(self, "_moetailor_layer", -1)
+        read, layer = step.experts_read, layer_of(self)
     else:
         read, layer = torch.zeros(1, dtype=torch.long), 0
     out = kernel(hidden_states.float().contiguous(), self.gate_up_proj, self.down_proj,  # [T, H]
@@ -196,7 +222,7 @@ def needs_padding(experts_module) -> bool:
 
 
 
-def novice_split(cp: CompiledPolicy | None, weights: torch.Tensor, index: torch.Tensor):
+def novice_split(cp, weights: torch.Tensor, index: torch.Tensor):   # cp: routing.router.CompiledPolicy | None
     """Routes of a novice policy [T, K] -> (constant output [T, H] fp32 or None, weights, index): each
     route to an expert outside the pool adds g * c_e (summed per token through a [T, E] x [E, H]
     product, as vLLM's expert substitution does) and becomes a sentinel route, so no expert weight is
@@ -224,12 +250,12 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
 
 def layer_policy(experts_module, step: Step | None):
     """The compiled policy ``step`` routes this experts module's layer with (None: the full router)."""
-    return None if step is None else step.routing.policy.get(getattr(experts_module, "_moetailor_layer", -1))
+    return None if step is None else step.routing.policy.get(layer_of(experts_module))
 
 
 def _experts_forward(self, hidden_states, top_k_index, top_k_weights, step: Step | None) -> torch.Tensor:
     mode = step.experts if step is not None else "loop"
-    if mode == "native" and getattr(self, "_moetailor_native", False) and step.experts_read is not None:
+    if mode == "native" and runs_natively(self) and step.experts_read is not None:
         return native_experts_forward(self, hidden_states, top_k_index, top_k_weights, step)
     if getattr(self, "gate_up_proj", None) is not None and kernels.is_packed(self.gate_up_proj):
         return packed_experts_forward(self, hidden_states, top_k_index, top_k_weights, step)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from ..models.adapters import MoeLayer
 from .step import current
 
 NATIVE_LINEAR_ROWS = 8   # up to this many rows a linear layer runs the native op (a decode step's GEMV); else torch's GEMM

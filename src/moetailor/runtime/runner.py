@@ -65,8 +65,8 @@ class ModelRunner:
         # narrow experts (a split checkpoint's sub-experts) widened with zero neurons for the native kernel
         self.padded = self._pad_experts(owns_model) if self.native_experts is not None else {}
         for layer in self.controller.layers:           # which experts and routers the native ops run (layout, once)
-            layer.experts._moetailor_native = experts.native_layout(layer.experts) or layer.index in self.padded
-            layer.router._moetailor_native = native_router(layer)
+            experts.INSTALLED[layer.experts].native = experts.native_layout(layer.experts) or layer.index in self.padded
+        controller.native_routers = frozenset(l.index for l in controller.layers if native_router(l))
         self.native_router = kernels.softmax_topk() if native else None
         self.native_linear = kernels.rows_linear() if native and kernels.rows_linear_pays() \
             and install_native_linears(model) else None
@@ -112,7 +112,7 @@ class ModelRunner:
             # synthetic model
             pack_linears(self.model, keep=tuple(l.router for l in self.controller.layers), dtypes=(torch.float32,))
         if self.decoder is None and own:   # after packing: it reads the layers' weights as packed
-            self.decoder = MlaDecoder.build(model, config.max_model_len)
+            self.decoder = MlaDecoder.build(model, self.controller, config.max_model_len)
 
     def _pad_experts(self, owns_model: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Experts whose width is not a multiple of the native kernel's vector (``experts.pad_width``), padded:
@@ -159,7 +159,7 @@ class ModelRunner:
         packed = {}
         for l in self.controller.layers:
             m = l.experts
-            if m._moetailor_native:   # the module holds the packed weights from now on
+            if experts.runs_natively(m):   # the module holds the packed weights from now on
                 if not kernels.is_packed(m.gate_up_proj):
                     m.gate_up_proj, m.down_proj = (torch.nn.Parameter(kernels.pack_weight(w.detach()),
                                                                       requires_grad=False) for w in (m.gate_up_proj, m.down_proj))

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from ..models.adapters import moe_layers
 from ..models.architectures import arch_spec
-from ..models.loading import model_fingerprint, read_distill_sidecar
+from ..models.loading import model_fingerprint
 from ..models.sidecars import DISTILL_PLAN_FILE, DISTILL_SIDECAR
 from ..outputs import atomic_path, save_figure
 from ..plans.plan import Plan

@@ -20,6 +20,7 @@ from ..models.checkpoint import EXPERT_KEY, FUSED_KEY, ROUTER_KEY, split_layer_k
 from ..models.groups import checkpoint_problem
 from ..models.loading import model_fingerprint, resolve_model_path
 from ..plans.plan import Plan, describe_phase
+from ..routing.controller import RoutingController
 from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
 
 SIDECAR = "moetailor_pruning.json"
@@ -156,7 +157,7 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
         model = load_model(source, dtype=stored_dtype(source))  # keep the stored dtype: sizes shrink as expected
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
-    if getattr(model, "_moetailor_controller", None) is not None:
+    if RoutingController.installed(model) is not None:
         raise ValueError("this model has a RoutingController installed; prune a freshly loaded model")
     if plan.phase(phase).merges:
         raise ValueError("a merged plan's checkpoint is written from the checkpoint on disk: use `moetailor prune "

@@ -439,7 +439,7 @@ def group_agreement(model, split, batches) -> dict[str, float]:
         same[layer.index][0] += int((a == b).all(-1).sum())
         same[layer.index][1] += a.shape[0]
 
-    installed = getattr(model, "_moetailor_controller", None) is None
+    installed = RoutingController.installed(model) is None
     ctl = RoutingController.of(model)
     try:
         with ctl.observing(observe):
