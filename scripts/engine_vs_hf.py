@@ -81,7 +81,7 @@ def vllm_decode(python: Path, model: str, batches: list[int], prompt_len: int, n
 
     model_dir = str(resolve_model_path(model))
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [str(python), "-m", "moetailor.integrations.vllm.bench", "stock", model_dir, "-", "-",
+    cmd = [str(python), "-m", "moetailor.bench.vllm", "stock", model_dir, "-", "-",
            ",".join(map(str, batches)), str(prompt_len), str(new_tokens), dtype, str(repeats), str(out)]
     run = subprocess.run(cmd, env={**os.environ, "VLLM_PLUGINS": ""}, capture_output=True, text=True)
     line = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]

@@ -13,7 +13,7 @@ import moetailor
 
 # lowest first: a module may import modules of its own layer or of an earlier one
 LAYERS = ["tables", "outputs", "memory", "device", "kernels", "data", "models", "runtime", "routing", "calibration",
-          "plans", "transforms", "serving", "bench", "integrations", "eval", "training", "tuning", "cli"]
+          "plans", "transforms", "serving", "integrations", "bench", "eval", "training", "tuning", "cli"]
 ROOT = Path(moetailor.__file__).parent
 
 

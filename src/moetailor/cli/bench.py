@@ -53,9 +53,9 @@ def register(sub) -> None:
     common(q, "build/bench/project", quick=False)
     q.set_defaults(func=run_project)
 
-    from ..integrations.vllm.bench import register_bench as register_vllm_bench
+    from ..bench.vllm import register_bench as register_vllm_bench
     register_vllm_bench(bsub, common)   # `bench vllm` (runs in the vLLM environment: make setup-vllm)
-    from ..integrations.vllm.kbench import register_bench as register_vllm_k_bench
+    from ..bench.vllm_k import register_bench as register_vllm_k_bench
     register_vllm_k_bench(bsub, common)   # `bench vllm-k`: split checkpoint, FIFO vs the k-aware scheduler
 
     d = bsub.add_parser("decode", help="decode step time, tokens/s, expert traffic and bandwidth per pool and batch")

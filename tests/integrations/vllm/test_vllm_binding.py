@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from moetailor.integrations.vllm.bench import binding, same_cores_for_every_instance
+from moetailor.bench.vllm import binding, same_cores_for_every_instance
 
 
 def test_every_instance_gets_the_colocated_binding_unless_the_caller_set_one(monkeypatch):

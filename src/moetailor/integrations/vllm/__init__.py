@@ -19,7 +19,7 @@ With ``additional_config`` ``moetailor_observe`` the engine also writes calibrat
 traffic it serves (``observe.py``; ``Worker.shutdown`` is wrapped to write them at shutdown).
 
 Other modules: ``nixl.py`` (the pair on vLLM's NixlConnector), ``scheduler.py`` (the k-aware
-scheduler class), ``kbench.py`` (``moetailor bench vllm-k``).
+scheduler class). Its benchmarks are ``bench/vllm.py`` and ``bench/vllm_k.py`` (``moetailor bench vllm``, ``vllm-k``).
 
 Nothing here is imported in moetailor's own environment unless vLLM is installed.
 """

@@ -72,10 +72,10 @@ def register_bench(bsub, common) -> None:
 
 def prepare(args) -> dict:
     """Model dir, the decode plans of every row and the pruned checkpoint, inside args.out."""
-    from ...models.loading import resolve_model_path
-    from ...plans import Plan, uniform_plan
-    from ...routing import LayerPolicy
-    from ...transforms import prune_checkpoint
+    from ..models.loading import resolve_model_path
+    from ..plans import Plan, uniform_plan
+    from ..routing import LayerPolicy
+    from ..transforms import prune_checkpoint
 
     args.out.mkdir(parents=True, exist_ok=True)
     if args.model == "synthetic":
@@ -83,15 +83,15 @@ def prepare(args) -> dict:
         if not (model_dir / "config.json").exists():
             import torch
 
-            from ...bench.synthetic import synthetic_model
-            from ...models.tiny import char_tokenizer
+            from ..models.tiny import char_tokenizer
+            from .synthetic import synthetic_model
 
             model = synthetic_model(layers=2).to(getattr(torch, args.dtype))
             model.save_pretrained(model_dir)
             char_tokenizer(1024).save_pretrained(model_dir)
     else:
         model_dir = resolve_model_path(args.model)
-    from ...models import load_model, load_tokenizer
+    from ..models import load_model, load_tokenizer
 
     model = load_model(model_dir)
     E = model.config.num_experts if hasattr(model.config, "num_experts") else model.config.num_local_experts
@@ -108,7 +108,7 @@ def prepare(args) -> dict:
     plans["masked-25"] = quarter.save(args.out / "plan-25.json")
     stats = args.out / "fold-stats.safetensors"
     if not stats.exists():
-        from ...calibration import calibrate
+        from ..calibration import calibrate
 
         calibrate(model.float(), load_tokenizer(model_dir), "tasks", 2048, batch_tokens=512, seq_len=128, fold=True,
                   progress=False).save(stats)
@@ -135,14 +135,14 @@ def run(args) -> int:
     unknown = sorted(set(only) - set(PROCESSES))
     if unknown:
         raise ValueError(f"--only names unknown processes {unknown}; choose from {', '.join(PROCESSES)}")
-    from ...outputs import check_output
+    from ..outputs import check_output
     check_output(args.out, overwrite=True, directory=True, replaces=False)   # one run per --out at a time (it caches there)
     setup = prepare(args)
     spec = {"groups": only, "model": str(setup["model"]), "plans": setup["plans"], "pruned": str(setup["pruned"]),
             "batches": args.batches, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
             "dtype": args.dtype, "repeats": args.repeats, "out": str(args.out)}
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-m", "moetailor.integrations.vllm.bench", json.dumps(spec)],
+    out = subprocess.run([sys.executable, "-m", "moetailor.bench.vllm", json.dumps(spec)],
                          stdout=subprocess.PIPE, text=True)   # progress and vLLM's log on stderr, as it happens
     line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]   # one per finished batch size
     if not line:
@@ -164,7 +164,7 @@ def run(args) -> int:
 
 
 def print_report(report: dict, slo: float) -> None:
-    from ...tables import print_table
+    from ..tables import print_table
 
     res = report["results"]
     batches = sorted({int(b) for r in res.values() for b in r})
@@ -235,7 +235,7 @@ def _time_generate(llm, prompts, params) -> float:
 
 def _distinct(llm) -> float:
     """Mean distinct experts per decode step and MoE layer since the last reset (then reset)."""
-    from .rpc import call, route_totals
+    from ..integrations.vllm.rpc import call, route_totals
 
     totals = call(llm, route_totals, reset=True)[0]
     return sum(t["experts"] for t in totals.values()) / max(1, sum(t["steps"] for t in totals.values()))
@@ -331,10 +331,10 @@ def start_engines(spec: dict, rows: list[Row]) -> dict:
 
     from vllm import LLM
 
-    from .disagg import pair_kwargs
-    from .launch import engine_kwargs
-    from .patches import RECORD_KEY
-    from .rpc import SERIALIZATION_ENV
+    from ..integrations.vllm.disagg import pair_kwargs
+    from ..integrations.vllm.launch import engine_kwargs
+    from ..integrations.vllm.patches import RECORD_KEY
+    from ..integrations.vllm.rpc import SERIALIZATION_ENV
 
     batches = [int(b) for b in spec["batches"].split(",")]
     common = dict(dtype=spec["dtype"], kv_cache_mib=256, max_num_seqs=max(batches),
@@ -399,7 +399,7 @@ def worker(spec: dict) -> dict:
     from transformers import AutoConfig
     from vllm import SamplingParams
 
-    from .rpc import call, use_plan
+    from ..integrations.vllm.rpc import call, use_plan
 
     new_tokens, prompt_tokens = spec["new_tokens"], spec["prompt_tokens"]
     batches = [int(b) for b in spec["batches"].split(",")]

@@ -47,8 +47,8 @@ def register_bench(bsub, common) -> None:
 
 
 def prepare_split(args) -> Path:
-    from ...models.loading import resolve_model_path
-    from ...transforms.split import split_checkpoint
+    from ..models.loading import resolve_model_path
+    from ..transforms.split import split_checkpoint
 
     if args.split:
         if not (Path(args.split) / "config.json").exists():
@@ -62,8 +62,8 @@ def prepare_split(args) -> Path:
     if args.model == "synthetic":   # the bandwidth-bound model of `bench vllm`, written under --out
         import torch
 
-        from ...bench.synthetic import synthetic_model
-        from ...models.tiny import char_tokenizer
+        from ..models.tiny import char_tokenizer
+        from .synthetic import synthetic_model
 
         model_dir = args.out / "synthetic"
         if not (model_dir / "config.json").exists():
@@ -84,7 +84,7 @@ def run(args) -> int:
                          ".venv-vllm/bin/moetailor bench vllm-k")
     if args.new_tokens < 2:
         raise ValueError("--new-tokens must be at least 2 (decode rates need tokens after the first)")
-    from ...outputs import check_output
+    from ..outputs import check_output
     check_output(args.out, overwrite=True, directory=True, replaces=False)   # one run per --out at a time (it caches there)
     split = prepare_split(args)
     from transformers import AutoConfig
@@ -96,7 +96,7 @@ def run(args) -> int:
     spec = {"split": str(split), "requests": args.requests, "budgets": budgets, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "dtype": args.dtype, "schedule": args.schedule, "repeats": args.repeats,
             "experts_kernel": bool(args.experts_kernel), "max_num_seqs": args.max_num_seqs}
-    cmd = [sys.executable, "-m", "moetailor.integrations.vllm.kbench", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "moetailor.bench.vllm_k", json.dumps(spec)]
     out = subprocess.run(cmd, env=dict(os.environ), stdout=subprocess.PIPE, text=True)  # progress on stderr
     line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
     if out.returncode != 0 or not line:
@@ -114,7 +114,7 @@ def run(args) -> int:
 
 
 def print_report(report: dict, slo: float) -> None:
-    from ...tables import print_table
+    from ..tables import print_table
 
     ns = sorted({int(n) for r in report["results"].values() for n in r})
     rows = []
@@ -158,9 +158,9 @@ def worker(spec: dict) -> dict:
     from transformers import AutoConfig
     from vllm import LLM
 
-    from .bench import IDLE_S
-    from .launch import engine_kwargs
-    from .scheduler import scheduler_kwargs
+    from ..integrations.vllm.launch import engine_kwargs
+    from ..integrations.vllm.scheduler import scheduler_kwargs
+    from .vllm import IDLE_S
 
     ns = [int(n) for n in spec["requests"].split(",")]
     common = dict(dtype=spec["dtype"], kv_cache_mib=1024, max_num_seqs=spec["max_num_seqs"],
