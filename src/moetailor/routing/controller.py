@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from functools import partial
 from typing import Callable
 
 import torch
@@ -30,6 +29,23 @@ from .router import CompiledPolicy, FoldTables, route
 Observer = Callable[[MoeLayer, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 _CONTROLLERS: "weakref.WeakKeyDictionary[nn.Module, RoutingController]" = weakref.WeakKeyDictionary()
+
+
+class RouterHook:
+    """A router's forward hook: its routes under the step being run (the stock output without one).
+    A deep copy of the model (``copy.deepcopy``) gets a hook that does nothing, so the copy is a stock
+    model until a controller is installed on it, never a second route through this one."""
+
+    def __init__(self, controller: "RoutingController | None", layer: MoeLayer | None):
+        self.controller, self.layer = controller, layer
+
+    def __call__(self, router: nn.Module, args: tuple, stock: tuple):
+        if self.controller is None:
+            return None
+        return self.controller.route_layer(self.layer, args[0], stock=stock)
+
+    def __deepcopy__(self, memo) -> "RouterHook":
+        return RouterHook(None, None)
 
 
 # Rows up to which a bf16 router's logits run the step's linear op, above them torch's GEMM: with
@@ -58,7 +74,7 @@ class RoutingController:
         experts_impl.register()
         for layer in self.layers:
             experts_impl.INSTALLED[layer.experts] = experts_impl.Installed(layer.index)
-        self.hooks = [layer.router.register_forward_hook(partial(self._routed, layer)) for layer in self.layers]
+        self.hooks = [layer.router.register_forward_hook(RouterHook(self, layer)) for layer in self.layers]
         self._previous_impl = getattr(model.config, "_experts_implementation", None)
         model.set_experts_implementation(experts_impl.IMPLEMENTATION)
         _CONTROLLERS[model] = self
@@ -72,10 +88,6 @@ class RoutingController:
     def installed(model: nn.Module) -> "RoutingController | None":
         """The model's controller, if one is installed."""
         return _CONTROLLERS.get(model)
-
-    def _routed(self, layer: MoeLayer, router: nn.Module, args: tuple, stock: tuple):
-        """The router's forward hook: its routes under the step being run (the stock output without one)."""
-        return self.route_layer(layer, args[0], stock=stock)
 
     def compile(self, policy: PhasePolicy | None) -> dict[int, CompiledPolicy]:
         if policy is None or policy.is_identity:
