@@ -4,7 +4,7 @@
 
 Experts: the reference model's shapes (64 experts of hidden 256 x width 48, top-8, fp32 weights),
 T tokens routed by a skewed softmax; `kernels.swiglu_experts` vs the grouped-GEMM path
-(`torch._grouped_mm` over the routes sorted by expert, as `routing.experts.grouped_experts_forward`).
+(`torch._grouped_mm` over the routes sorted by expert, as `runtime.experts.grouped_experts_forward`).
 Attention: B sequences of S cached positions in scattered 16-token blocks, 4 query / 2 KV heads of
 64; `kernels.paged_decode_attention` vs gathering the blocks into a dense copy + SDPA (the engine's
 torch-op path). Linear layers of a decode step: `kernels.rows_linear` vs `F.linear` on the reference

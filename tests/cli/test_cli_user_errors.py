@@ -101,6 +101,8 @@ CASES = {
         "neither a bundled model (reference, reference-qwen3) nor a local checkpoint"),
     "--vllm-experts-kernel on the engine": (
         lambda t, m: ["serve", "reference", "--vllm-experts-kernel"], "--vllm-experts-kernel is for --backend vllm"),
+    "--vllm-novice on the engine": (
+        lambda t, m: ["serve", "reference", "--vllm-novice"], "--vllm-novice is for --backend vllm"),
 }
 
 

@@ -58,7 +58,7 @@ def test_novice_merged_and_protected_candidates(calibrated):
     assert merged.key == "frequency-u4-hcsmoe-super1" and Candidate.from_json(merged.to_json()) == merged
     assert merged.describe(8) == "HC-SMoE merged 4/8 +1 super" and merged.checkpoint and merged.runs_on_vllm()
     novice = Candidate("mone", (4, 4, 4), "novice")
-    assert novice.key == "mone-u4-novice" and not novice.runs_on_vllm() and not novice.checkpoint
+    assert novice.key == "mone-u4-novice" and novice.runs_on_vllm() and not novice.checkpoint
     with pytest.raises(ValueError, match="names its method"):
         Candidate("frequency", (4, 4, 4), "merge")
     with pytest.raises(ValueError, match="top-k"):

@@ -137,16 +137,16 @@ def test_distillation_adds_a_served_decoder_point(tmp_path):
 
 
 def test_servable_vllm_keeps_to_plans_the_vllm_plugin_applies(tmp_path):
-    """Masked and folded plans both run in vLLM's plugin (folding through the plan's fold_stats), so both
-    are searched; every plan tune saved passes the checks the plugin runs at start. A distilled decoder
-    is engine-only: asking for one with --servable vllm is refused by name."""
+    """Masked, folded and novice plans run in vLLM's plugin (folding and novice constants through the
+    plan's fold_stats), so all are searched; every plan tune saved passes the checks the plugin runs at
+    start. A distilled decoder is engine-only: asking for one with --servable vllm is refused by name."""
     from moetailor.integrations.vllm.plan import load_checked_plan
 
     path = save("qwen3_moe", tmp_path / "model")
     tuner, result = tune(path, tmp_path / "out", max_kl=10.0, budget=0.5, servable="vllm", criteria=("reap",))
     assert result.choice.met and all(r["vllm"] for r in result.front)
     modes = {r["candidate"]["pool_mode"] for r in tuner.scored.values()}
-    assert modes == {"mask", "fold", "merge"}              # novice pools: no plugin hook, no phase-aware checkpoint
+    assert modes == {"mask", "fold", "novice", "merge"}
     plans = sorted((tmp_path / "out" / "plans").glob("*.json"))
     assert any("-fold" in p.name for p in plans)
     for plan_path in [tmp_path / "out" / "plan.json", *plans]:

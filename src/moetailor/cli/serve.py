@@ -104,6 +104,8 @@ def run(args) -> int:
     if args.vllm_no_prefix_caching:
         raise ValueError("--vllm-no-prefix-caching is for --backend vllm; moetailor's engine switches plans per "
                          "request and keeps its prefix cache per plan")
+    if args.vllm_novice:
+        raise ValueError("--vllm-novice is for --backend vllm; moetailor's engine adds novice constants for any plan")
 
     if args.k_schedule == "tiers":
         raise ValueError("--k-schedule tiers plans a known set of requests offline (`moetailor generate`); a server "

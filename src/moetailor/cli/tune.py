@@ -54,8 +54,8 @@ def register(sub) -> None:
     search.add_argument("--no-top-k", action="store_true", help="leave top-k reduction out")
     search.add_argument("--servable", choices=SERVABLE, default="engine",
                         help="engine (default: every technique) or vllm (what vLLM serves phase-aware: masked and "
-                             "folded pools and top-k through its plugin, merged experts as a decode checkpoint; no "
-                             "novice pools, no distilled decoder)")
+                             "folded pools, novice pools and top-k through its plugin, merged experts as a decode "
+                             "checkpoint; no distilled decoder)")
     search.add_argument("--distill", type=int, default=0, metavar="STEPS",
                         help="also distil the best plan at the target for STEPS steps (heavy; 0 = off)")
     search.add_argument("--distill-lr", type=float, default=1e-3)
@@ -130,8 +130,7 @@ def run(args) -> int:
                   f"{args.model} --backend vllm --decode-model {r['merged']} (a stock checkpoint: plain vLLM loads it)")
             return 0
         print(f"serve it: moetailor serve {args.model} --decode-plan {result.plan_path}   |   vLLM: "
-              + (f"additional_config={{\"moetailor_decode_plan\": \"{result.plan_path}\"}}" if r.get("vllm")
-                 else "novice constants, which vLLM's plugin does not add; rerun with --servable vllm"))
+              f"additional_config={{\"moetailor_decode_plan\": \"{result.plan_path}\"}}")
         return 0
     proven = result.quality == "accuracy" and settings.min_quality is not None
     print(f"no plan {'is proven to meet' if proven else 'meets'} {floor} at {target}"

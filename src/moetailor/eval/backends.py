@@ -156,7 +156,7 @@ class VLLMBackend:
             os.environ.setdefault(SERIALIZATION_ENV, "1")   # plan switches reach the workers as functions
             from vllm import LLM
             kwargs = engine_kwargs(self.path, dtype=self.dtype, kv_cache_mib=self.kv_cache_mib,
-                                   enforce_eager=self.enforce_eager,
+                                   enforce_eager=self.enforce_eager, novice=True,   # novice plans switch in
                                    enable_prefix_caching=False, max_num_seqs=self.max_num_seqs,
                                    max_model_len=self.max_model_len, max_logprobs=self.vocab, seed=0,
                                    disable_log_stats=True)

@@ -81,13 +81,12 @@ class Candidate:
         return sum(expected_distinct(m, min(k, m), batch) for m in self.sizes) / (len(self.sizes) * num_experts)
 
     def runs_on_vllm(self) -> bool:
-        """Whether vLLM serves this plan phase-aware: masked and folded pools and reduced top-k run in
-        vLLM's plugin through the engine's own ``route`` (integrations/vllm/routing.py, tested in
-        test_vllm_techniques.py); a merged pool is a stock checkpoint (``checkpoint``), decoded by
-        vLLM in a disaggregated pair (`moetailor serve MODEL --backend vllm --decode-model DIR`). Novice
-        pools are not: the plugin adds no constants, and a novice checkpoint (stock vLLM >= 0.34) has
-        novice experts in both phases, not the full prefill this candidate was scored with."""
-        return self.pool_mode in ("mask", "fold", "merge")
+        """Whether vLLM serves this plan phase-aware: masked, folded and novice pools and reduced top-k
+        run in vLLM's plugin through the engine's own ``route`` (integrations/vllm/routing.py, tested in
+        test_vllm_techniques.py; novice constants added to the layer's output, test_vllm_novice.py); a
+        merged pool is a stock checkpoint (``checkpoint``), decoded by vLLM in a disaggregated pair
+        (`moetailor serve MODEL --backend vllm --decode-model DIR`)."""
+        return self.pool_mode in ("mask", "fold", "novice", "merge")
 
     @property
     def checkpoint(self) -> bool:

@@ -473,7 +473,6 @@ class Tuner:
         s = self.s
         if self.streamed or s.backend != "engine":   # scored on the model in memory, with the engine
             return []
-        novice = s.novice and s.servable == "engine"     # vLLM serves no novice pool phase-aware
         near = sorted(fine, key=lambda m: abs(m / self.E - self._proxy_target()))[:5]
         grouped = (self.fp.get("n_group") or 1) > 1      # merging and protection are refused there (plans say why)
         protect = [0] + ([s.protect_super] if s.protect_super and self.stats.has_outputs and not grouped else [])
@@ -484,7 +483,7 @@ class Tuner:
                 if p >= m:
                     continue
                 kinds = [Candidate(best, sizes, "mask", protect_super=p)] if p else []
-                if novice and self.stats.has_outputs:
+                if s.novice and self.stats.has_outputs:
                     kinds += [Candidate(c, sizes, "novice", protect_super=p) for c in dict.fromkeys(("mone", best))]
                 if s.merge and self.stats.has_outputs and not grouped:
                     kinds += [Candidate("frequency", sizes, "merge", protect_super=p, merge=g) for g in ("hcsmoe", "msmoe")]

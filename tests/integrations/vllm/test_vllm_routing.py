@@ -202,3 +202,80 @@ def test_route_recorder_counts_decode_steps_inside_a_traced_graph():
         if bool(decode[:T].all()):
             want += len(set(i[:T].reshape(-1).tolist()))
     assert rec.totals() == {7: {"experts": want, "steps": 2}}
+
+
+def novice_layer(prefill: LayerPolicy, decode: LayerPolicy, H: int = 6) -> LayerRouting:
+    """A layer whose policies replace dropped experts by constants c_e [E, H] (novice pools)."""
+    constants = torch.randn(E, H, generator=torch.Generator().manual_seed(9))
+    cps = [CompiledPolicy.build(p, SEM, "cpu", None, constants) for p in (prefill, decode)]
+    return LayerRouting(SEM, cps[0], cps[1], K)
+
+
+def test_novice_routes_and_constants_are_the_engines_in_a_mixed_step():
+    """A novice decode pool after a full prefill: each decode token's routes to replaced experts add
+    g * c_e (``step_constants``) and reach the kernel as weight-0 routes to a kept expert, as the
+    engine's experts path (``novice_split``) turns them into sentinels plus the constant; prefill tokens
+    add nothing. The step reads no replaced expert."""
+    from moetailor.integrations.vllm.routing import step_constants
+    from moetailor.runtime.experts import novice_split
+
+    lr = novice_layer(LayerPolicy(), LayerPolicy(keep=POOL, pool_mode="novice"))
+    assert lr.has_constants
+    logits, decode, token_k = step(seed=11)
+    live = torch.ones(T, dtype=torch.bool)
+    w, i = step_routes(logits, lr, live, decode, token_k)
+    c = step_constants(logits, lr, live, decode, token_k, hidden=6)                    # [T, H]
+    assert c.shape == (T, 6) and c.dtype == torch.float32
+    assert bool((c[~decode] == 0).all())
+    ew, ei = engine_routes(logits[decode], lr.decode, SEM, token_k[decode])
+    want_c, ew, ei = novice_split(lr.decode, ew, ei)
+    torch.testing.assert_close(dense(w, i)[decode], dense(ew, ei), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(c[decode], want_c, rtol=1e-6, atol=1e-6)
+    assert want_c.abs().sum() > 0, "some decode token must route to a replaced expert"
+    assert set(i[decode].reshape(-1).tolist()) <= set(POOL), "a replaced expert's weights must not be read"
+
+
+def test_step_constants_is_one_opaque_op_that_traces():
+    """``torch.ops.moetailor.step_constants`` passes torch's op checks and traces into one graph (as
+    vLLM's compiled mode sees it); a layer with no novice policy adds zeros."""
+    import torch._dynamo
+    from torch.library import opcheck
+
+    from moetailor.integrations.vllm import routing
+
+    lr = novice_layer(LayerPolicy(keep=POOL[:6], pool_mode="novice"), LayerPolicy(keep=POOL, pool_mode="novice"))
+    key = f"{len(routing._ROUTINGS)}:novice-test"
+    routing._ROUTINGS[key] = lr
+    logits, decode, token_k = step(seed=4)
+    live = torch.ones(T, dtype=torch.bool)
+    hidden = torch.randn(T, 6)
+    opcheck(torch.ops.moetailor.step_constants.default, (hidden, logits, live, decode, token_k, key))
+    want = routing.step_constants(logits, lr, live, decode, token_k, 6)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: torch.ops.moetailor.step_constants(*a, key), fullgraph=True,
+                             backend="eager", dynamic=True)
+    torch.testing.assert_close(compiled(hidden, logits, live, decode, token_k), want)
+    plain = layer(LayerPolicy(), LayerPolicy(keep=POOL))
+    assert not plain.has_constants
+    assert bool((routing.step_constants(logits, plain, live, decode, token_k, 6) == 0).all())
+
+
+def test_switching_to_a_novice_plan_needs_layers_hooked_for_constants():
+    """A plan switched in on a running engine may replace experts by constants only where the layer's
+    output was hooked for them at start (a novice start plan, or additional_config moetailor_novice)."""
+    from moetailor.integrations.vllm import routing
+    from moetailor.integrations.vllm.plan import RouterTables
+
+    constants = torch.randn(E, 6)
+    novice = CompiledPolicy.build(LayerPolicy(keep=POOL, pool_mode="novice"), SEM, "cpu", None, constants)
+    full = CompiledPolicy.build(LayerPolicy(), SEM, "cpu")
+    tables = RouterTables(SEM, {3: (full, novice)}, K, True)
+    for hooked in (False, True):
+        key = f"{len(routing._ROUTINGS)}:swap-test"
+        routing._ROUTINGS[key] = LayerRouting(SEM, full, full, K, adds_constants=hooked)
+        if not hooked:
+            with pytest.raises(ValueError, match="layer 3's dropped experts by constants.*moetailor_novice"):
+                routing.swap_tables({3: key}, tables)
+            continue
+        routing.swap_tables({3: key}, tables)
+        assert routing._ROUTINGS[key].has_constants and routing._ROUTINGS[key].adds_constants

@@ -11,17 +11,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...models.loading import resolve_model_path
-from .plan import DECODE_PLAN_KEY, PLAN_KEY, load_checked_plan
+from .plan import DECODE_PLAN_KEY, NOVICE_KEY, PLAN_KEY, load_checked_plan
 
 
 def engine_kwargs(model: str | Path, plan: str | Path | None = None, decode_plan: str | Path | None = None, *,
                   dtype: str = "float32", kv_cache_mib: int | None = 512, enforce_eager: bool = False,
                   experts_kernel: bool = False, observe: str | Path | None = None, observe_every: int = 0,
-                  **overrides) -> dict:
+                  novice: bool = False, **overrides) -> dict:
     """vLLM engine keyword arguments serving ``model`` ('reference' or a checkpoint directory);
     ``experts_kernel``: MoE layers on moetailor's experts kernel (``experts.py``) instead of vLLM's;
     ``observe``: write the served traffic's calibration statistics there (``observe.py``), also every
-    ``observe_every`` steps."""
+    ``observe_every`` steps; ``novice``: every MoE layer adds novice constants, so that plans switched
+    in later may replace experts by them (a novice start plan needs no flag)."""
     if plan and decode_plan:
         raise ValueError("give --plan or --decode-plan, not both")
     path = resolve_model_path(model)
@@ -35,6 +36,8 @@ def engine_kwargs(model: str | Path, plan: str | Path | None = None, decode_plan
         kwargs["additional_config"] = {PLAN_KEY if plan else DECODE_PLAN_KEY: str(Path(given).resolve())}
         if checked.prefill != checked.decode:
             kwargs["enable_prefix_caching"] = False
+    if novice:
+        kwargs["additional_config"] = {**kwargs.get("additional_config", {}), NOVICE_KEY: True}
     if experts_kernel:
         from .experts import KEY
         kwargs["additional_config"] = {**kwargs.get("additional_config", {}), KEY: True}

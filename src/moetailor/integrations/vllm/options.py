@@ -15,3 +15,7 @@ def add_backend_arguments(p) -> None:
     p.add_argument("--vllm-experts-kernel", action="store_true",
                    help="--backend vllm on CPU: MoE layers run moetailor's experts kernel instead of vLLM's fused-MoE "
                         "(skips the routes budgets and pools drop; additional_config moetailor_experts_kernel)")
+    p.add_argument("--vllm-novice", action="store_true",
+                   help="--backend vllm: every MoE layer adds novice constants, so that plans switched in later "
+                        "(`eval --backend vllm --vllm-url`) may replace dropped experts by them (a novice --plan "
+                        "needs no flag; additional_config moetailor_novice)")

@@ -17,7 +17,7 @@ from vllm.logger import init_logger
 from . import names as N
 from .names import wrap_method
 from .observe import OBSERVE_KEY, OBSERVERS, check_observable, make_observer, observe_settings, writes_here
-from .plan import EXPERT_TOP_K, load_checked_plan, plan_settings, router_tables
+from .plan import EXPERT_TOP_K, NOVICE_KEY, load_checked_plan, plan_settings, router_tables
 from .runners import adapters_for
 
 log = init_logger("moetailor.vllm")
@@ -144,7 +144,8 @@ def setup_model(runner, adapter) -> None:
     if isinstance(config.additional_config, dict) and config.additional_config.get(RECORD_KEY):
         recorder = RouteRecorder(sorted(tables.policies), tables.semantics.num_experts, runner.device)
     observed = observing is not None and writes_here()
-    runner._moetailor_keys = install(model, tables, tokens, recorder, observed=observed)
+    novice = isinstance(config.additional_config, dict) and bool(config.additional_config.get(NOVICE_KEY))
+    runner._moetailor_keys = install(model, tables, tokens, recorder, observed=observed, constants=novice)
     adapter.attach(runner, tokens)
     runner._moetailor_recorder = recorder
     runner._moetailor_observer = None

@@ -10,9 +10,10 @@ it reaches every process of the engine and is part of vLLM's config hash::
 
 A token is a decode token when its position is at or past its request's prompt length; prefill
 tokens (also those of a chunked prompt) get the prefill policy. Every ``LayerPolicy`` field applies
-(pools in each mode, top_k, dynamic skipping, token and batch pools, stacked): the hooks call the
-engine's ``routing.router.route`` with the ``CompiledPolicy`` built here, so plugin and engine share
-one representation. Folding policies need the plan's ``fold_stats`` (ExFold tables).
+(pools in each mode, top_k, dynamic skipping, token and batch pools, stacked, novice pools): the hooks
+call the engine's ``routing.router.route`` with the ``CompiledPolicy`` built here, so plugin and engine
+share one representation. Folding and novice policies need the plan's ``fold_stats`` (ExFold tables;
+each expert's mean output, the novice constants).
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ EXPERT_TOP_K = "expert_top_k"  # SamplingParams.extra_args key (OpenAI: top-leve
 # generated tokens would (how ``moetailor eval --backend vllm`` scores a plan's decode phase on held-out
 # text through prompt logprobs: the prefix under the prefill policy, the rest under the decode policy)
 DECODE_FROM = "moetailor_decode_from"
+# additional_config key: every MoE layer adds novice constants (``routing.step_constants``) from the start,
+# so that plans switched in later (``rpc.use_plan``) may replace experts by constants; a start plan with
+# novice pools hooks its own layers without it
+NOVICE_KEY = "moetailor_novice"
 
 
 def plan_settings(additional_config) -> tuple[str, str] | None:
@@ -79,10 +84,6 @@ def load_checked_plan(path: str | Path, mode: str, checkpoint: str | Path) -> Pl
     plan = Plan.load(path)
     if mode == "decode":
         plan = plan.phase_aware()
-    if plan.prefill.needs_constants or plan.decode.needs_constants:
-        raise ValueError(f"plan {path} replaces dropped experts by constants (novice experts), which the plugin's "
-                         "routing hooks do not add; write a novice checkpoint with `moetailor prune MODEL PLAN --out "
-                         "DIR` and serve DIR with stock vLLM >= 0.34 (it loads the constants itself, no plugin)")
     if plan.merges:
         raise ValueError(f"plan {path} merges experts, which changes their weights; write the merged checkpoint with "
                          "`moetailor prune MODEL PLAN --out DIR` and serve DIR with stock vLLM (all phases), or decode "
@@ -97,7 +98,7 @@ def load_checked_plan(path: str | Path, mode: str, checkpoint: str | Path) -> Pl
             policy.validate(fp["num_experts"], fp["top_k"], where=f"{phase} layer {layer}")
             if layer not in fp["moe_layers"]:
                 raise ValueError(f"plan {path} names MoE layer {layer}, the model's MoE layers are {fp['moe_layers']}")
-    router_tables(plan, checkpoint, where=str(path))   # fold tables present and matching, every policy compiles
+    router_tables(plan, checkpoint, where=str(path))   # fold tables, constants present and matching; all compile
     return plan
 
 
@@ -119,6 +120,25 @@ def fold_tables_for(plan: Plan, checkpoint: str | Path, where: str = "the plan")
     if not stats.has_fold:
         raise ValueError(f"{where}: {stats_path} holds no fold tables; rerun `moetailor calibrate ... --fold`")
     return stats.fold_tables()
+
+
+def constants_for(plan: Plan, checkpoint: str | Path, where: str = "the plan") -> dict[int, torch.Tensor]:
+    """Per MoE layer, the novice constants [E, H] (each expert's mean output, as the engine's
+    ``attach_constants`` reads them) from the plan's ``fold_stats``, checked against the checkpoint;
+    {} when no policy replaces experts by constants."""
+    if not plan.needs_constants:
+        return {}
+    from ...calibration import ExpertStats
+    from ...models.loading import fingerprint_mismatch
+
+    stats_path = plan.fold_tables_path()
+    stats = ExpertStats.load(stats_path)
+    problem = fingerprint_mismatch(stats.model, checkpoint_fingerprint(checkpoint))
+    if problem:
+        raise PlanMismatch(f"{where}: statistics {stats_path} do not match the model vLLM serves ({problem}); "
+                           f"run `moetailor calibrate` on this model")
+    stats.require_outputs("a novice plan")
+    return {i: layer.mean_output.float() for i, layer in stats.layers.items()}
 
 
 @dataclass
@@ -166,13 +186,14 @@ def router_tables(plan: Plan | None, checkpoint: str | Path, device="cpu", where
     sem = checkpoint_semantics(checkpoint)
     fp = checkpoint_fingerprint(checkpoint)
     tables = fold_tables_for(plan, checkpoint, where) if plan is not None else {}
+    constants = constants_for(plan, checkpoint, where) if plan is not None else {}
     policies = {}
     for layer in fp["moe_layers"]:
         pair = []
         for phase in ("prefill", "decode"):
             policy = plan.phase(phase).for_layer(layer) if plan is not None else FULL
             try:
-                pair.append(CompiledPolicy.build(policy, sem, device, tables.get(layer)))
+                pair.append(CompiledPolicy.build(policy, sem, device, tables.get(layer), constants.get(layer)))
             except ValueError as e:
                 raise ValueError(f"{where} ({phase} layer {layer}): {e}") from None
         policies[layer] = tuple(pair)

@@ -11,7 +11,11 @@ allocated once. Each MoE layer's router (``select_experts``) is then replaced by
   * routes a budget, a pool or skipping dropped (the engine's sentinel id E) are sent to one of the
     token's own kept experts with weight 0 (``redirect_dropped``): vLLM's kernels take no sentinel
     (the CPU fused-MoE does not bounds-check ids), and an expert no route of the step uses gets no
-    token, so the kernel skips it and its weights are not read: budgets and pools save the work.
+    token, so the kernel skips it and its weights are not read: budgets and pools save the work;
+  * a novice policy's route to a replaced expert is dropped the same way (``router.novice_split``),
+    and the layer's fused-MoE output gets g * c_e for it: ``_apply_quant_method`` is wrapped to add
+    ``step_constants`` (the same routes again, their [T, E] x [E, H] constant product), so no weight
+    of a replaced expert is read and the sum is the engine's.
 
 Graph safety (vLLM's default mode traces the model once on CPU, ``DYNAMO_TRACE_ONCE`` with guards
 dropped, and captures CUDA graphs on GPU): the routing runs as one opaque torch op,
@@ -32,7 +36,8 @@ import torch
 from ...models.architectures import RouterSemantics
 from ...routing.budgets import budget_of
 from ...routing.router import CompiledPolicy, route
-from .plan import DECODE_FROM, EXPERT_TOP_K, RouterTables
+from ...runtime.experts import novice_split
+from .plan import DECODE_FROM, EXPERT_TOP_K, NOVICE_KEY, RouterTables
 
 
 class StepTokens:
@@ -85,22 +90,45 @@ class LayerRouting:
     decode: CompiledPolicy
     width: int                           # routes per token emitted (the largest k of the two phases)
     correction_bias: torch.Tensor | None = None  # [E] DeepSeek's e_score_correction_bias
+    adds_constants: bool = False         # the layer's output gets step_constants (hooked at install)
 
     @property
     def phases_differ(self) -> bool:
         return self.prefill.policy != self.decode.policy
 
+    @property
+    def has_constants(self) -> bool:
+        """Some phase replaces dropped experts by their constants (a novice policy)."""
+        return self.prefill.constants is not None or self.decode.constants is not None
+
 
 def _phase_routes(logits, layer: LayerRouting, cp: CompiledPolicy, token_k, counted):
-    """(weights [T, W], index [T, W]) of one phase's policy, padded with dropped routes to the width."""
+    """(weights [T, W], index [T, W], novice constant [T, H] fp32 or None) of one phase's policy,
+    padded with dropped routes to the width; a novice route is a dropped route here."""
     E = layer.semantics.num_experts
     counted = counted if cp.policy.batch_pool is not None else None
     w, i = route(logits, layer.semantics, cp, layer.correction_bias, token_k, graph_safe=True, counted=counted)
+    constant, w, i = novice_split(cp, w, i)
     pad = layer.width - i.shape[1]
     if pad:
         w = torch.cat([w, w.new_zeros(w.shape[0], pad)], dim=1)
         i = torch.cat([i, i.new_full((i.shape[0], pad), E)], dim=1)
-    return w, i
+    return w, i, constant
+
+
+def _step(logits, layer: LayerRouting, live, decode, token_k):
+    """Each token's routes and novice constant under its phase's policy: (w [T, W], i [T, W], c [T, H] or None)."""
+    logits = logits.float()
+    w, i, c = _phase_routes(logits, layer, layer.prefill, token_k, live & ~decode)     # [T, W]
+    if layer.phases_differ:
+        wd, id_, cd = _phase_routes(logits, layer, layer.decode, token_k, live & decode)
+        w = torch.where(decode[:, None], wd, w)
+        i = torch.where(decode[:, None], id_, i)
+        if c is not None or cd is not None:
+            c = c if c is not None else torch.zeros_like(cd)
+            cd = cd if cd is not None else torch.zeros_like(c)
+            c = torch.where(decode[:, None], cd, c)                                       # [T, H]
+    return w, i, c
 
 
 def step_routes(logits: torch.Tensor, layer: LayerRouting, live: torch.Tensor, decode: torch.Tensor,
@@ -108,13 +136,17 @@ def step_routes(logits: torch.Tensor, layer: LayerRouting, live: torch.Tensor, d
     """Router logits [T, E] -> (weights float32 [T, W], ids int64 [T, W]) for a step that may mix
     prefill and decode tokens (decode [T] bool) and budgets (token_k [T]); padding (live False)
     counts in no batch pool. No host read, no data-dependent branch."""
-    logits = logits.float()
-    w, i = _phase_routes(logits, layer, layer.prefill, token_k, live & ~decode)        # [T, W]
-    if layer.phases_differ:
-        wd, id_ = _phase_routes(logits, layer, layer.decode, token_k, live & decode)
-        w = torch.where(decode[:, None], wd, w)
-        i = torch.where(decode[:, None], id_, i)
+    w, i, _ = _step(logits, layer, live, decode, token_k)
     return redirect_dropped(w.float(), i, layer.semantics.num_experts, live)
+
+
+def step_constants(logits: torch.Tensor, layer: LayerRouting, live: torch.Tensor, decode: torch.Tensor,
+                   token_k: torch.Tensor, hidden: int) -> torch.Tensor:
+    """What the layer's novice routes add to its output: [T, hidden] float32, sum of g * c_e over each
+    token's routes to replaced experts (zeros for a layer or phase that replaces none). The same
+    routes as ``step_routes`` (same inputs, same ops), so the two agree on which routes were replaced."""
+    _, _, c = _step(logits, layer, live, decode, token_k)
+    return c if c is not None else logits.new_zeros(logits.shape[0], hidden, dtype=torch.float32)
 
 
 # op key -> the hooked layer's routing (set at install, per process). A string, so that no trace
@@ -134,6 +166,18 @@ def _(logits, live, decode, token_k, key):
     width = _ROUTINGS[key].width
     return (logits.new_empty(logits.shape[0], width, dtype=torch.float32),
             logits.new_empty(logits.shape[0], width, dtype=torch.long))
+
+
+@torch.library.custom_op("moetailor::step_constants", mutates_args=())
+def step_constants_op(hidden: torch.Tensor, logits: torch.Tensor, live: torch.Tensor, decode: torch.Tensor,
+                      token_k: torch.Tensor, key: str) -> torch.Tensor:
+    """``step_constants`` of the layer ``key`` names, as one op: float32 [T, H] (H: ``hidden``'s width)."""
+    return step_constants(logits, _ROUTINGS[key], live, decode, token_k, hidden.shape[-1])
+
+
+@step_constants_op.register_fake
+def _(hidden, logits, live, decode, token_k, key):
+    return logits.new_empty(logits.shape[0], hidden.shape[-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("moetailor::step_routes_observed", mutates_args=())
@@ -183,10 +227,12 @@ def layer_routing(tables: RouterTables, layer: int, correction_bias=None) -> Lay
 
 
 def install(model: torch.nn.Module, tables: RouterTables, tokens: StepTokens, recorder=None,
-            observed: bool = False) -> dict[int, str]:
+            observed: bool = False, constants: bool = False) -> dict[int, str]:
     """Replace each MoE layer's routing with ``step_routes``; returns each hooked layer's op key
     (a monolithic kernel's layer, which takes a fixed logits bias, has none). ``observed``: the op
-    also hands the layer's routing to the engine's traffic observer (``observe.OBSERVERS`` by key)."""
+    also hands the layer's routing to the engine's traffic observer (``observe.OBSERVERS`` by key).
+    A layer whose plan replaces experts by constants, or every layer with ``constants`` (plans switched
+    in later may), adds ``step_constants`` to its output."""
     runners = moe_runners(model)
     keys = {}
     for runner in runners:
@@ -200,6 +246,8 @@ def install(model: torch.nn.Module, tables: RouterTables, tokens: StepTokens, re
         bias = getattr(runner.router, "e_score_correction_bias", None)
         routing = layer_routing(tables, layer, bias)
         keys[layer] = _hook(runner, routing, tokens, recorder, observed)
+        if constants or routing.has_constants:
+            _hook_constants(runner, routing, keys[layer], tokens)
     return keys
 
 
@@ -207,7 +255,8 @@ def swap_tables(keys: dict[int, str], tables: RouterTables) -> None:
     """Route the hooked layers by ``tables`` from the next step on. The traced graph holds only the
     op and its key, so this holds in the compiled mode too, provided each layer's emitted width
     (its largest top_k) does not grow: a narrower plan's routes are padded to the traced width with
-    dropped routes, as per-request budgets are; a wider one is refused, naming the layer."""
+    dropped routes, as per-request budgets are; a wider one is refused, naming the layer. So is a
+    plan that replaces experts by constants on a layer whose output was not hooked for them."""
     new = {}
     for layer, key in keys.items():
         old = _ROUTINGS[key]
@@ -215,7 +264,12 @@ def swap_tables(keys: dict[int, str], tables: RouterTables) -> None:
         if routing.width > old.width:
             raise ValueError(f"layer {layer} would route {routing.width} experts per token where the running graph "
                              f"was traced for {old.width}: start a new engine for a plan that raises top_k")
+        if routing.has_constants and not old.adds_constants:
+            raise ValueError(f"the plan replaces layer {layer}'s dropped experts by constants (novice experts), and "
+                             f"this engine adds none: start it with a novice plan, or with additional_config "
+                             f"{{\"{NOVICE_KEY}\": true}} to switch to novice plans later")
         routing.width = old.width      # a narrower plan pads with dropped routes (weight 0), as budgets do
+        routing.adds_constants = old.adds_constants
         new[key] = routing
     _ROUTINGS.update(new)
 
@@ -240,6 +294,26 @@ def _hook(runner, routing: LayerRouting, tokens: StepTokens, recorder, observed:
 
     runner.router.select_experts = select_experts
     return key
+
+
+def _hook_constants(runner, routing: LayerRouting, key: str, tokens: StepTokens) -> None:
+    """Add the layer's novice constants (``step_constants``) to its fused-MoE output, inside
+    ``_apply_quant_method``: before vLLM's routed scaling and the shared experts' sum, where the
+    experts' own outputs are, so a constant is scaled and summed as the expert it replaces would be."""
+    routing.adds_constants = True
+    apply_quant = runner._apply_quant_method
+
+    def apply_with_constants(hidden_states, router_logits, *args, **kwargs):
+        T = router_logits.shape[0]
+        shared, fused = apply_quant(hidden_states, router_logits, *args, **kwargs)
+        if not isinstance(fused, torch.Tensor):
+            raise RuntimeError("moetailor: this fused-MoE backend defers its output, which novice constants cannot "
+                               "be added to; serve the novice plan with moetailor's engine")
+        constant = torch.ops.moetailor.step_constants(hidden_states, router_logits, tokens.live[:T],
+                                                      tokens.decode[:T], tokens.k[:T], key)   # [T, H] fp32
+        return shared, fused + constant.to(fused.dtype)
+
+    runner._apply_quant_method = apply_with_constants
 
 
 def _hook_monolithic(runner, tables: RouterTables, layer: int, tokens: StepTokens) -> None:

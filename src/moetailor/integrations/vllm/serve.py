@@ -156,7 +156,7 @@ def common_kwargs(args) -> dict:
     return dict(dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype],
                 kv_cache_mib=args.vllm_kv_cache_mib, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                experts_kernel=getattr(args, "vllm_experts_kernel", False),
+                experts_kernel=getattr(args, "vllm_experts_kernel", False), novice=getattr(args, "vllm_novice", False),
                 **({"enable_prefix_caching": False} if getattr(args, "vllm_no_prefix_caching", False) else {}),
                 **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
 
