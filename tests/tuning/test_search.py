@@ -185,3 +185,36 @@ def test_tune_searches_novice_merged_and_protected_pools_and_evaluates_merged_de
     for r in result.points:
         if r is not result.full:
             assert r["floor"]["verdict"] in ("meets", "misses", "not enough prompts to tell")
+
+
+def test_tune_computes_in_float32_as_eval_does_unless_only_the_stored_dtype_fits(tmp_path, monkeypatch):
+    """`eval` generates in float32 whatever the checkpoint stores; tune does too by default, so its
+    verdicts are eval's (in the bundled models' stored bf16 one near-tie prompt of 300 scored
+    differently). --dtype auto asks for the stored dtype; so does a checkpoint that fits in memory only
+    in it, rather than being scored layer by layer."""
+    import torch
+
+    from moetailor.models import checkpoint
+
+    path = tmp_path / "model"
+    model = tiny_model("qwen2_moe", num_experts=8, top_k=2, layers=3).to(torch.bfloat16)
+    model.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    assert checkpoint.stored_dtype(path) == torch.bfloat16
+
+    def setup(out, **kw):
+        tuner = Tuner(TuneSettings(model=str(path), data="mix", out=tmp_path / out, max_kl=1.0, budget=0.5,
+                                   **{**SMALL, **kw}), log=lines.append, progress=False)
+        tuner._setup()
+        return tuner
+
+    lines = []
+    assert setup("default").model.dtype == torch.float32 and not lines
+    assert setup("auto", dtype="auto").model.dtype == torch.bfloat16
+    real = checkpoint.should_stream
+    monkeypatch.setattr(checkpoint, "should_stream",      # float32 would not fit, bf16 does
+                        lambda p, dtype, mode="auto", **kw: mode == "on" or (mode == "auto" and dtype == torch.float32))
+    tuner = setup("tight")
+    assert tuner.model.dtype == torch.bfloat16 and not tuner.streamed
+    assert lines and "float32 does not fit in memory" in lines[-1]
+    monkeypatch.setattr(checkpoint, "should_stream", real)

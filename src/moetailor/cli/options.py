@@ -25,9 +25,10 @@ def dtype_value(allowed: tuple[str, ...]):
 
 
 def add_dtype_option(parser, what: str, default: str, flag: str = "--dtype",
-                     allowed: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")) -> None:
-    """``--dtype`` with the one spelling; ``auto`` = the checkpoint's stored dtype."""
-    words = "default: off" if default is None else f"default {default}" + (
+                     allowed: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16"), default_words: str | None = None) -> None:
+    """``--dtype`` with the one spelling; ``auto`` = the checkpoint's stored dtype. ``default_words``: what
+    a ``None`` default means, where it is not "off"."""
+    words = (default_words or "default: off") if default is None else f"default {default}" + (
         " (the checkpoint's stored dtype)" if default == "auto" else "")
     if "auto" in allowed and default != "auto":
         words += "; auto: the checkpoint's stored dtype"

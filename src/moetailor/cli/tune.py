@@ -68,7 +68,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
                    help="score layer by layer from the shards (auto: when the model does not fit in memory)")
-    add_dtype_option(p, "working dtype for calibration and scoring", "auto")
+    add_dtype_option(p, "working dtype for calibration and scoring", None,
+                     default_words="default: fp32, as `eval` and `serve` compute, so the verdicts are theirs; the "
+                                   "checkpoint's stored dtype where only that fits in memory")
     add_device_option(p)
     add_backend_options(p)
     p.add_argument("--out", required=True, help="output folder (an earlier run's cache there is reused)")

@@ -73,7 +73,7 @@ class TuneSettings:
     distill_lr: float = 1e-3
     seed: int = 0
     stream: str = "auto"
-    dtype: str = "auto"
+    dtype: str | None = None            # None: fp32 (what eval and serve compute in), or the stored dtype where only it fits
     device: str = "cpu"                # --device: where the weights run (``device.Placement``)
     overwrite: bool = False
     command: str = ""
@@ -198,7 +198,7 @@ class Tuner:
     def _setup(self) -> None:
         from ..calibration.data import iter_documents, parse_data_spec
         from ..models import load_tokenizer, resolve_model_path
-        from ..models.checkpoint import should_stream, working_dtype
+        from ..models.checkpoint import should_stream
         from ..outputs import check_output
 
         s = self.s
@@ -213,9 +213,9 @@ class Tuner:
         if s.min_quality is not None and not self.tasks:
             raise ValueError("--min-quality needs prompts with answers: pass --tasks FILE.jsonl (lines with "
                              "\"prompt\" and \"answer\", as for `moetailor eval --tasks`) or use --max-kl")
-        self.dtype = working_dtype(s.dtype, self.path)
         from ..device import Placement
         self.placement = Placement.of(s.device)
+        self.dtype = self._working_dtype()
         self.streamed = should_stream(self.path, self.dtype, s.stream, device=self.placement.device)
         if self.streamed and self.tasks and s.min_quality is not None:
             raise ValueError("this checkpoint is evaluated layer by layer (it does not fit in memory), where the "
@@ -249,6 +249,26 @@ class Tuner:
         if not self.streamed:
             from ..eval.backends import make_backend
             self.backend = make_backend(s.backend, self.model, self.tokenizer, self.path, url=s.vllm_url)
+
+    def _working_dtype(self):
+        """``--dtype``, or by default float32: what `eval`'s generation and the engine verbs compute in, so
+        a verdict of tune's is the one `eval` reproduces (in the stored bf16 a near-tie prompt can flip:
+        278 against eval's 279 of 300 on reference-qwen3). A checkpoint that fits in memory only in its
+        stored dtype is computed in that dtype (said in one line) rather than scored layer by layer."""
+        import torch
+
+        from ..models.checkpoint import should_stream, working_dtype
+
+        if self.s.dtype is not None:
+            return working_dtype(self.s.dtype, self.path)
+        stored = working_dtype("auto", self.path)
+        device = self.placement.device
+        if (stored != torch.float32 and self.s.stream == "auto" and should_stream(self.path, torch.float32, device=device)
+                and not should_stream(self.path, stored, device=device)):
+            self.log(f"computing in the checkpoint's {str(stored).replace('torch.', '')}: float32 does not fit in memory "
+                     f"(`eval` computes in float32, so a near-tie prompt may score differently there)")
+            return stored
+        return torch.float32
 
     def _tasks(self) -> list:
         from ..eval.user_tasks import select_tasks
