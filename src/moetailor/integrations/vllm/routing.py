@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...routing.budgets import budget_of
 from ...models.architectures import RouterSemantics
+from ...routing.budgets import budget_of
 from ...routing.router import CompiledPolicy, novice_split, route
 from .plan import DECODE_FROM, EXPERT_TOP_K, NOVICE_KEY, RouterTables
 
