@@ -102,32 +102,9 @@ def load_checked_plan(path: str | Path, mode: str, checkpoint: str | Path) -> Pl
     return plan
 
 
-def fold_tables_for(plan: Plan, checkpoint: str | Path, where: str = "the plan") -> dict:
-    """The ExFold tables the plan's folding policies read (``plan.fold_stats``, found by the one reader
-    every verb uses, ``Plan.fold_tables_path``), checked against the checkpoint; {} when the plan folds
-    nothing."""
-    if not plan.needs_fold_tables:
-        return {}
-    from ...calibration import ExpertStats
-    from ...models.loading import fingerprint_mismatch
-
-    stats_path = plan.fold_tables_path()
-    stats = ExpertStats.load(stats_path)
-    problem = fingerprint_mismatch(stats.model, checkpoint_fingerprint(checkpoint))
-    if problem:
-        raise PlanMismatch(f"{where}: fold statistics {stats_path} do not match the model vLLM serves ({problem}); "
-                           f"run `moetailor calibrate --fold` on this model")
-    if not stats.has_fold:
-        raise ValueError(f"{where}: {stats_path} holds no fold tables; rerun `moetailor calibrate ... --fold`")
-    return stats.fold_tables()
-
-
-def constants_for(plan: Plan, checkpoint: str | Path, where: str = "the plan") -> dict[int, torch.Tensor]:
-    """Per MoE layer, the novice constants [E, H] (each expert's mean output, as the engine's
-    ``attach_constants`` reads them) from the plan's ``fold_stats``, checked against the checkpoint;
-    {} when no policy replaces experts by constants."""
-    if not plan.needs_constants:
-        return {}
+def plan_stats(plan: Plan, checkpoint: str | Path, where: str, rerun: str):
+    """The statistics file the plan names (``plan.fold_stats``, found by the one reader every verb
+    uses, ``Plan.fold_tables_path``), checked against the checkpoint vLLM serves."""
     from ...calibration import ExpertStats
     from ...models.loading import fingerprint_mismatch
 
@@ -136,7 +113,28 @@ def constants_for(plan: Plan, checkpoint: str | Path, where: str = "the plan") -
     problem = fingerprint_mismatch(stats.model, checkpoint_fingerprint(checkpoint))
     if problem:
         raise PlanMismatch(f"{where}: statistics {stats_path} do not match the model vLLM serves ({problem}); "
-                           f"run `moetailor calibrate` on this model")
+                           f"run `{rerun}` on this model")
+    return stats
+
+
+def fold_tables_for(plan: Plan, checkpoint: str | Path, where: str = "the plan") -> dict:
+    """The ExFold tables the plan's folding policies read, checked against the checkpoint; {} when the
+    plan folds nothing."""
+    if not plan.needs_fold_tables:
+        return {}
+    stats = plan_stats(plan, checkpoint, where, "moetailor calibrate --fold")
+    if not stats.has_fold:
+        raise ValueError(f"{where}: {plan.fold_tables_path()} holds no fold tables; rerun `moetailor calibrate ... --fold`")
+    return stats.fold_tables()
+
+
+def constants_for(plan: Plan, checkpoint: str | Path, where: str = "the plan") -> dict[int, torch.Tensor]:
+    """Per MoE layer, the novice constants [E, H] (each expert's mean output, as the engine's
+    ``attach_constants`` reads them) from the plan's statistics, checked against the checkpoint; {}
+    when no policy replaces experts by constants."""
+    if not plan.needs_constants:
+        return {}
+    stats = plan_stats(plan, checkpoint, where, "moetailor calibrate")
     stats.require_outputs("a novice plan")
     return {i: layer.mean_output.float() for i, layer in stats.layers.items()}
 
