@@ -2,8 +2,9 @@
 tokens and build its one ``Step`` (KV slots, block tables, lengths, the phase's routing with the
 per-token budgets, the decode expert weights by layer), ``run`` runs the forward under it and
 returns a ``StepOutput`` (next-token logits and the experts the step read). The runner also holds
-the KV block pool. Paged attention, the routing controller and the experts implementation are
-installed on the model once, here; nothing about the model changes per step."""
+the KV block pool. Paged attention and the native layers are installed on the model once, here
+(the routing controller, with the experts implementation, by whoever builds the runner); nothing
+about the model changes per step."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -43,11 +44,11 @@ class StepOutput:
     expert_bytes: int                   # expert weight bytes read
 
 
-
 def default_max_model_len(model_config) -> int:
     """The context an engine gets when none is asked for: the model's positions, at most 4096 (the
     KV pool is sized from it). ``eval`` checks its prompts against the same number before loading."""
     return min(int(getattr(model_config, "max_position_embeddings", 4096) or 4096), 4096)
+
 
 class ModelRunner:
     def __init__(self, model, controller, config: EngineConfig, owns_model: bool = False):
