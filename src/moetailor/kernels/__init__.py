@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("experts.cpp", "attention.cpp", "norm.cpp", "rotary.cpp",
-                                                    "decode_layer.cpp", "bindings.cpp")]
+                                                    "decode_layer.cpp", "observe.cpp", "bindings.cpp")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("vec.h", "ops.h")]
 
 
@@ -110,6 +110,14 @@ def _register_fakes() -> None:
     def _(x, gate_up, down, index, weight, experts_read, layer):
         return torch.empty_like(x)                                          # [T, H] fp32
 
+    @torch.library.register_fake("moetailor::swiglu_experts_observed")
+    def _(x, gate_up, down, index, weight, observe, gate, sums):
+        return torch.empty_like(x)                                          # [T, H] fp32
+
+    @torch.library.register_fake("moetailor::observe_routes")
+    def _(logits, weights, index, live, decode, armed, slot, sigmoid, renorm, beta_bins, sums, routes, gates):
+        return None
+
     @torch.library.register_fake("moetailor::rows_linear")
     def _(x, weight, bias=None):
         cols = weight.shape[0] * (16 if weight.dim() == 4 else 1)          # [N, H], or packed [N/16, H/P, 16, P]
@@ -144,6 +152,23 @@ def swiglu_experts():
     packed (``pack_weight``)."""
     ops = _module()
     return None if ops is None else ops.swiglu_experts
+
+
+def swiglu_experts_observed():
+    """The op ``swiglu_experts_observed(x, gate_up, down, index, weight, observe [T, Ko] int64, gate
+    [T, Ko] fp32, sums [E, H + 4] float64 (written)) -> out [T, H]``: ``swiglu_experts``, with each
+    observed route's expert output added to a layer's calibration sums (``calibration.observe.LayerSums``)
+    from the same pass, or None."""
+    ops = _module()
+    return None if ops is None else ops.swiglu_experts_observed
+
+
+def observe_routes():
+    """The op ``observe_routes(logits, weights, index, live, decode, armed (written), slot, sigmoid,
+    renorm, beta_bins, sums, routes, gates (written))``: one step's router-side calibration sums in one
+    call (``observe.cpp``; the torch form and the layout: ``calibration.observe.LayerSums``), or None."""
+    ops = _module()
+    return None if ops is None else ops.observe_routes
 
 
 def rows_linear():

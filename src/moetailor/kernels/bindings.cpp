@@ -9,6 +9,10 @@
 TORCH_LIBRARY(moetailor, m) {
   m.def("swiglu_experts(Tensor x, Tensor gate_up, Tensor down, Tensor index, Tensor weight, "
         "Tensor(a!) experts_read, int layer) -> Tensor");
+  m.def("swiglu_experts_observed(Tensor x, Tensor gate_up, Tensor down, Tensor index, Tensor weight, "
+        "Tensor observe, Tensor gate, Tensor(a!) sums) -> Tensor");
+  m.def("observe_routes(Tensor logits, Tensor weights, Tensor index, Tensor live, Tensor decode, Tensor(a!) armed, "
+        "int slot, bool sigmoid, bool renorm, int beta_bins, Tensor(b!) sums, Tensor(c!) routes, Tensor(d!) gates) -> ()");
   m.def("rows_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("softmax_topk(Tensor logits, int k, bool normalise, Tensor? allowed=None) -> (Tensor, Tensor)");
   m.def("experts_round_to_bf16() -> bool", &experts_round_to_bf16);   // no tensor: one kernel for every key
@@ -30,6 +34,8 @@ TORCH_LIBRARY(moetailor, m) {
 
 TORCH_LIBRARY_IMPL(moetailor, CPU, m) {
   m.impl("swiglu_experts", &swiglu_experts);
+  m.impl("swiglu_experts_observed", &swiglu_experts_observed);
+  m.impl("observe_routes", &observe_routes);
   m.impl("rows_linear", &rows_linear);
   m.impl("softmax_topk", &softmax_topk);
   m.impl("rms_norm", &rms_norm);

@@ -374,29 +374,88 @@ struct Aligned64 {
 };
 using Floats = std::vector<float, Aligned64<float>>;
 
+// Routes whose expert outputs feed calibration statistics (swiglu_experts_observed): index [T, K]
+// (outside [0, E): not observed) with their gate weights [T, K], and the layer's sums [E, H + 4]
+// float64 they are added to: per expert sum y, sum ||y||^2, max |y_i|, sum ||y||, sum g ||y||.
+struct Observe {
+  const int64_t* index;
+  const float* gate;
+  int64_t k;
+  double* sums;
+};
+constexpr int kOutSq = 0, kOutMax = 1, kEan = 2, kWeightedEan = 3;   // columns after the H of out_sum
+
+// One observed expert output y [hidden] (a multiple of 16) of expert e, gate g, added to the layer's
+// sums (row e: only the thread that runs expert e writes it). The squares and the peak go 16 lanes
+// at a time (a scalar double reduction is one dependent add per value: at 32 tokens x 8 routes of
+// 256 values that made the observed kernel 1.28x the plain one; the fp32 lanes are summed in double).
+inline void add_observed(double* row, int64_t hidden, const float* y, float g) {
+  for (int64_t c = 0; c < hidden; ++c) row[c] += (double)y[c];
+  v16 sq16 = {}, peak16 = {};
+  for (int64_t c = 0; c < hidden; c += 16) {
+    const v16 v = load16(y + c);
+    const v16 a = v < 0.f ? -v : v;
+    sq16 += v * v;
+    peak16 = a > peak16 ? a : peak16;
+  }
+  double sq = 0.0, peak = row[hidden + kOutMax];
+  for (int lane = 0; lane < 16; ++lane) {
+    sq += (double)sq16[lane];
+    peak = std::max(peak, (double)peak16[lane]);
+  }
+  const float norm = (float)std::sqrt(sq);
+  row[hidden + kOutSq] += sq;
+  row[hidden + kOutMax] = peak;
+  row[hidden + kEan] += norm;
+  row[hidden + kWeightedEan] += g * norm;
+}
+
 // The weights row-major ([E, 2I, H] / [E, H, I]) or packed (rows_times_packed's panels, `packed`).
+// `obs` (or null): routes to observe; each runs its expert once, with a served route of the same
+// token and expert where there is one, else as an extra row that adds to no output.
 template <typename W>
 void run_experts(const float* x, const W* gate_up, const W* down, bool packed, const int64_t* index,
                  const float* weight, int64_t tokens, int64_t k, int64_t num_experts, int64_t hidden,
-                 int64_t inter, float* routed, float* out, int64_t* distinct) {
+                 int64_t inter, float* routed, float* out, int64_t* distinct, const Observe* obs = nullptr) {
+  // a row id below `routes` is a served route slot; routes + o is observed route o with no served twin
   const int64_t routes = tokens * k;
   std::vector<int64_t> count(num_experts + 1, 0);
   for (int64_t s = 0; s < routes; ++s) {
     int64_t e = index[s];
     if (e >= 0 && e < num_experts) ++count[e + 1];
   }
+  std::vector<int64_t> observed_of;                          // served slot -> observed route (-1: none)
+  std::vector<int64_t> extra;                                 // observed routes without a served twin
+  if (obs != nullptr) {
+    observed_of.assign(routes, -1);
+    for (int64_t o = 0; o < tokens * obs->k; ++o) {
+      const int64_t e = obs->index[o], t = o / obs->k;
+      if (e < 0 || e >= num_experts) continue;
+      int64_t twin = -1;
+      for (int64_t j = 0; j < k && twin < 0; ++j)
+        if (index[t * k + j] == e) twin = t * k + j;
+      if (twin >= 0) {
+        observed_of[twin] = o;
+      } else {
+        extra.push_back(o);
+        ++count[e + 1];
+      }
+    }
+  }
   std::vector<int64_t> active;                               // experts with rows, in order
   for (int64_t e = 0; e < num_experts; ++e) {
     if (count[e + 1]) active.push_back(e);
-    count[e + 1] += count[e];                                 // prefix sums: expert e's routes start at count[e]
+    count[e + 1] += count[e];                                 // prefix sums: expert e's rows start at count[e]
   }
-  std::vector<int64_t> order(count[num_experts]);             // route slots sorted by expert
+  std::vector<int64_t> order(count[num_experts]);             // row ids sorted by expert
   std::vector<int64_t> fill(count.begin(), count.end() - 1);
   for (int64_t s = 0; s < routes; ++s) {
     int64_t e = index[s];
     if (e >= 0 && e < num_experts) order[fill[e]++] = s;
   }
+  for (int64_t o : extra) order[fill[obs->index[o]]++] = routes + o;
   *distinct = (int64_t)active.size();
+  auto token_of = [&](int64_t id) { return id < routes ? id / k : (id - routes) / obs->k; };
 
   const auto times_weight = packed ? rows_times_packed<W> : rows_times_weight<W>;
   Floats x_pairs;                                             // x in the order the gate_up tile reads
@@ -419,7 +478,7 @@ void run_experts(const float* x, const W* gate_up, const W* down, bool packed, c
       act.resize(n * inter);
       y.resize(n * hidden);
       rows.resize(n);
-      for (int64_t r = 0; r < n; ++r) rows[r] = x + (order[first + r] / k) * hidden;
+      for (int64_t r = 0; r < n; ++r) rows[r] = x + token_of(order[first + r]) * hidden;
       times_weight(rows.data(), n, gate_up + e * 2 * inter * hidden, 2 * inter, hidden, h.data(), 2 * inter);
       for (int64_t r = 0; r < n; ++r) {                       // SwiGLU: silu(gate) * up
         const float* g = h.data() + r * 2 * inter;
@@ -434,9 +493,14 @@ void run_experts(const float* x, const W* gate_up, const W* down, bool packed, c
       // each route's expert output goes to its own row of `routed`, so threads never write the same row
       for (int64_t r = 0; r < n; ++r) {
         const int64_t s = order[first + r];
-        const float w = weight[s];
-        float* dst = routed + s * hidden;
-        for (int64_t c = 0; c < hidden; ++c) dst[c] = w * y[r * hidden + c];
+        const float* yr = y.data() + r * hidden;
+        if (s < routes) {
+          const float w = weight[s];
+          float* dst = routed + s * hidden;
+          for (int64_t c = 0; c < hidden; ++c) dst[c] = w * yr[c];
+        }
+        const int64_t o = obs == nullptr ? -1 : s < routes ? observed_of[s] : s - routes;
+        if (o >= 0) add_observed(obs->sums + e * (hidden + 4), hidden, yr, obs->gate[o]);
       }
     }
   });
@@ -472,12 +536,12 @@ std::tuple<int64_t, int64_t, int64_t> expert_dims(const torch::Tensor& w) {
 
 bool experts_round_to_bf16() { return kDotBf16; }
 
-// x [T, H] fp32, gate_up [E, 2I, H], down [E, H, I] (fp32 or bf16; both row-major or both packed),
-// index [T, K] int64, weight [T, K] fp32 -> out [T, H] fp32; the number of distinct experts read goes
-// to experts_read[layer] (int64 [L], the step's output; skipped when layer is outside it)
-torch::Tensor swiglu_experts(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
-                             const torch::Tensor& index, const torch::Tensor& weight, torch::Tensor& experts_read,
-                             int64_t layer) {
+namespace {
+
+// out [T, H] of the routed experts (swiglu_experts' contract), and the number of distinct experts read
+std::tuple<torch::Tensor, int64_t> experts_call(const torch::Tensor& x, const torch::Tensor& gate_up,
+                                                const torch::Tensor& down, const torch::Tensor& index,
+                                                const torch::Tensor& weight, const Observe* obs) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 [T, H]");
   TORCH_CHECK(gate_up.dim() == down.dim() && gate_up.is_contiguous() && down.is_contiguous(),
               "gate_up [E, 2I, H] and down [E, H, I] must be contiguous, both row-major or both packed");
@@ -493,20 +557,51 @@ torch::Tensor swiglu_experts(const torch::Tensor& x, const torch::Tensor& gate_u
   const bool packed = gate_up.dim() == 5;
   auto out = torch::empty_like(x);
   auto routed = torch::empty({tokens * k, hidden}, x.options());
-  TORCH_CHECK(experts_read.scalar_type() == torch::kInt64 && experts_read.dim() == 1, "experts_read: int64 [L]");
   int64_t distinct = 0;
   if (gate_up.scalar_type() == torch::kFloat32) {
     run_experts(x.data_ptr<float>(), gate_up.data_ptr<float>(), down.data_ptr<float>(), packed, index.data_ptr<int64_t>(),
                 weight.data_ptr<float>(), tokens, k, num_experts, hidden, inter, routed.data_ptr<float>(),
-                out.data_ptr<float>(), &distinct);
+                out.data_ptr<float>(), &distinct, obs);
   } else {
     TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "expert weights must be fp32 or bf16");
     run_experts(x.data_ptr<float>(), gate_up.data_ptr<at::BFloat16>(), down.data_ptr<at::BFloat16>(), packed,
                 index.data_ptr<int64_t>(), weight.data_ptr<float>(), tokens, k, num_experts, hidden, inter,
-                routed.data_ptr<float>(), out.data_ptr<float>(), &distinct);
+                routed.data_ptr<float>(), out.data_ptr<float>(), &distinct, obs);
   }
+  return {out, distinct};
+}
+
+}  // namespace
+
+// x [T, H] fp32, gate_up [E, 2I, H], down [E, H, I] (fp32 or bf16; both row-major or both packed),
+// index [T, K] int64, weight [T, K] fp32 -> out [T, H] fp32; the number of distinct experts read goes
+// to experts_read[layer] (int64 [L], the step's output; skipped when layer is outside it)
+torch::Tensor swiglu_experts(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
+                             const torch::Tensor& index, const torch::Tensor& weight, torch::Tensor& experts_read,
+                             int64_t layer) {
+  TORCH_CHECK(experts_read.scalar_type() == torch::kInt64 && experts_read.dim() == 1, "experts_read: int64 [L]");
+  auto [out, distinct] = experts_call(x, gate_up, down, index, weight, nullptr);
   if (layer >= 0 && layer < experts_read.size(0)) experts_read[layer].fill_(distinct);
   return out;
+}
+
+// swiglu_experts, and the expert outputs of the routes `observe` [T, Ko] int64 (outside [0, E): none)
+// added to a layer's calibration sums [E, H + 4] float64 (columns: sum y [H], sum ||y||^2, max |y_i|,
+// sum ||y||, sum gate * ||y||; gate [T, Ko] fp32). Why: EAN and REAP need each routed expert's output
+// before its weight, which the experts compute anyway; an observed route the step serves costs no
+// extra expert work, one it does not serve (a plan or budget dropped it) one extra row.
+torch::Tensor swiglu_experts_observed(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
+                                      const torch::Tensor& index, const torch::Tensor& weight,
+                                      const torch::Tensor& observe, const torch::Tensor& gate, torch::Tensor& sums) {
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(observe.dim() == 2 && observe.size(0) == tokens && observe.scalar_type() == torch::kInt64 &&
+                  observe.is_contiguous(), "observe: contiguous int64 [T, Ko]");
+  TORCH_CHECK(gate.sizes() == observe.sizes() && gate.scalar_type() == torch::kFloat32 && gate.is_contiguous(),
+              "gate: contiguous fp32 [T, Ko]");
+  TORCH_CHECK(sums.dim() == 2 && sums.size(0) == std::get<0>(expert_dims(gate_up)) && sums.size(1) == hidden + 4 &&
+                  sums.scalar_type() == torch::kFloat64 && sums.is_contiguous(), "sums: contiguous float64 [E, H + 4]");
+  const Observe obs{observe.data_ptr<int64_t>(), gate.data_ptr<float>(), observe.size(1), sums.data_ptr<double>()};
+  return std::get<0>(experts_call(x, gate_up, down, index, weight, &obs));
 }
 
 // x [T, H] fp32 (T small: a decode step's rows; any T on packed weights), weight [N, H] fp32 or bf16

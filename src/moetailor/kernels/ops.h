@@ -10,6 +10,13 @@
 
 at::Tensor swiglu_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                           const at::Tensor& index, const at::Tensor& weight, at::Tensor& experts_read, int64_t layer);
+at::Tensor swiglu_experts_observed(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                                   const at::Tensor& index, const at::Tensor& weight, const at::Tensor& observe,
+                                   const at::Tensor& gate, at::Tensor& sums);
+// observe.cpp
+void observe_routes(const at::Tensor& logits, const at::Tensor& weights, const at::Tensor& index,
+                    const at::Tensor& live, const at::Tensor& decode, at::Tensor& armed, int64_t slot, bool sigmoid,
+                    bool renorm, int64_t beta_bins, at::Tensor& sums, at::Tensor& routes, at::Tensor& gates);
 // whether bf16 expert / packed weights meet rows rounded to bf16 in the bf16 dot product (experts.cpp: kDotBf16)
 bool experts_round_to_bf16();
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);

@@ -22,19 +22,23 @@ MAX_TOKENS = 7
 ROUTER = ("frequency", "mass", "coselect", "beta_hist")
 
 
-def observe(path, max_num_seqs: int, experts_kernel: bool, every: int = 0, mid_run=None):
-    """Serve PROMPTS greedily on vLLM with the plugin observing into ``path``; the token ids each
-    request ran (its prompt and every completion token but the last)."""
+def observe(path, max_num_seqs: int, experts_kernel: bool, every: int = 0, mid_run=None, decode_plan=None,
+            budgets=None):
+    """Serve PROMPTS greedily on vLLM with the plugin observing into ``path`` (under ``decode_plan`` and
+    per-request ``expert_top_k`` ``budgets`` when given); the token ids each request ran (its prompt
+    and every completion token but the last)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from moetailor.integrations.vllm.launch import engine_kwargs
 
-    kwargs = engine_kwargs("reference", kv_cache_mib=64, experts_kernel=experts_kernel, observe=path,
-                           observe_every=every, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+    kwargs = engine_kwargs("reference", decode_plan=decode_plan, kv_cache_mib=64, experts_kernel=experts_kernel,
+                           observe=path, observe_every=every, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+    extra = [None if budgets is None else {"expert_top_k": budgets[i % len(budgets)]} for i in range(len(PROMPTS))]
     with vllm_engine(**kwargs) as llm:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
-                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+                            [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, extra_args=e)
+                             for e in extra], use_tqdm=False)
         if mid_run is not None:
             mid_run(llm)
     return [p + list(o.outputs[0].token_ids)[:-1] for p, o in zip(PROMPTS, outs)]
@@ -51,11 +55,13 @@ def calibrated(runs):
     return stats
 
 
-def assert_same(observed: ExpertStats, offline: ExpertStats, names) -> None:
+def assert_same(observed: ExpertStats, offline: ExpertStats, names, layers=None) -> None:
     assert observed.meta["tokens"] == offline.meta["tokens"]
     assert observed.model == offline.model
     assert observed.layers.keys() == offline.layers.keys()
     for i, layer in offline.layers.items():
+        if layers is not None and i not in layers:
+            continue
         got, want = observed.layers[i].tensors(), layer.tensors()
         for name in names:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4, msg=f"layer {i} {name}")
@@ -105,6 +111,22 @@ def test_observed_batched_on_vllms_kernel_gives_the_router_statistics(tmp_path):
                  str(tmp_path / "f.json")]) == 0
     plan = json.loads((tmp_path / "f.json").read_text())
     assert plan["meta"]["stats_data"] == "served traffic"
+
+
+def test_observed_under_a_decode_plan_and_budgets_counts_the_full_router(tmp_path):
+    """A decode plan (the bundled REAP 50% pool) and per-request budgets on moetailor's kernel change
+    which experts the steps serve, not what is counted: the first MoE layer, whose input no plan
+    changes, holds calibrate's statistics on the same tokens, EAN, REAP and the output statistics
+    included (the full router's routes a step does not serve run as extra rows of its one experts pass)."""
+    from moetailor.models.paths import ASSETS
+
+    path = tmp_path / "planned.safetensors"
+    runs = observe(path, 2, True, decode_plan=ASSETS / "plans" / "reference-reap-50.json", budgets=(3, 5))
+    offline = calibrated(runs)
+    observed = ExpertStats.load(path)
+    first = min(offline.layers)
+    assert_same(observed, offline, list(offline.layers[first].tensors()), layers={first})
+    assert observed.meta["observed"]["decode_tokens"] == len(PROMPTS) * (MAX_TOKENS - 1)
 
 
 START = """

@@ -138,7 +138,8 @@ def _wrap_apply(apply):
             return apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
                          global_num_experts, expert_map, *args, **kwargs)
         on_input = kwargs.get("apply_router_weight_on_input", args[-1] if args else False)
-        return run_experts(output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, bool(on_input))
+        return run_experts(output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, bool(on_input),
+                           getattr(self, "_moetailor_observe", None))
     return wrapped
 
 
@@ -154,10 +155,12 @@ def _wrap_problem_size(problem_size):
 
 
 def run_experts(output: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map, weight_on_input: bool) -> None:
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map, weight_on_input: bool,
+                observe: str | None = None) -> None:
     """output [T, H] <- sum over each token's routes of weight * expert(hidden), on moetailor's kernel
     (``kernels.swiglu_experts()`` must have loaded it). A route of weight 0 (what the routing hook makes
-    of a dropped one) is skipped: id E."""
+    of a dropped one) is skipped: id E. ``observe``: the layer's key in an observing engine
+    (``observe.py``), whose expert outputs also go to the traffic statistics from this pass."""
     if expert_map is not None:
         raise ValueError(f"additional_config {KEY} does not support expert parallelism (an expert map); drop the key")
     E = w13.shape[0]
@@ -167,8 +170,12 @@ def run_experts(output: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Te
         weights = torch.ones_like(weights)
     # the op by name: vLLM's compiled mode traces this (the kernels' loader, which reads /proc/cpuinfo,
     # ran at load, in ``loading``; the op has a fake implementation)
-    out = torch.ops.moetailor.swiglu_experts(hidden_states.float().contiguous(), w13, w2, ids, weights.contiguous(),
-                                             torch.zeros(1, dtype=torch.long), -1)
+    x = hidden_states.float().contiguous()                                            # [T, H]
+    if observe is not None:
+        out = torch.ops.moetailor.step_experts_observed(x, w13, w2, ids, weights.contiguous(), observe)
+    else:
+        out = torch.ops.moetailor.swiglu_experts(x, w13, w2, ids, weights.contiguous(), torch.zeros(1, dtype=torch.long),
+                                                 -1)
     output.copy_(out)
 
 

@@ -50,7 +50,7 @@ def engine_kwargs(model: str | Path, plan: str | Path | None = None, decode_plan
         check_observe_config(observing)    # the one-line error, before vLLM starts
         kwargs["additional_config"] = {**kwargs.get("additional_config", {}), **observing}
         import torch
-        if torch.cuda.is_available():      # a CUDA graph replay skips the observer (observe.py): run eager
+        if torch.cuda.is_available():      # observing under CUDA graphs is untested (observe.py): run eager
             kwargs["enforce_eager"] = True
     kwargs.update(overrides)
     return kwargs

@@ -8,28 +8,32 @@ Opt in per engine through ``additional_config``::
 
 On demand: ``rpc.call(llm, rpc.save_observed)`` (a function for ``LLM.collective_rpc``). The
 statistics are calibration's (``calibration.observe.ObservedStats``, the embedded engine's too); this
-module only says what a vLLM step is:
+module only says what a vLLM step is and where its sums are kept:
 
   * the runner adapter (``runners.py``) reports each step before its forward: how many tokens it
     schedules, which are decode tokens and, on the v1 runner, their token ids (``data_sha256``; the v2
-    runner's ids stay on the device, so its files carry no hash). Tokens past that count are padding
-    and never observed;
+    runner's ids stay on the device, so its files carry no hash), and arms every layer to count the
+    step once. Tokens past that count are padding (``live`` False) and never observed;
   * each hooked MoE layer's routing op (``torch.ops.moetailor.step_routes_observed``: the routing op
-    plus the observation, one opaque op to the compiler) hands its layer input [T, H] and router logits
-    to the observer, which recomputes the full router's routes (a plan or a request's budget never
-    changes what is counted) and adds the step's sums. A forward the runner did not report (vLLM's
-    profile and warm-up runs, a dummy run) finds no step open and adds nothing; a layer counts once
-    per step;
-  * a step's sums join the totals when the next step opens, or when the file is written.
+    plus the observation, one opaque op to the compiler) recomputes the full router's routes from the
+    step's logits (a plan or a request's budget never changes what is counted) and adds the step's
+    frequency, mass, co-selection and beta to the layer's sums on the device (``LayerSums``: one native
+    call on the CPU, tensor ops elsewhere; no host read, no Python decision per step). A forward the
+    runner did not report (vLLM's profile and warm-up runs, a dummy run) finds the layer unarmed and
+    adds nothing;
+  * the sums join the statistics only when the file is written (every N steps, on demand, at
+    shutdown): the one point that reads the device.
 
 EAN and REAP need each routed expert's output before its weight: where the layer runs moetailor's
-experts kernel (``moetailor_experts_kernel``, CPU) the observer runs that kernel once more over the
-routed tokens with unit weights; vLLM's fused-MoE kernels return only the weighted sum, so there the
-file holds frequency, mass, co-selection and beta, and says so (``observed.expert_outputs``).
+experts kernel (``moetailor_experts_kernel``, CPU) the experts op of the step
+(``step_experts_observed``) adds the outputs of the routes the routing op left in the layer's sums
+from its one expert pass (a route the step does not serve, under a plan or a budget, is one extra
+row there); vLLM's fused-MoE kernels return only the weighted sum, so there the file holds
+frequency, mass, co-selection and beta, and says so (``observed.expert_outputs``).
 
-The observer runs Python in the step, which a CUDA graph replay skips: on a GPU the engine must run
-eager (``enforce_eager=True``), else the start is refused. Tensor and expert parallel ranks see every
-token, so rank 0 alone writes; pipeline and data parallelism are refused.
+On a GPU the engine must run eager (``enforce_eager=True``, else the start is refused): the ops are
+capturable tensor work, but observing under CUDA graphs was never run. Tensor and expert parallel
+ranks see every token, so rank 0 alone writes; pipeline and data parallelism are refused.
 """
 from __future__ import annotations
 
@@ -39,8 +43,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...calibration.observe import ObservedStats, check_observe_path
+from ...calibration.observe import LayerSums, ObservedStats, check_observe_path
 from ...models.architectures import RouterSemantics
+from ...routing.router import CompiledPolicy, route
 
 OBSERVE_KEY = "moetailor_observe"              # additional_config: the statistics file
 EVERY_KEY = "moetailor_observe_every"          # additional_config: also write every N steps
@@ -78,97 +83,126 @@ class ObservedLayer:
     index: int
     semantics: RouterSemantics
     hidden_size: int
-    experts: torch.nn.Module            # vLLM's routed experts layer (w13_weight, w2_weight)
 
     @property
     def num_experts(self) -> int:
         return self.semantics.num_experts
 
 
-def kernel_expert_outputs(layer: ObservedLayer, hidden: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """E_j(x) [S, H] for rows routed to one expert each, through moetailor's experts kernel on the
-    layer's own (possibly packed) weights: each row one route of weight 1."""
-    w13, w2 = layer.experts.w13_weight, layer.experts.w2_weight
-    ones = torch.ones(hidden.shape[0], 1, dtype=torch.float32, device=hidden.device)            # [S, 1]
-    return torch.ops.moetailor.swiglu_experts(hidden.float().contiguous(), w13, w2, experts[:, None].contiguous(),
-                                              ones, torch.zeros(1, dtype=torch.long), -1)
+@dataclass
+class LayerObserver:
+    """What one hooked layer's routing op adds to the statistics: the full router's routes of the step's
+    logits (a plan or a request's budget never changes what is counted) into the layer's device sums."""
+
+    semantics: RouterSemantics
+    full: CompiledPolicy
+    bias: torch.Tensor | None            # [E] DeepSeek's e_score_correction_bias
+    sums: LayerSums
+    armed: torch.Tensor                  # [L] int64, the observer's: set when a step opens, cleared per layer
+    slot: int                            # this layer's entry of ``armed``
+    select_kernel: object = None         # the native softmax_topk (CPU), else torch's selection
+
+    def add(self, logits: torch.Tensor, live: torch.Tensor, decode: torch.Tensor) -> None:
+        """The step's logits [T, E] and its per-token live / decode flags [T]: tensor ops only."""
+        weights, index = route(logits.float(), self.semantics, self.full, self.bias, None, graph_safe=True,
+                               select_kernel=self.select_kernel)                       # [T, K]
+        self.sums.add_routes(logits, weights, index, live, decode, self.armed, self.slot)
 
 
 class StepObserver:
-    """The plugin's side of one observing engine: opens a step when the runner reports it, feeds each
-    layer's routing to the statistics once per step, closes the step when the next one opens."""
+    """The plugin's side of one observing engine: reports each step to the statistics when the runner
+    reports it (and arms every layer to count it once); the layers' routing ops add the step's sums on
+    the device; the sums join the statistics when the file is written."""
 
-    def __init__(self, stats: ObservedStats, layers: dict[int, ObservedLayer], full_routes):
-        self.stats, self.layers = stats, layers
-        self.full_routes = full_routes        # (layer index, logits [T, E]) -> (weights, index) [T, K]
-        self.count = 0                        # tokens of the open step (0: none open)
-        self.seen: set[int] = set()
+    def __init__(self, stats: ObservedStats, layers: dict[int, LayerObserver], armed: torch.Tensor):
+        self.stats, self.layers, self.armed = stats, layers, armed
+        self.open = False                     # a reported step not yet committed
 
     def begin(self, decode: np.ndarray, ids: np.ndarray | None) -> None:
         """A step's T tokens before its forward: decode flags [T], token ids [T] (None: not known)."""
         self.finish()
-        self.count = len(decode)
         n_decode = int(np.count_nonzero(decode))
         if ids is not None and (np.asarray(ids) < 0).any():   # async scheduling: sampled ids still on the device
             ids = None
-        self.stats.begin(None, None if ids is None else [int(t) for t in ids], n_decode == 0, count=self.count,
+        self.stats.begin(None, None if ids is None else [int(t) for t in ids], n_decode == 0, count=len(decode),
                          decode_tokens=n_decode)
-
-    def layer(self, index: int, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        """One MoE layer's input [N, H] and router logits [N, E] (N >= T: the rest is padding)."""
-        if not self.count or index in self.seen:
-            return
-        self.seen.add(index)
-        T = self.count
-        hidden, logits = hidden[:T], logits[:T]
-        weights, ids = self.full_routes(index, logits)
-        self.stats(self.layers[index], hidden, logits, weights, ids)
+        self.armed.fill_(1)
+        self.open = True
 
     def finish(self) -> None:
-        """Count the open step if its forward ran (its layers observed), else drop it."""
-        if not self.count:
-            return
-        if self.seen:
+        """Count the open step (a reported step whose forward did not run is caught when the sums are
+        read: ``ObservedStats``, ``sums``)."""
+        if self.open:
+            self.open = False
             self.stats.commit()
-        else:
-            self.stats.discard()
-        self.count = 0
-        self.seen = set()
 
     def save(self, path: str | Path | None = None) -> dict:
         self.finish()
         return self.stats.save(path)
 
 
-# op key (the routing op's, routing.py) -> (the observer, the layer index); set at install, per process
-OBSERVERS: dict[str, tuple[StepObserver, int]] = {}
+# op key (the routing op's, routing.py) -> the hooked layer's observation; set at install, per process
+OBSERVERS: dict[str, LayerObserver] = {}
 
 
-def make_observer(runner, moe_runners: list, tables, path: str, every: int, experts_kernel: bool) -> StepObserver:
+@torch.library.custom_op("moetailor::step_experts_observed", mutates_args=())
+def step_experts_observed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, index: torch.Tensor,
+                          weights: torch.Tensor, key: str) -> torch.Tensor:
+    """moetailor's experts kernel (out [T, H]) that also adds the layer ``key`` names the outputs of the
+    step's observed routes (left by its routing op) from the same expert pass: one opaque op to the
+    compiler, as the routing op is."""
+    sums = OBSERVERS[key].sums
+    T = x.shape[0]
+    return torch.ops.moetailor.swiglu_experts_observed(x, w13, w2, index, weights, sums.routes[:T], sums.gates[:T],
+                                                       sums.outputs)
+
+
+@step_experts_observed.register_fake
+def _(x, w13, w2, index, weights, key):
+    return torch.empty_like(x)                                                          # [T, H] fp32
+
+
+def make_observer(runner, moe_runners: list, tables, keys: dict[int, str], path: str, every: int,
+                  experts_kernel: bool) -> StepObserver:
     """The observer of a loaded vLLM model (``patches.setup_model``), after its MoE layers are hooked;
-    ``moe_runners``: the model's fused-MoE layer objects (``routing.moe_runners``)."""
+    ``moe_runners``: the model's fused-MoE layer objects (``routing.moe_runners``), ``keys``: the hooked
+    layers' op keys (``routing.install``), registered in ``OBSERVERS``. On moetailor's experts kernel
+    each layer's experts also add their outputs (``step_experts_observed``)."""
+    from ... import kernels
     from ...routing.policy import FULL
-    from ...routing.router import CompiledPolicy, route
     from .plan import checkpoint_fingerprint
 
     config = runner.vllm_config
     sem = tables.semantics
+    device = torch.device(runner.device)
     runners = {r.layer_id: r for r in moe_runners}
     hidden = int(config.model_config.hf_config.hidden_size)
-    layers = {i: ObservedLayer(i, sem, hidden, r.routed_experts) for i, r in sorted(runners.items())}
-    full = CompiledPolicy.build(FULL, sem, runner.device, None)
-    biases = {i: getattr(r.router, "e_score_correction_bias", None) for i, r in runners.items()}
-
-    def full_routes(index: int, logits: torch.Tensor):
-        return route(logits.float(), sem, full, biases[index], None)
-
+    layers = {i: ObservedLayer(i, sem, hidden) for i in sorted(keys)}
+    full = CompiledPolicy.build(FULL, sem, device, None)
+    native = device.type == "cpu" and kernels.observe_routes() is not None
+    select_kernel = kernels.softmax_topk() if native else None
+    armed = torch.zeros(len(keys), dtype=torch.long, device=device)                   # [L]
+    observers = {}
+    for slot, (i, key) in enumerate(sorted(keys.items())):
+        sums = LayerSums(sem.num_experts, sem.top_k, runner.max_num_tokens, device,
+                         sigmoid=sem.scoring == "sigmoid-grouped", hidden_size=hidden if experts_kernel else None,
+                         native=native)
+        observers[i] = OBSERVERS[key] = LayerObserver(sem, full, getattr(runners[i].router, "e_score_correction_bias",
+                                                                          None), sums, armed, slot, select_kernel)
+        if experts_kernel:
+            experts_of(runners[i])._moetailor_observe = key
     dtype = str(config.model_config.dtype).replace("torch.", "")
     note = None if experts_kernel else ("none: vLLM's fused-MoE kernel returns only the weighted sum of a token's "
                                         "experts (observe with moetailor_experts_kernel for EAN and REAP)")
     stats = ObservedStats(list(layers.values()), checkpoint_fingerprint(config.model_config.model), dtype, path,
-                          every, expert_outputs=kernel_expert_outputs if experts_kernel else None, source="vllm",
-                          outputs_note=note, direct=True)     # a failed vLLM step ends the engine: nothing to drop
-    return StepObserver(stats, layers, full_routes)
+                          every, source="vllm", outputs_note=note,
+                          sums={i: o.sums for i, o in observers.items()})
+    return StepObserver(stats, observers, armed)
+
+
+def experts_of(runner):
+    """The fused-experts object moetailor's experts kernel replaces in a vLLM MoE runner (``experts.py``)."""
+    return runner.routed_experts.quant_method.moe_kernel.fused_experts
 
 
 def check_observable(config, runners, experts_kernel: bool, device) -> None:
@@ -182,9 +216,15 @@ def check_observable(config, runners, experts_kernel: bool, device) -> None:
     if getattr(parallel, "pipeline_parallel_size", 1) > 1 or getattr(parallel, "data_parallel_size", 1) > 1:
         raise ValueError(f"additional_config {OBSERVE_KEY}: an engine with pipeline or data parallelism splits the "
                          "traffic or the layers between processes; observe with one of them only")
+    if experts_kernel:
+        scaled = [r.layer_id for r in runners if getattr(r.routed_experts, "apply_router_weight_on_input", False)]
+        if scaled:
+            raise ValueError(f"additional_config {OBSERVE_KEY}: MoE layers {scaled} apply the router weight to the "
+                             "experts' input, so the experts kernel never sees an expert's own output; observe on "
+                             "vLLM's kernel (without moetailor_experts_kernel) for the router statistics")
     if torch.device(device).type != "cpu" and not config.model_config.enforce_eager:
-        raise ValueError(f"additional_config {OBSERVE_KEY}: a CUDA graph replays its kernels without the observer; "
-                         "start the engine with enforce_eager=True (vllm serve --enforce-eager) to observe")
+        raise ValueError(f"additional_config {OBSERVE_KEY}: observing under CUDA graphs is untested; start the "
+                         "engine with enforce_eager=True (vllm serve --enforce-eager) to observe")
     inside = [r.layer_id for r in runners if r.routed_experts.quant_method.is_monolithic]
     if inside:
         raise ValueError(f"additional_config {OBSERVE_KEY}: MoE layers {inside} route inside a monolithic fused "

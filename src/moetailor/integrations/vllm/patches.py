@@ -16,7 +16,7 @@ from vllm.logger import init_logger
 
 from . import names as N
 from .names import wrap_method
-from .observe import OBSERVE_KEY, OBSERVERS, check_observable, make_observer, observe_settings, writes_here
+from .observe import OBSERVE_KEY, check_observable, make_observer, observe_settings, writes_here
 from .plan import EXPERT_TOP_K, NOVICE_KEY, load_checked_plan, plan_settings, router_tables
 from .runners import adapters_for
 
@@ -150,8 +150,8 @@ def setup_model(runner, adapter) -> None:
     runner._moetailor_recorder = recorder
     runner._moetailor_observer = None
     if observed:
-        observer = make_observer(runner, moe_runners(model), tables, *observing, experts_kernel)
-        OBSERVERS.update({key: (observer, layer) for layer, key in runner._moetailor_keys.items()})
+        observer = make_observer(runner, moe_runners(model), tables, runner._moetailor_keys, *observing,
+                                 experts_kernel)
         tokens.observer = runner._moetailor_observer = observer
         log.info("moetailor: observing served traffic into %s (every %s steps, at shutdown, on demand)",
                  observing[0], observing[1] or "no")

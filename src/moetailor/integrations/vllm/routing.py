@@ -181,19 +181,19 @@ def _(hidden, logits, live, decode, token_k, key):
 
 
 @torch.library.custom_op("moetailor::step_routes_observed", mutates_args=())
-def step_routes_observed_op(hidden: torch.Tensor, logits: torch.Tensor, live: torch.Tensor, decode: torch.Tensor,
-                            token_k: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``step_routes_op``, and the layer's input [N, H] and logits handed to the engine's traffic
-    observer (``observe.py``; it counts a reported step's tokens only) before routing."""
+def step_routes_observed_op(logits: torch.Tensor, live: torch.Tensor, decode: torch.Tensor, token_k: torch.Tensor,
+                            key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``step_routes_op``, and the step's full-router routes added to the layer's traffic statistics
+    (``observe.OBSERVERS``: tensor ops into the layer's device sums, counted for a step the runner
+    reported only) before routing."""
     from .observe import OBSERVERS
 
-    observer, layer = OBSERVERS[key]
-    observer.layer(layer, hidden, logits)
+    OBSERVERS[key].add(logits, live, decode)
     return step_routes(logits, _ROUTINGS[key], live, decode, token_k)
 
 
 @step_routes_observed_op.register_fake
-def _(hidden, logits, live, decode, token_k, key):
+def _(logits, live, decode, token_k, key):
     width = _ROUTINGS[key].width
     return (logits.new_empty(logits.shape[0], width, dtype=torch.float32),
             logits.new_empty(logits.shape[0], width, dtype=torch.long))
@@ -230,7 +230,7 @@ def install(model: torch.nn.Module, tables: RouterTables, tokens: StepTokens, re
             observed: bool = False, constants: bool = False) -> dict[int, str]:
     """Replace each MoE layer's routing with ``step_routes``; returns each hooked layer's op key
     (a monolithic kernel's layer, which takes a fixed logits bias, has none). ``observed``: the op
-    also hands the layer's routing to the engine's traffic observer (``observe.OBSERVERS`` by key).
+    also adds the step's routes to the engine's traffic statistics (``observe.OBSERVERS`` by key).
     A layer whose plan replaces experts by constants, or every layer with ``constants`` (plans switched
     in later may), adds ``step_constants`` to its output."""
     runners = moe_runners(model)
@@ -282,8 +282,8 @@ def _hook(runner, routing: LayerRouting, tokens: StepTokens, recorder, observed:
     def select_experts(hidden_states, router_logits, topk_indices_dtype=None, *, input_ids=None):
         T = router_logits.shape[0]
         if observed:
-            weights, ids = torch.ops.moetailor.step_routes_observed(hidden_states, router_logits, tokens.live[:T],
-                                                                    tokens.decode[:T], tokens.k[:T], key)
+            weights, ids = torch.ops.moetailor.step_routes_observed(router_logits, tokens.live[:T], tokens.decode[:T],
+                                                                    tokens.k[:T], key)
         else:
             weights, ids = torch.ops.moetailor.step_routes(router_logits, tokens.live[:T], tokens.decode[:T],
                                                            tokens.k[:T], key)
