@@ -62,6 +62,8 @@ if [ -x .venv-vllm/bin/moetailor ]; then
   run bench_vllm_k vllm-k .venv-vllm/bin/moetailor bench vllm-k --model synthetic --dtype float32 --experts-kernel \
       --requests 32,64 --max-num-seqs 16 --budgets 2,16 --new-tokens 32 --schedule tiers --slo 4 \
       --out "$out/vllm-k" --overwrite
+  # what observing served traffic costs per MoE layer (docs/vllm.md, "Calibration from live traffic")
+  run observe_cost observe_cost .venv-vllm/bin/python scripts/observe_cost.py layer
 fi
 echo "done $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/index.txt"
 $py -m moetailor.bench.page render "$out" --page docs/benchmarks.md

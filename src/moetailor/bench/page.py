@@ -40,6 +40,7 @@ TITLES = {
     "olmoe4_floor": "Real-size bf16 checkpoint against the read floor (4 OLMoE-1B-7B layers)",
     "bench_vllm": "vLLM's CPU build: stock, techniques and the disaggregated pair (`moetailor bench vllm`)",
     "bench_vllm_k": "vLLM: FIFO against the k-aware scheduler (`moetailor bench vllm-k`)",
+    "observe_cost": "vLLM: what observing served traffic costs per MoE layer (`scripts/observe_cost.py layer`)",
 }
 _FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")   # the ones the kernels choose their code by
 
