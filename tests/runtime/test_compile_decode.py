@@ -1,20 +1,20 @@
-"""`compile_decode=True` (`--compile-decode`): decode steps through torch.compile, for checkpoints the
-lean forward does not cover (OLMoE here; on a real-size bf16 OLMoE shape it decoded 1.13-1.17x the
-eager module path at batch 1, 8 and 32, docs/benchmarks.md). The compiled steps must compute what the eager
-ones do, and must actually run compiled."""
+"""`compile_decode=True` (`--compile-decode`): decode steps through torch.compile of transformers'
+modules, for checkpoints the engine's decoders do not cover (here OLMoE's module path, as
+``own_decoder=False`` runs it). The compiled steps must compute what the eager ones do, and must
+actually run compiled."""
 from __future__ import annotations
 
 from moetailor.models.tiny import tiny_model
 from moetailor.serving import LLM, SamplingParams
 
 
-def test_compiled_decode_equals_eager_on_a_model_the_lean_forward_does_not_cover():
+def test_compiled_decode_equals_the_eager_module_path():
     import torch._dynamo
 
     model = tiny_model("olmoe", seed=3, vocab=256)
     prompts = [[5, 9, 17, 33, 2], [7, 7, 1], [40, 41, 42, 43, 44, 45, 46]]
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
-    eager = LLM(model, max_num_seqs=4, max_model_len=64)
+    eager = LLM(model, max_num_seqs=4, max_model_len=64, own_decoder=False)
     assert eager.runner.decoder is None and eager.runner._compiled is None
     expected = eager.generate(prompts, params)
     torch._dynamo.reset()

@@ -1,6 +1,8 @@
-"""The engine's own decode forward (runtime/decoder.py) against transformers' modules: the
-same greedy tokens and logprobs bit for bit and the same experts read, under a decode pool, skipping
-and mixed per-request budgets; hooks and uncovered architectures keep the module path."""
+"""The engine's own decoder (runtime/decoder.py) against transformers' stock modules: with torch's
+ops for the dense layers, the same greedy tokens and logprobs bit for bit and the same experts read,
+under a decode pool, skipping and mixed per-request budgets; with the native linear and norm ops
+(packed or not), the same first tokens and close logprobs; the native graph equals the decoder's
+Python loop bit for bit. Hooks and uncovered layers keep the module path."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,22 +22,28 @@ from moetailor.serving import LLM, SamplingParams
 def run(model, plan, lean: bool, prompts, params, **engine):
     llm = LLM(model, plan, own_decoder=lean, **engine)
     assert (llm.runner.decoder is not None) == lean
-    assert llm.runner.native_norm is not None and type(model.model.norm).__name__.startswith("Native")
     outs = llm.generate(prompts, params)
     reads = [r.distinct_experts for r in llm.step_log if r.phase == "decode"]
     return [(o.token_ids, o.logprobs) for o in outs], reads
 
 
-@pytest.mark.parametrize("arch,dtype,packed", [("qwen2_moe", torch.float32, False), ("qwen3_moe", torch.float32, False),
-                                                ("qwen2_moe", torch.bfloat16, False), ("qwen3_moe", torch.bfloat16, True),
-                                                ("olmoe", torch.bfloat16, False), ("olmoe", torch.bfloat16, True),
-                                                ("mixtral", torch.bfloat16, True)])
-def test_own_decoder_equals_the_module_path(one_thread, arch, dtype, packed):
-    """bf16 (what real checkpoints ship) rounds where transformers' modules round, with the linear
-    layers as the user's model holds them or packed by the engine for its op."""
-    if packed and not kernels.packed_weights_pay():
-        pytest.skip("the engine packs only where the packed tile is compiled (AVX-512)")
-    model = tiny_model(arch, seed=3)
+def torch_dense_ops(monkeypatch) -> None:
+    """Engines built after this run their dense layers (projections, norms) on torch's ops, as
+    transformers' modules do: no native linear or norm op (attention, routing and experts stay native)."""
+    monkeypatch.setattr(kernels, "rows_linear_pays", lambda: False)
+    monkeypatch.setattr(kernels, "rms_norm", lambda: None)
+
+
+def close_to(got, want, atol: float) -> None:
+    """The same first two tokens of every sequence, their logprobs within ``atol`` (other summation orders)."""
+    for (a, la), (b, lb) in zip(got, want):
+        assert a[:2] == b[:2]
+        torch.testing.assert_close(torch.tensor([e.logprob for e in la[:2]]), torch.tensor([e.logprob for e in lb[:2]]),
+                                   atol=atol, rtol=0)
+
+
+def plan_case(arch, dtype, seed):
+    model = tiny_model(arch, seed=seed)
     with torch.no_grad():              # qwen2_moe's q/k/v biases start at zero: give them values to get wrong
         for name, p in model.named_parameters():
             if name.endswith("_proj.bias"):
@@ -45,11 +53,37 @@ def test_own_decoder_equals_the_module_path(one_thread, arch, dtype, packed):
     prompts = random_prompts([5, 17, 9, 12, 3, 8, 21, 4, 6, 11, 2, 14], seed=3)   # steps above and below 8 rows
     params = [SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2, expert_top_k=(None, 1, 2)[i % 3])
               for i in range(len(prompts))]
-    engine = {"pack_weights": packed}
-    lean, modules = run(model, plan, True, prompts, params, **engine), run(model, plan, False, prompts, params, **engine)
+    return model, plan, prompts, params
+
+
+@pytest.mark.parametrize("arch,dtype", [("qwen2_moe", torch.float32), ("qwen3_moe", torch.float32),
+                                        ("olmoe", torch.float32), ("mixtral", torch.float32),
+                                        ("qwen2_moe", torch.bfloat16), ("qwen3_moe", torch.bfloat16),
+                                        ("olmoe", torch.bfloat16), ("mixtral", torch.bfloat16)])
+def test_own_decoder_equals_the_module_path(one_thread, monkeypatch, arch, dtype):
+    """With torch's ops for the dense layers the decoder is transformers' arithmetic: bf16 (what real
+    checkpoints ship) rounds where transformers' modules round, bit for bit."""
+    torch_dense_ops(monkeypatch)
+    model, plan, prompts, params = plan_case(arch, dtype, seed=3)
+    lean, modules = run(model, plan, True, prompts, params), run(model, plan, False, prompts, params)
     assert lean == modules
-    full = run(model, None, True, prompts, params, **engine)
+    full = run(model, None, True, prompts, params)
     assert full[0] != lean[0]          # the plan changes outputs, so the equality above can fail
+
+
+@pytest.mark.parametrize("arch,dtype,packed", [("qwen2_moe", torch.float32, False), ("olmoe", torch.float32, True),
+                                                ("qwen2_moe", torch.bfloat16, False), ("qwen3_moe", torch.bfloat16, True),
+                                                ("olmoe", torch.bfloat16, True), ("mixtral", torch.bfloat16, True)])
+def test_own_decoder_on_the_native_ops_is_close_to_the_module_path(one_thread, arch, dtype, packed):
+    """With the native linear and norm ops (and the dense weights packed copies where the engine packs)
+    the decoder sums in another order than torch's GEMM: the same first tokens, logprobs close."""
+    if packed and not kernels.packed_weights_pay():
+        pytest.skip("the engine packs only where the packed tile is compiled (AVX-512)")
+    model, plan, prompts, params = plan_case(arch, dtype, seed=3)
+    lean = LLM(model, plan, pack_weights=packed)
+    assert lean.runner.native_norm is not None and (not packed or kernels.is_packed(lean.runner.decoder.layers[0].o))
+    got = [(o.token_ids, o.logprobs) for o in lean.generate(prompts, params)]
+    close_to(got, run(model, plan, False, prompts, params)[0], 1e-3 if dtype == torch.float32 else 0.05)
 
 
 class CountingOps:
@@ -71,7 +105,7 @@ class CountingOps:
 def test_decode_layers_run_in_one_native_call_under_the_full_router(one_thread, arch, dtype, packed):
     """Steps of at most 8 rows: the whole step in one native call (the bound ``DecodeGraph``) under
     the full router, else one call of each bound layer (``layer``), and its ``attention`` + the
-    controller + its ``moe`` under a plan; each equals the module path (bf16: converted and rounded where the
+    controller + its ``moe`` under a plan; each equals the decoder's Python loop (bf16: converted and rounded where the
     Python loop converts and rounds, OLMoE's q/k norm over the whole projection, Mixtral's routing
     weights kept in fp32, Qwen2-MoE's shared expert through its own projections; packed projections as
     real-size bf16 checkpoints have them)."""
@@ -92,15 +126,16 @@ def test_decode_layers_run_in_one_native_call_under_the_full_router(one_thread, 
             graph, op=counting, whole_step=whole_step))
         got = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
         assert counting.calls == calls
-        assert got == run(model, plan, False, prompts, params, pack_weights=packed)[0]
+        loop = LLM(model, plan, pack_weights=packed)                   # the decoder's Python loop, op for op
+        loop.runner.decoder = dataclasses.replace(loop.runner.decoder, graph=None)
+        assert got == [(o.token_ids, o.logprobs) for o in loop.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("arch,masked", [("qwen2_moe", False), ("qwen3_moe", False), ("olmoe", False),
                                          ("mixtral", False), ("qwen2_moe", True)])
 def test_decode_steps_run_the_native_router_with_the_stock_routes(one_thread, arch, masked):
     """Decode steps route through the native ``softmax_topk`` op (logits through the step's linear
-    op): the engine's decoder (its bound ``layer`` selects inside) still equals the module path bit
-    for bit, and the outputs equal the stock router's (torch's linear, softmax and top-k) up to float
+    op): the outputs equal the stock router's (torch's linear, softmax and top-k) up to float
     rounding."""
     model = tiny_model(arch, seed=5)
     plan = uniform_plan(model, decode=LayerPolicy(keep=(0, 2, 3, 5), pool_mode="mask")) if masked else None
@@ -112,8 +147,6 @@ def test_decode_steps_run_the_native_router_with_the_stock_routes(one_thread, ar
     native.runner.native_router = lambda *args: calls.append(args[0].shape[0]) or op(*args)
     got = [(o.token_ids, o.logprobs) for o in native.generate(prompts, params)]
     assert len(calls) == 9 * len(model.model.layers)          # every decode step's every layer; no prefill
-    if arch in ("qwen2_moe", "qwen3_moe"):
-        assert run(model, plan, True, prompts, params)[0] == got
     stock = LLM(model, plan)
     stock.runner.native_router = None
     want = [(o.token_ids, o.logprobs) for o in stock.generate(prompts, params)]
@@ -159,21 +192,14 @@ def test_bf16_decode_steps_route_natively_with_the_stock_routes(one_thread, arch
                                    torch.tensor([e.logprob for e in b.logprobs[:2]]), atol=0.05, rtol=0)
 
 
-@pytest.mark.parametrize("arch,dtype", [("olmoe", torch.float32), ("mixtral", torch.float32)])
-def test_fp32_olmoe_and_mixtral_keep_the_module_path(arch, dtype):
-    """Their fp32 projections run packed in the modules (the Qwen-MoE decoder stacks its own copies)."""
-    assert LLM(tiny_model(arch).to(dtype)).runner.decoder is None
-
-
 @pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])
-def test_a_projection_the_engine_did_not_swap_keeps_the_module_path(one_thread, arch):
-    """A linear layer the engine leaves to torch (here a non-contiguous weight) runs torch's op in the
-    modules; the lean loop would run the native op on it, so the engine keeps the modules."""
+def test_a_projection_the_native_op_does_not_take_keeps_the_module_path(one_thread, arch):
+    """A linear layer the native op does not take (here a non-contiguous weight): the decoder would
+    run the op on it, so the engine keeps transformers' modules."""
     model = tiny_model(arch, seed=1).to(torch.bfloat16)
     o = model.model.layers[1].self_attn.o_proj
     o.weight = torch.nn.Parameter(o.weight.detach().t().contiguous().t(), requires_grad=False)   # same values
     llm = LLM(model)
-    assert llm.runner.native_linear is None or type(o) is torch.nn.Linear
     assert llm.runner.decoder is None or llm.runner.native_linear is None
     prompts = random_prompts([5, 9, 3], seed=1)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -196,51 +222,23 @@ def test_a_forward_hook_sends_the_step_through_the_modules(one_thread):
     assert calls == []
 
 
-def test_a_swapped_norm_is_the_stock_norm_outside_a_decode_step():
-    """Outside an engine decode step (and on bf16 input, as under a prefill autocast) a swapped RMSNorm
-    runs transformers' own forward, which takes the variance in fp32."""
-    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeRMSNorm
-
-    from moetailor.runtime.native_layers import install_native_norms
-
-    torch.manual_seed(0)
-    norm, stock = Qwen2MoeRMSNorm(64), Qwen2MoeRMSNorm(64)
-    norm.weight.data = stock.weight.data = torch.randn(64)
-    assert install_native_norms(norm) == 1 and type(norm).__name__ == "NativeQwen2MoeRMSNorm"
-    for x in (torch.randn(3, 64), torch.randn(3, 64).bfloat16()):
-        assert torch.equal(norm(x), stock(x))
-
-
-def test_a_bf16_models_norm_runs_the_native_op_in_a_decode_step_and_rounds_as_transformers():
+def test_a_bf16_norm_on_the_native_op_rounds_as_transformers():
     """A bf16 checkpoint's RMSNorms (OLMoE: 17 a step on the 4-layer real-size model, each eight torch
-    ops) run the native op in a decode step on bf16 input, rounding where transformers' bf16 norm
-    does; under an fp32 autocast-style input and outside a step, the stock forward."""
+    ops) run the native op in the decoders' decode steps, rounding where transformers' bf16 norm does
+    (rare last-bit flips from the variance's order); without the op, transformers' norm bit for bit."""
     from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 
-    from moetailor.runtime.native_layers import install_native_norms
-    from moetailor.runtime.step import Step, running
+    from moetailor.runtime.native_layers import rms_norm
 
     torch.manual_seed(0)
-    norm, stock = OlmoeRMSNorm(256, eps=1e-5), OlmoeRMSNorm(256, eps=1e-5)
-    norm.weight.data = stock.weight.data = torch.randn(256)
-    norm, stock = norm.bfloat16(), stock.bfloat16()
-    assert install_native_norms(norm) == 1
-    calls = []
-
-    def kernel(x, weight, eps):
-        calls.append(x.dtype)
-        return kernels.rms_norm()(x, weight, eps)
-
+    stock = OlmoeRMSNorm(256, eps=1e-5)
+    stock.weight.data = torch.randn(256)
+    stock = stock.bfloat16()
     x = (3 * torch.randn(2, 5, 256)).bfloat16()
-    with running(Step(is_prefill=False, norm_kernel=kernel)):
-        y = norm(x)
-        assert torch.equal(norm(x.float()), stock(x.float()))       # fp32 rows on bf16 weights: stock
-    assert calls == [torch.bfloat16] and y.dtype is torch.bfloat16 and y.shape == x.shape
-    assert (y == stock(x)).float().mean() > 0.99                    # the variance's order: rare last-bit flips
+    y = rms_norm(x, stock.weight, stock.variance_epsilon, kernels.rms_norm())
+    assert y.dtype is torch.bfloat16 and y.shape == x.shape
+    assert (y == stock(x)).float().mean() > 0.99
     torch.testing.assert_close(y.float(), stock(x).float(), rtol=2 ** -7, atol=1e-6)
-    assert torch.equal(norm(x), stock(x))
-    # the engine decoder's norm without the op (``native_layers.rms_norm``) is transformers' bf16 norm, bit for bit
-    from moetailor.runtime.native_layers import rms_norm
     assert torch.equal(rms_norm(x, stock.weight, stock.variance_epsilon, None), stock(x))
 
 
@@ -265,15 +263,15 @@ def test_torch_bf16_gemm_counts_as_fast_only_with_bf16_in_hardware(monkeypatch, 
 
 @pytest.mark.parametrize("rows", [3, 32])
 def test_a_bf16_linear_in_a_decode_step_runs_the_native_op_and_rounds_once(rows):
-    """A bf16 checkpoint's projections in a decode step: the bf16 rows go to the op, whose fp32 sums of
-    the bf16 weights are rounded to bf16 once, as torch's bf16 GEMM computes them (in another order: equal within bf16 rounding), at any
-    row count where that GEMM has no hardware kernels; outside a step the stock layer."""
-    from moetailor.runtime.native_layers import NativeLinear, bf16_gemm_is_fast, install_native_linears
+    """A bf16 checkpoint's projections in a decoder's decode step: the bf16 rows go to the op, whose fp32
+    sums of the bf16 weights are rounded to bf16 once, as torch's bf16 GEMM computes them (in another
+    order: equal within bf16 rounding), at any row count where that GEMM has no hardware kernels;
+    outside a step torch's own op."""
+    from moetailor.runtime.native_layers import bf16_gemm_is_fast, native_linear
     from moetailor.runtime.step import Step, running
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 40).bfloat16()
-    assert install_native_linears(layer) == 1 and type(layer) is NativeLinear
     x = torch.randn(rows, 64).bfloat16()
     calls = []
 
@@ -282,12 +280,12 @@ def test_a_bf16_linear_in_a_decode_step_runs_the_native_op_and_rounds_once(rows)
         return kernels.rows_linear()(rows, weight, bias)
 
     with running(Step(is_prefill=False, linear_kernel=kernel)):
-        y = layer(x)
+        y = native_linear(x, layer.weight, layer.bias)
     native = rows <= 8 or not bf16_gemm_is_fast()
     assert calls == ([(torch.bfloat16, torch.bfloat16)] if native else []) and y.dtype is torch.bfloat16
     assert y.shape == (rows, 40)
     torch.testing.assert_close(y, (x.float() @ layer.weight.float().T + layer.bias.float()).bfloat16())
-    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert torch.equal(native_linear(x, layer.weight, layer.bias), torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
 @pytest.mark.parametrize("arch,dtype,decoder,packed", [("qwen2_moe", torch.float32, "Decoder", False),
@@ -298,12 +296,15 @@ def test_a_bf16_linear_in_a_decode_step_runs_the_native_op_and_rounds_once(rows)
                                                         ("grouped", torch.float32, "MlaDecoder", True)])
 def test_prefill_and_decode_steps_run_the_engines_decoder(one_thread, monkeypatch, arch, dtype, decoder, packed):
     """Where the engine's decoder applies, no engine step calls transformers' modules, prefill steps
-    (prompt logprobs included) as well as decode steps, and the outputs are the module path's bit for
-    bit, under a plan (which changes them) as under the full router, with the weights as the user's
-    model holds them or packed by the engine (as a checkpoint it loads itself). DeepSeek-V3
+    (prompt logprobs included) as well as decode steps, and the outputs are the module path's (bit for
+    bit on torch's dense ops; the first tokens, logprobs close with the dense weights packed for the
+    native op, as for a checkpoint the engine loads itself), under a plan (which changes them) as
+    under the full router. DeepSeek-V3
     (multi-head latent attention; ``grouped``: grouped routing and a dense first layer) has its own decoder."""
     if packed and not kernels.packed_weights_pay():
         pytest.skip("the engine packs only where the packed tile is compiled (AVX-512)")
+    if not packed:
+        torch_dense_ops(monkeypatch)
     model = (tiny_grouped_model(seed=1) if arch == "grouped" else tiny_model(arch, seed=2)).to(dtype)
     prompts = random_prompts([5, 9, 3], seed=2)
     params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=1, prompt_logprobs=1)
@@ -321,5 +322,9 @@ def test_prefill_and_decode_steps_run_the_engines_decoder(one_thread, monkeypatc
     monkeypatch.setattr(type(model), "forward", refuse)
     for llm, want in zip(engines, modules):
         got = llm.generate(prompts, params)
-        assert [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in got] == \
-            [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in want]
+        if packed:
+            close_to([(o.token_ids, o.logprobs) for o in got], [(o.token_ids, o.logprobs) for o in want],
+                     1e-3 if dtype == torch.float32 else 0.05)
+        else:
+            assert [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in got] == \
+                [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in want]

@@ -85,18 +85,20 @@ def test_bf16_linears_are_packed_exactly_where_that_pays(one_thread, monkeypatch
         pytest.skip("the native linear op does not pay on this processor")
     want = not gemm_hardware or kernels.experts_round_to_bf16()
     assert native_layers.packed_bf16_linears_pay() == want
-    assert kernels.is_packed(q.weight) == want
+    layer = llm.runner.decoder.layers[0]
+    assert kernels.is_packed(layer.qkv) == kernels.is_packed(layer.o) == want
+    assert not kernels.is_packed(q.weight)                 # copies: transformers' module keeps its layout
 
 
 def test_bf16_linears_whose_rows_all_run_the_op_are_packed_too(one_thread, monkeypatch):
     """Without bf16 GEMM hardware every row of a bf16 linear layer runs the native op (decode), so the
-    engine packs those layers with the experts; prefill then runs them on the op too, and outside the
-    engine the layer still computes. The tied LM head (the embedding's weight too) stays as it is.
-    bf16 rounds differently summed fp32 values, so: the same first tokens, logprobs close."""
+    engine's decoder reads packed copies of those layers (the experts packed in place); prefill then runs
+    them on the op too, and transformers' modules keep their own layout. The tied LM head (the
+    embedding's weight too) stays as it is. bf16 rounds differently summed fp32 values, so: the same
+    first tokens, logprobs close."""
     import torch
 
     from moetailor.runtime import native_layers
-    from moetailor.runtime.step import current
 
     monkeypatch.setattr(native_layers, "_BF16_GEMM_FAST", [False])      # as on a CPU without AVX512-BF16 / AMX
     prompts = random_prompts([5, 17, 9], vocab=8000, seed=4)
@@ -104,21 +106,22 @@ def test_bf16_linears_whose_rows_all_run_the_op_are_packed_too(one_thread, monke
     plain = LLM("reference", dtype=torch.bfloat16, max_num_seqs=8, pack_weights=False)
     packed = LLM("reference", dtype=torch.bfloat16, max_num_seqs=8, pack_weights=True)
     q = packed.model.model.layers[0].self_attn.q_proj
-    assert kernels.is_packed(q.weight) and not kernels.is_packed(packed.model.lm_head.weight)
+    decoder = packed.runner.decoder
+    assert kernels.is_packed(decoder.layers[0].qkv) and not kernels.is_packed(decoder.lm_head)
+    assert not kernels.is_packed(q.weight)
     for a, b in zip(plain.generate(prompts, params), packed.generate(prompts, params)):
         assert a.token_ids[:2] == b.token_ids[:2]
         torch.testing.assert_close(torch.tensor([e.logprob for e in b.logprobs[:2]]),
                                    torch.tensor([e.logprob for e in a.logprobs[:2]]), atol=0.05, rtol=0)
-    x = torch.randn(3, q.in_features, dtype=torch.bfloat16)
-    assert current() is None
-    torch.testing.assert_close(q(x), torch.nn.functional.linear(x, kernels.unpack_weight(q.weight), q.bias),
-                               atol=0.02, rtol=0.02)
+    attn = packed.model.model.layers[0].self_attn                   # the copy holds the model's values
+    assert torch.equal(kernels.unpack_weight(decoder.layers[0].qkv),
+                       torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
 
 
-def test_fp32_linears_are_packed_where_no_own_decoderr_reads_them(one_thread):
-    """An engine that packs (AVX-512) packs an fp32 model's linear layers too, unless its engine decoder
-    (fp32 Qwen MoE) holds them; greedy outputs equal the checkpoint layout's, and the model still
-    computes outside the engine's steps."""
+def test_fp32_olmoe_projections_are_packed_copies_for_its_decoder(one_thread):
+    """An engine that packs (AVX-512) gives fp32 OLMoE's decoder packed copies of its projections (the
+    fp32 Qwen-MoE decoder reads them row-major); greedy outputs equal the checkpoint layout's, and
+    transformers' modules keep their weights, so the model still computes outside the engine's steps."""
     import copy
 
     import torch
@@ -134,8 +137,9 @@ def test_fp32_linears_are_packed_where_no_own_decoderr_reads_them(one_thread):
     q = model.model.layers[0].self_attn.q_proj
     if packs.runner.native_linear is None or packs.runner.expert_weights[True] is None:
         pytest.skip("this processor's engine does not pack")
-    assert packs.runner.decoder is None and kernels.is_packed(q.weight)
-    assert not kernels.is_packed(model.model.layers[0].mlp.gate.weight)          # the router stays
+    layer = packs.runner.decoder.layers[0]
+    assert kernels.is_packed(layer.qkv) and kernels.is_packed(layer.o) and not kernels.is_packed(q.weight)
+    assert not kernels.is_packed(layer.moe_in)                                    # the router stays
     assert [o.token_ids for o in packs.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
     ids = torch.tensor([prompts[1]])
     with torch.inference_mode():
@@ -143,3 +147,4 @@ def test_fp32_linears_are_packed_where_no_own_decoderr_reads_them(one_thread):
     lean = LLM("reference", max_num_seqs=4)                                       # owned: packs, engine decoder on
     layer = lean.model.model.layers[0].self_attn
     assert lean.runner.decoder is not None and not kernels.is_packed(layer.o_proj.weight)
+    assert not kernels.is_packed(lean.runner.decoder.layers[0].o)                 # fp32 Qwen-MoE: row-major

@@ -46,20 +46,24 @@ from .. import kernels
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from . import attention
 from .experts import experts_forward, layer_of, layer_policy, native_experts_forward, novice_split, runs_natively
-from .native_layers import NATIVE_LINEAR_ROWS, native_linear, rms_norm
+from .native_layers import NATIVE_LINEAR_ROWS, engine_weight, native_linear, rms_norm, runs_native
 from .step import Step
 
-FAMILIES = {"qwen2_moe": (torch.float32, torch.bfloat16), "qwen3_moe": (torch.float32, torch.bfloat16),
-            "olmoe": (torch.bfloat16,), "mixtral": (torch.bfloat16,)}   # model type -> the weight dtypes covered
+FAMILIES = ("qwen2_moe", "qwen3_moe", "olmoe", "mixtral")
+DTYPES = (torch.float32, torch.bfloat16)
+# Qwen-MoE's fp32 decoder stacks its router and shared expert into one row-major ``moe_in`` and reads
+# its projections row-major; the others' fp32 projections are packed where the engine packs (real-size
+# 2048-wide layers: the packed op 1.2-4.6x torch's fp32 GEMM at 1-512 rows)
+ROW_MAJOR_FP32 = ("qwen2_moe", "qwen3_moe")
 
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # rope types whose cos/sin depend on the position only
 
 
 def module_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` as the module path's ``NativeLinear`` runs it, so the decoder rounds where
-    it does: a weight the engine packed on the native op (rows in the weight's dtype, the result in
-    ``x``'s), any other through ``native_linear`` (the op up to ``NATIVE_LINEAR_ROWS`` rows, else torch)."""
+    """``x @ weight.T + bias``: a weight the engine packed on the native op (rows in the weight's dtype,
+    the result in ``x``'s), any other through ``native_linear`` (in a decode step the op up to
+    ``NATIVE_LINEAR_ROWS`` rows, else torch's GEMM, transformers' own arithmetic)."""
     if kernels.is_packed(weight):
         return torch.ops.moetailor.rows_linear(x.to(weight.dtype).contiguous(), weight, bias).to(x.dtype)
     return native_linear(x, weight, bias)
@@ -102,7 +106,7 @@ class Norm:
         return cls(module.weight, float(module.variance_epsilon))
 
     def __call__(self, x: torch.Tensor, kernel) -> torch.Tensor:
-        """The RMSNorm the module path runs (``native_layers``): the step's native op, else torch's ops."""
+        """The RMSNorm: the step's native op (decode steps), else transformers' arithmetic op for op."""
         return rms_norm(x, self.weight, self.eps, kernel)
 
     def heads(self, t: torch.Tensor, kernel) -> torch.Tensor:
@@ -214,18 +218,22 @@ class Decoder:
     @classmethod
     def build(cls, model, controller, attention_kernel, rotary_kernel=None, add_norm_kernel=None,
               max_model_len: int = 0, graph_class=None, kv_cache: list | None = None, block_size: int = 0,
-              expert_weights: dict | None = None) -> "Decoder | None":
-        """The engine decoder of ``model``, or None where it does not apply (see the module doc)."""
+              expert_weights: dict | None = None, pack: tuple = (), native_linear: bool = False) -> "Decoder | None":
+        """The engine decoder of ``model``, or None where it does not apply (see the module doc). ``pack``:
+        the dtypes whose dense weights it reads packed (copies); ``native_linear``: decode steps run the
+        native linear op, which then must take every projection (``runs_native``)."""
         cfg = model.config
         if cfg.model_type not in FAMILIES or attention_kernel is None or getattr(cfg, "clip_qkv", None) is not None:
             return None
         inner = model.model
         head = model.get_output_embeddings()
         dtype = head.weight.dtype
-        if dtype not in FAMILIES[cfg.model_type] or getattr(head, "bias", None) is not None:
+        if dtype not in DTYPES or getattr(head, "bias", None) is not None:
             return None
         if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
             return None
+        if cfg.model_type in ROW_MAJOR_FP32:
+            pack = tuple(d for d in pack if d != torch.float32)
         moe = {layer.index: layer for layer in moe_layers(model)}
         layers = []
         for index, block in enumerate(decoder_layers(model)):
@@ -233,45 +241,44 @@ class Decoder:
             if index not in moe or not runs_natively(block.mlp.experts):
                 return None                                                   # dense layers: module path
             projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-            biases = [p.bias for p in projections]
-            if len({kernels.is_packed(p.weight) for p in projections}) > 1:
-                return None                                                   # stacked: one layout for all three
-            if len({type(m) for m in (*projections, attn.o_proj, head)}) > 1:
-                return None         # a layer the engine did not swap (its sizes) runs torch's op in the modules
-            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             layer = moe[index]
+            mlp = layer.shared_expert
+            dense = [*projections, attn.o_proj, head] + ([] if mlp is None else
+                                                         [mlp.gate_proj, mlp.up_proj, mlp.down_proj, layer.shared_gate])
+            if native_linear and not all(runs_native(m.weight) for m in dense):
+                return None                                                   # a size the op does not take
+            biases = [p.bias for p in projections]
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            qkv = engine_weight(torch.cat([p.weight for p in projections]).contiguous(), pack)
             shared = shared_gate = shared_down = None
             moe_in = layer.router.weight.detach()
-            if layer.shared_expert is not None:
-                mlp = layer.shared_expert
+            if mlp is not None:
                 E, I = moe_in.shape[0], mlp.gate_proj.out_features
-                if len({type(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj, layer.shared_gate, head)}) > 1:
-                    return None
-                if dtype == torch.float32:
+                if dtype == torch.float32 and dtype not in pack:
                     moe_in = torch.cat([moe_in, mlp.gate_proj.weight, mlp.up_proj.weight, layer.shared_gate.weight]).detach()
                     shared, shared_gate = moe_in[E:E + 2 * I], moe_in[E + 2 * I:]   # row ranges: contiguous views
-                elif kernels.is_packed(mlp.gate_proj.weight) == kernels.is_packed(mlp.up_proj.weight):
-                    shared, shared_gate = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), \
-                        layer.shared_gate.weight.detach()
                 else:
-                    return None
-                shared_down = mlp.down_proj.weight.detach()
+                    shared = engine_weight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), pack)
+                    shared_gate = layer.shared_gate.weight.detach()
+                shared_down = engine_weight(mlp.down_proj.weight, pack)
+            stacked = kernels.is_packed(qkv)   # packed copies: prefill reads the stacked ones too
             layers.append(DecoderLayer(
                 index, Norm.of(block.input_layernorm), Norm.of(block.post_attention_layernorm),
-                torch.cat([p.weight for p in projections]).detach().contiguous(),
-                torch.cat(biases).detach() if all(b is not None for b in biases) else None,
+                qkv, torch.cat(biases).detach() if all(b is not None for b in biases) else None,
                 Norm.of(q_norm) if q_norm is not None else None, Norm.of(k_norm) if k_norm is not None else None,
-                attn.o_proj.weight.detach(), layer, moe_in, shared, shared_gate, shared_down,
-                tuple((p.weight.detach(), None if p.bias is None else p.bias.detach()) for p in projections),
-                None if layer.shared_expert is None else tuple(
-                    m.weight.detach() for m in (layer.shared_expert.gate_proj, layer.shared_expert.up_proj,
-                                                layer.shared_gate))))
+                engine_weight(attn.o_proj.weight, pack), layer, moe_in, shared, shared_gate, shared_down,
+                () if stacked else tuple((p.weight.detach(), None if p.bias is None else p.bias.detach())
+                                         for p in projections),
+                None if mlp is None or stacked else tuple(
+                    m.weight.detach() for m in (mlp.gate_proj, mlp.up_proj, layer.shared_gate))))
         if any(t.dtype != dtype for l in layers for t in (l.qkv, l.o, l.moe_in)):
             return None
+        tied = head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()   # the embedding reads it row-major
         attn = decoder_layers(model)[0].self_attn
         fusable = all(l.qkv.is_contiguous() and l.o.is_contiguous() and (l.q_norm is None or l.q_norm.eps == l.k_norm.eps)
                       and (l.shared_down is None or l.shared_down.is_contiguous()) for l in layers)
-        decoder = cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), head.weight, inner.rotary_emb,
+        decoder = cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm),
+                      head.weight.detach() if tied else engine_weight(head.weight, pack), inner.rotary_emb,
                       rotary_table(inner.rotary_emb, inner.embed_tokens.weight, max_model_len),
                       sys.modules[type(attn).__module__].apply_rotary_pos_emb, cfg.num_attention_heads,
                       cfg.num_key_value_heads, attn.head_dim, float(attn.scaling),
@@ -346,7 +353,10 @@ class Decoder:
             cos, sin = self.rotary(x, positions[None])                        # [1, T, D] each
         for layer in self.layers:
             h = layer.input_norm(x, None)                                     # [T, H]
-            q, k, v = (module_linear(h, w, b) for w, b in layer.projections)  # [T, nH D | nKV D | nKV D]
+            if layer.projections:                                             # [T, nH D | nKV D | nKV D]
+                q, k, v = (module_linear(h, w, b) for w, b in layer.projections)
+            else:                                                             # packed: the stacked copy
+                q, k, v = module_linear(h, layer.qkv, layer.qkv_bias).split((nH * D, nKV * D, nKV * D), dim=-1)
             if layer.q_norm is not None:
                 q, k = layer.q_norm.heads(q.view(T, nH, D), None), layer.k_norm.heads(k.view(T, nKV, D), None)
             q, k, v = (t.reshape(1, T, -1, D).transpose(1, 2) for t in (q, k, v))   # [1, n, T, D]
@@ -364,10 +374,14 @@ class Decoder:
         shared expert from its own three projections."""
         _, weights, index = controller.route_layer(layer.moe, h)                     # [T, K] each
         out = experts_forward(layer.moe.experts, h, index, weights)                  # [T, H]
-        if layer.shared_own is None:
+        if layer.shared is None:
             return out
-        gate, up, shared_gate = layer.shared_own
-        shared = module_linear(F.silu(module_linear(h, gate)) * module_linear(h, up), layer.shared_down)  # [T, H]
+        if layer.shared_own is not None:
+            gate_w, up_w, shared_gate = layer.shared_own
+            gate, up = module_linear(h, gate_w), module_linear(h, up_w)              # [T, I] each
+        else:                                                                          # packed: the stacked copy
+            (gate, up), shared_gate = module_linear(h, layer.shared).chunk(2, dim=-1), layer.shared_gate
+        shared = module_linear(F.silu(gate) * up, layer.shared_down)                  # [T, H]
         return out + torch.sigmoid(module_linear(h, shared_gate)) * shared
 
     def native_layer(self, i: int, layer: DecoderLayer, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,

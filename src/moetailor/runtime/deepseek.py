@@ -6,9 +6,9 @@ held here, shapes beside each line), so the engine runs no transformers module i
 tokens equal the module path's bit for bit. Attention is the engine's own (``attention.prefill_attention``
 / ``decode_attention``, over the expanded per-head k/v the paged pool holds), routing goes through the
 routing controller (DeepSeek's grouped top-k, plans and budgets) and the experts through the step's
-experts path. Each projection and norm runs the op transformers' module runs in the engine: the
-native linear and norm ops inside decode steps where the engine gave the layer its native class
-(``native_layers``), else torch's.
+experts path. Each projection and norm runs the native linear and norm ops inside decode steps
+where they take the layer (``native_layers``), else torch's; dense weights are packed copies where
+the engine packs.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from . import attention
 from .decoder import Norm, hooked, model_hooks, module_linear, rotary_table
 from .experts import experts_forward
-from .native_layers import NativeLinear
+from .native_layers import engine_weight, runs_native
 from .step import Step
 
 
@@ -29,17 +29,18 @@ from .step import Step
 class Linear:
     weight: torch.Tensor             # [N, K] (or packed for the native op)
     bias: torch.Tensor | None        # [N]
-    native: bool                     # the engine gave the module its native class: the op in decode steps
+    native: bool                     # the native op takes it (``runs_native``): the op in decode steps, when packed always
 
     @classmethod
-    def of(cls, module) -> "Linear | None":
+    def of(cls, module, pack: tuple = ()) -> "Linear | None":
         if module is None:
             return None
         bias = getattr(module, "bias", None)
-        return cls(module.weight.detach(), None if bias is None else bias.detach(), type(module) is NativeLinear)
+        weight = engine_weight(module.weight, pack) if type(module) is torch.nn.Linear else module.weight.detach()
+        return cls(weight, None if bias is None else bias.detach(), runs_native(weight))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N], as the engine's module runs it (the native op takes rows [T, K])."""
+        """x [..., K] -> [..., N] (the native op takes rows [T, K])."""
         if not self.native:
             return F.linear(x, self.weight, self.bias)
         return module_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], -1)
@@ -52,8 +53,8 @@ class Mlp:
     down: Linear
 
     @classmethod
-    def of(cls, module) -> "Mlp":
-        return cls(Linear.of(module.gate_proj), Linear.of(module.up_proj), Linear.of(module.down_proj))
+    def of(cls, module, pack: tuple = ()) -> "Mlp":
+        return cls(*(Linear.of(m, pack) for m in (module.gate_proj, module.up_proj, module.down_proj)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))                  # [T, H]
@@ -93,11 +94,11 @@ class MlaDecoder:
     scaling: float
     hooks: tuple[dict, ...]
     own_hooks: int                   # the routing controller's router hooks among them
-    native_norms: bool               # the engine gave the norms their native class (``install_native_norms``)
 
     @classmethod
-    def build(cls, model, controller, max_model_len: int) -> "MlaDecoder | None":
-        """The decoder of a DeepSeek-V3 checkpoint whose every attention layer is full attention, or None."""
+    def build(cls, model, controller, max_model_len: int, pack: tuple = ()) -> "MlaDecoder | None":
+        """The decoder of a DeepSeek-V3 checkpoint whose every attention layer is full attention, or None;
+        ``pack``: the dtypes whose dense weights it reads packed (copies)."""
         cfg = model.config
         if cfg.model_type != "deepseek_v3" or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
             return None
@@ -109,17 +110,18 @@ class MlaDecoder:
             norm = lambda m: None if m is None else Norm.of(m)   # noqa: E731
             layers.append(MlaLayer(
                 index, Norm.of(block.input_layernorm), Norm.of(block.post_attention_layernorm),
-                Linear.of(attn.q_proj), Linear.of(attn.q_a_proj), norm(attn.q_a_layernorm), Linear.of(attn.q_b_proj),
-                Linear.of(attn.kv_a_proj_with_mqa), Norm.of(attn.kv_a_layernorm), Linear.of(attn.kv_b_proj),
-                Linear.of(attn.o_proj), moe.get(index),
-                Mlp.of(moe[index].shared_expert if index in moe else block.mlp)))
+                Linear.of(attn.q_proj, pack), Linear.of(attn.q_a_proj, pack), norm(attn.q_a_layernorm),
+                Linear.of(attn.q_b_proj, pack), Linear.of(attn.kv_a_proj_with_mqa, pack),
+                Norm.of(attn.kv_a_layernorm), Linear.of(attn.kv_b_proj, pack), Linear.of(attn.o_proj, pack),
+                moe.get(index), Mlp.of(moe[index].shared_expert if index in moe else block.mlp, pack)))
         attn = decoder_layers(model)[0].self_attn
-        native_norms = type(inner.norm).__name__.startswith("Native")
-        return cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), Linear.of(head), inner.rotary_emb,
+        tied = head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()   # the embedding reads it row-major
+        return cls(tuple(layers), inner.embed_tokens.weight, Norm.of(inner.norm), Linear.of(head, () if tied else pack),
+                   inner.rotary_emb,
                    rotary_table(inner.rotary_emb, inner.embed_tokens.weight, max_model_len), attn.num_heads,
                    attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim, attn.kv_lora_rank,
                    bool(getattr(cfg, "rope_interleave", False)), float(attn.scaling), model_hooks(model),
-                   len(controller.hooks), native_norms)
+                   len(controller.hooks))
 
     def hooked(self) -> bool:
         return hooked(self.hooks, self.own_hooks)
@@ -141,7 +143,7 @@ class MlaDecoder:
             cos, sin = (t[positions][None] for t in self.rotary_table)        # [1, T, Dr] each
         else:
             cos, sin = self.rotary(x, positions[None])                        # [1, T, Dr] each
-        kernel = step.norm_kernel if self.native_norms else None
+        kernel = step.norm_kernel
         for layer in self.layers:
             h = self.norm(layer.input_norm, x, kernel)                        # [T, H]
             x = x + layer.o(self.attention(layer, h, cos, sin, step, kernel))  # [T, H]

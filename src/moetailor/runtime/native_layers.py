@@ -1,9 +1,8 @@
-"""The model's own linear and RMSNorm layers, run by the native ops inside engine decode steps.
+"""The engine decoders' linear and RMSNorm layers on the native ops.
 
 Why: at batch 1 a decode step is dispatch-bound; a linear layer of a few rows through the library
-GEMM pays for packing its weight, and transformers' RMSNorm is six ops. Each layer's ``__class__`` is
-swapped once (like the routers'), so outside an engine decode step it is the stock layer, and the
-module path and the engine's decoder (``runtime/decoder.py``) run the same arithmetic, bit for bit.
+GEMM pays for packing its weight, and transformers' RMSNorm is six ops. Only the engine's decoders
+(``runtime/decoder.py``, ``runtime/deepseek.py``) call these; transformers' modules stay stock.
 """
 from __future__ import annotations
 
@@ -15,9 +14,6 @@ from .step import current
 
 NATIVE_LINEAR_ROWS = 8   # up to this many rows a linear layer runs the native op (a decode step's GEMV); else torch's GEMM
 NATIVE_LINEAR_DTYPES = (torch.float32, torch.bfloat16)   # the weights the op reads (activations in fp32)
-# transformers' RMSNorms that compute weight * (x * rsqrt(mean(x^2) + eps)) in fp32 (not Gemma's 1 + weight)
-PLAIN_RMSNORMS = ("Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm", "OlmoeRMSNorm", "MixtralRMSNorm", "DeepseekV3RMSNorm",
-                  "Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm")
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,79 +69,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel) -> torch
     return kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
 
 
-class NativeLinear(torch.nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.is_packed(self.weight):   # packed by an engine (``pack_linears``): only the op reads it
-            rows = x.numel() // x.shape[-1]
-            y = torch.ops.moetailor.rows_linear(x.reshape(rows, x.shape[-1]).to(self.weight.dtype).contiguous(),
-                                                self.weight, self.bias)   # [rows, N]; loaded: the engine packed it
-            return y.to(x.dtype).view(*x.shape[:-1], -1)
-        return native_linear(x, self.weight, self.bias)
+def runs_native(weight: torch.Tensor) -> bool:
+    """Whether the native linear op takes ``weight``: packed, or a contiguous fp32 / bf16 [N, K] whose
+    input size is whole 16-wide vectors."""
+    return kernels.is_packed(weight) or (weight.dtype in NATIVE_LINEAR_DTYPES and weight.is_contiguous()
+                                         and weight.shape[-1] % 16 == 0)
 
 
-def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """In an engine decode step on input of the weight's dtype (fp32, or bf16 in a bf16 model: the op
-    rounds as the stock forward does, the normalised row to bf16, then its product with the weight),
-    the step's native op; else the stock forward (which also covers a bf16 input to fp32 weights
-    under a prefill autocast: it takes the variance in fp32)."""
-    step = current()
-    if step is None or step.norm_kernel is None or x.dtype != self.weight.dtype:
-        return type(self).__mro__[1].forward(self, x)
-    return rms_norm(x, self.weight, self.variance_epsilon, step.norm_kernel)
-
-
-_NORM_CLASSES: dict[type, type] = {}
-
-
-def install_native_linears(model) -> int:
-    """Swap the layout the linear op covers: a plain fp32 or bf16 ``nn.Linear`` with a contiguous
-    weight whose input size is whole 16-wide vectors. Returns the number of layers swapped."""
-    swapped = 0
-    for module in model.modules():
-        if type(module) is NativeLinear:
-            swapped += 1
-        elif type(module) is torch.nn.Linear and module.weight.dtype in NATIVE_LINEAR_DTYPES and \
-                module.weight.is_contiguous() and module.in_features % 16 == 0:
-            module.__class__ = NativeLinear
-            swapped += 1
-    return swapped
-
-
-def pack_linears(model, keep: tuple = (), dtypes: tuple = (torch.bfloat16,)) -> int:
-    """Pack, in place, the native linear layers whose weights are of ``dtypes`` (bf16 where that pays:
-    ``packed_bf16_linears_pay``; fp32 where the engine packs and no engine decoder reads the layers, see
-    ``ModelRunner``): the op's panel tile then reads them (``kernels.pack_weight``), in decode steps and
-    prefill steps alike (at prefill's rows it is GEMM-shaped). A weight another module also holds (tied
-    embeddings) stays as it is, as do the modules in ``keep`` (routers: routing reads their weight).
-    Returns the number of layers packed."""
-    holders: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            holders[p.data_ptr()] = holders.get(p.data_ptr(), 0) + 1
-    packed = 0
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if type(module) is NativeLinear and all(module is not k for k in keep) and not kernels.is_packed(w) and \
-                w.dtype in dtypes and w.is_contiguous() and w.shape[0] % 16 == 0 and holders[w.data_ptr()] == 1:
-            module.weight = torch.nn.Parameter(kernels.pack_weight(w.detach()), requires_grad=False)
-            packed += 1
-    return packed
-
-
-def install_native_norms(model) -> int:
-    """Swap every fp32 or bf16 RMSNorm of a class in ``PLAIN_RMSNORMS``. Returns the number swapped."""
-    swapped = 0
-    for module in model.modules():
-        cls = type(module)
-        if cls in _NORM_CLASSES.values():
-            swapped += 1
-        elif cls.__name__ in PLAIN_RMSNORMS and getattr(module, "weight", None) is not None and \
-                module.weight.dtype in NATIVE_LINEAR_DTYPES and hasattr(module, "variance_epsilon"):
-            if cls not in _NORM_CLASSES:
-                _NORM_CLASSES[cls] = type(f"Native{cls.__name__}", (cls,), {"forward": _norm_forward})
-            module.__class__ = _NORM_CLASSES[cls]
-            swapped += 1
-    return swapped
+def engine_weight(weight: torch.Tensor, pack: tuple = ()) -> torch.Tensor:
+    """The copy of a dense weight an engine decoder reads: packed for the op's panel tile where its
+    dtype is in ``pack`` and its sizes allow (``kernels.pack_weight``), else the weight itself. The
+    model's own layer keeps its layout, so transformers' modules still run it."""
+    weight = weight.detach()
+    if weight.dtype in pack and not kernels.is_packed(weight) and weight.dim() == 2 and weight.is_contiguous() \
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0:
+        return kernels.pack_weight(weight)
+    return weight
 
 
 NATIVE_ROUTER_DTYPES = (torch.float32, torch.bfloat16)   # bf16 logits are selected over as fp32, as stock routers do

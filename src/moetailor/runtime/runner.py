@@ -2,9 +2,9 @@
 tokens and build its one ``Step`` (KV slots, block tables, lengths, the phase's routing with the
 per-token budgets, the decode expert weights by layer), ``run`` runs the forward under it and
 returns a ``StepOutput`` (next-token logits and the experts the step read). The runner also holds
-the KV block pool. Paged attention and the native layers are installed on the model once, here
-(the routing controller, with the experts implementation, by whoever builds the runner); nothing
-about the model changes per step."""
+the KV block pool. Paged attention is installed on the model once, here (the routing controller,
+with the experts implementation, by whoever builds the runner); nothing about the model changes per
+step, and no class of it is swapped: its linear and norm layers stay transformers' own."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -17,14 +17,7 @@ from . import attention, experts
 from .config import EngineConfig
 from .decoder import Decoder
 from .deepseek import MlaDecoder
-from .native_layers import (
-    bf16_gemm_is_fast,
-    install_native_linears,
-    install_native_norms,
-    native_router,
-    pack_linears,
-    packed_bf16_linears_pay,
-)
+from .native_layers import bf16_gemm_is_fast, native_router, packed_bf16_linears_pay
 from .step import PagedKV, Routing, Step, experts_read_buffer, read_experts, running
 
 DEFAULT_KV_CAP_BYTES = 512 * 2**20   # default pool cap when neither num_kv_blocks nor memory_budget is given
@@ -69,10 +62,11 @@ class ModelRunner:
             experts.INSTALLED[layer.experts].native = experts.native_layout(layer.experts) or layer.index in self.padded
         controller.native_routers = frozenset(l.index for l in controller.layers if native_router(l))
         self.native_router = kernels.softmax_topk() if native else None
-        self.native_linear = kernels.rows_linear() if native and kernels.rows_linear_pays() \
-            and install_native_linears(model) else None
-        bf16_gemm_is_fast()   # asked now, so that a compiled decode step only reads the answer
-        self.native_norm = kernels.rms_norm() if native and install_native_norms(model) else None
+        # the decoders' linear and norm ops (transformers' modules keep torch's)
+        self.native_linear = kernels.rows_linear() if native and kernels.rows_linear_pays() else None
+        bf16_gemm_is_fast()   # asked now, so that a decode step only reads the answer
+        self.native_norm = kernels.rms_norm() if native else None
+        self.packs = False    # whether the engine packs weights for the native ops (``_expert_weights``)
         # a 4-D attention mask tells transformers the mask is built (engine steps need none: paged
         # attention reads the step context), so it skips mask preparation in every step
         self._mask_built = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -100,20 +94,18 @@ class ModelRunner:
         self.kv_cache = self._allocate()
         self._compiled = torch.compile(model, dynamic=True) if config.compile_decode else None   # decode steps
         own = config.own_decoder and self._compiled is None
+        # dense weights the decoders read packed (copies: the model's modules keep theirs), where the engine packs
+        pack = (torch.float32,) + ((torch.bfloat16,) if packed_bf16_linears_pay() else ()) \
+            if self.packs and self.native_linear is not None else ()
         self.decoder = Decoder.build(model, self.controller, self.native_attention,
                                      kernels.rotary_kv_write() if self.native_attention is not None else None,
                                      kernels.add_rms_norm() if self.native_attention is not None else None,
                                      config.max_model_len,
                                      kernels.decode_graph() if self.native_attention is not None else None,
-                                     self.kv_cache, config.block_size, self.expert_weights[False]) if own else None
-        if self.decoder is None and self.native_linear is not None and self.expert_weights[True] is not None:
-            # fp32 layers too, where the engine packs (AVX-512) and the Qwen-MoE decoder, which stacks them, does
-            # not hold them: the packed op runs a 2048 x 2048 fp32 layer 1.2-4.6x faster than torch's fp32 GEMM at
-            # 1-512 rows (docs/benchmarks.md), whose decode-size GEMMs were a third of a batch-32 step of the
-            # synthetic model
-            pack_linears(self.model, keep=tuple(l.router for l in self.controller.layers), dtypes=(torch.float32,))
-        if self.decoder is None and own:   # after packing: it reads the layers' weights as packed
-            self.decoder = MlaDecoder.build(model, self.controller, config.max_model_len)
+                                     self.kv_cache, config.block_size, self.expert_weights[False],
+                                     pack, self.native_linear is not None) if own else None
+        if self.decoder is None and own:
+            self.decoder = MlaDecoder.build(model, self.controller, config.max_model_len, pack)
 
     def _pad_experts(self, owns_model: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Experts whose width is not a multiple of the native kernel's vector (``experts.pad_width``), padded:
@@ -137,7 +129,7 @@ class ModelRunner:
         """Per phase (is_prefill), MoE layer -> the (gate_up, down) its steps' experts read instead of
         the module's (None = the module's for every layer): decode copies in ``decode_expert_dtype``,
         and the experts packed for the native kernel (``EngineConfig.pack_weights``), in place, one
-        layer at a time, so memory does not grow; with them the bf16 linear layers the op runs anyway."""
+        layer at a time, so memory does not grow (the decoders then pack their dense weights too)."""
         from ..models.adapters import moe_layers
 
         c = self.config
@@ -167,8 +159,7 @@ class ModelRunner:
                 packed[l.index] = (m.gate_up_proj, m.down_proj)
         if decode is not None:
             decode = {i: tuple(map(kernels.pack_weight, decode[i])) if i in packed else decode[i] for i in decode}
-        if self.native_linear is not None and packed_bf16_linears_pay():
-            pack_linears(self.model, keep=tuple(l.router for l in self.controller.layers))
+        self.packs = True
         return {True: packed, False: packed if decode is None else decode}
 
     @property
