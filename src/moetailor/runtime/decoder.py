@@ -19,20 +19,18 @@ the same order, ``kernels/decode_layer.cpp``): a whole full-router step is one c
 ``DecodeGraph`` bound at start-up (``BoundGraph``), a layer one call of its bound layer, or under a
 plan, budgets or observers its ``attention`` + the controller's routing + its ``moe``.
 
-Covered (``Decoder.build`` returns None otherwise, and the engine keeps the module path):
-``qwen2_moe`` and ``qwen3_moe`` checkpoints in fp32 or bf16, ``olmoe`` and ``mixtral`` ones in bf16 (the
-weights real checkpoints ship; in fp32 those keep the module path, whose fp32 projections the engine
-packs for every row count), with the native experts and attention kernels, every layer a
-full-attention layer, every projection the engine's own layer. Each projection runs as the module
-path's layer would (``module_linear``: packed, the op; else ``native_linear``'s choice of the op or
-torch's GEMM), so bf16 rounds where transformers rounds, bit for bit (``rotary_kv_write``,
-``add_rms_norm`` and ``rms_norm`` round as torch's bf16 ops). The native layer ops and the bound graph
-take bf16 too, converting where the Python loop converts (a bf16 shared expert through its own
-projections, not rows of ``moe_in``): on tiny bf16 models a batch-1 step is half the Python loop's, on a
-real-size OLMoE ~4% less. The stacked projection weights are copies of the dense
-(non-expert) weights (attention and shared expert; packed where the module path's are), a few
-percent of a MoE checkpoint's bytes. A model with forward hooks on any module (``hooked``) runs the
-module path, so the hooks see every step.
+Covered (``Decoder.build`` returns None otherwise, and the engine keeps transformers' modules):
+``qwen2_moe``, ``qwen3_moe``, ``olmoe`` and ``mixtral`` checkpoints in fp32 or bf16, with the native
+experts and attention kernels, every layer a full-attention MoE layer, every projection one the native
+linear op takes (``runs_native``). Each projection runs ``module_linear`` (packed, the op; else
+``native_linear``'s choice of the op or torch's GEMM); without the native linear and norm ops the
+decoder is transformers' arithmetic bit for bit (``rotary_kv_write`` and ``add_rms_norm`` round as
+torch's bf16 ops). The native layer ops and the bound graph take bf16 too, converting where the Python
+loop converts (a bf16 shared expert through its own projections, not rows of ``moe_in``): on tiny bf16
+models a batch-1 step is half the Python loop's, on a real-size OLMoE ~4% less. The stacked
+projections are copies of the dense (non-expert) weights (attention and shared expert; packed where the
+engine packs, ``engine_weight``), a few percent of a MoE checkpoint's bytes. A model with forward hooks
+on any module (``hooked``) runs the module path, so the hooks see every step.
 """
 from __future__ import annotations
 
@@ -117,7 +115,7 @@ class Norm:
         return self(t.reshape(t.shape[0], -1), kernel).view(t.shape)
 
     def after_add(self, x: torch.Tensor, residual: torch.Tensor, kernel, add_kernel) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, its norm): the module path's residual add and next norm, in one native call
+        """(x + residual, its norm): the residual add and the next norm, in one native call
         where the step has the norm op (the same bits: ``add_rms_norm``)."""
         if kernel is not None and add_kernel is not None:
             return add_kernel(x, residual, self.weight, self.eps)
@@ -130,7 +128,7 @@ class DecoderLayer:
     index: int
     input_norm: Norm
     post_norm: Norm
-    qkv: torch.Tensor                 # [(nH + 2 nKV) D, H]: q, k, v projections stacked (packed where theirs are)
+    qkv: torch.Tensor                 # [(nH + 2 nKV) D, H]: q, k, v projections stacked (a packed copy where the engine packs)
     qkv_bias: torch.Tensor | None     # [(nH + 2 nKV) D]
     q_norm: Norm | None               # qwen3_moe: per-head RMSNorm of q and k; olmoe: over all heads
     k_norm: Norm | None
@@ -296,9 +294,8 @@ class Decoder:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, step: Step, controller) -> torch.Tensor:
         """One decode step: ids [B], positions [B] -> logits [B, V]. Runs inside ``running(step)``
         (the router and experts read it); writes each layer's new k/v at ``step.kv.slot_mapping``.
-        Each projection runs as the module path's layer does (``module_linear``: up to
-        ``NATIVE_LINEAR_ROWS`` rows or packed the native op, else torch's GEMM; stacking rows of a
-        weight changes no column of either). Each residual add is fused with the norm after it (the
+        Each projection runs ``module_linear`` (up to ``NATIVE_LINEAR_ROWS`` rows or packed the native
+        op, else torch's GEMM; stacking rows of a weight changes no column of either). Each residual add is fused with the norm after it (the
         next layer's, or the final one)."""
         kernel, norm, kv = step.linear_kernel, step.norm_kernel, step.kv
         native_rows = kernel is not None and ids.shape[0] <= NATIVE_LINEAR_ROWS   # the native layer ops' condition
@@ -343,8 +340,9 @@ class Decoder:
         """One prefill step: ids [T], positions [T] (every prompt back to back) -> logits [K, V] of the
         rows ``keep`` [K]. transformers' decoder layer op for op (its projections one by one, its norms,
         rotary, attention through ``attention.prefill_attention``, the MoE block through the routing
-        controller and the step's experts path), so it equals the module path bit for bit; without the
-        decode step's native linear and norm ops, which a prefill step does not use."""
+        controller and the step's experts path), so it equals the module path bit for bit where its
+        weights are the model's own (packed copies: the stacked q|k|v and gate|up on the op); without
+        the decode step's native linear and norm ops, which a prefill step does not use."""
         T, nH, nKV, D = ids.shape[0], self.heads, self.kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)                                      # [T, H] the residual stream
         if self.rotary_table is not None:
