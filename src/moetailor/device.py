@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
 SPREAD_SHARE = 0.9   # a model fits one GPU when its weights take at most this share of the free memory
 
 

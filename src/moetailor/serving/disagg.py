@@ -642,9 +642,6 @@ class DisaggregatedLLM:
         """Fault injection (tests): kill the decode worker as the OS would."""
         self.workers["decode"].process.kill()
 
-    def worker_pids(self) -> dict[str, int]:
-        return {kind: w.process.pid for kind, w in self.workers.items()}
-
     def close(self) -> None:
         for worker in self.workers.values():
             if worker.process.is_alive() and not worker.retired:

@@ -170,7 +170,6 @@ class Watch:
     role: str                        # "reduced" | "fallback" (guarded, on the full pool) | "shadow" | "full"
     entropy_sum: float = 0.0
     entropy_n: int = 0
-    confidence_sum: float = 0.0
     rescued: str | None = None
     switched_at: int | None = None   # completion tokens when it moved to the full pool
 
@@ -334,7 +333,6 @@ class Guard:
         if not is_prefill and any(w is not None for _, w in watched):
             probs = logits.float().softmax(-1)                                     # [B, V]
             entropy = torch.special.entr(probs).sum(-1).tolist()                  # [B] nats (0 log 0 = 0)
-            confidence = probs.max(-1).values.tolist()                            # [B]
             for i, w in watched:
                 if w is None:
                     continue
@@ -342,7 +340,6 @@ class Guard:
                     self.policies[w.policy].steps[w.role] += 1
                 if w.role in ("reduced", "shadow", "full") or (w.role == "fallback" and w.switched_at is None):
                     w.entropy_sum += entropy[i]
-                    w.confidence_sum += confidence[i]
                     w.entropy_n += 1
         for seq, (_, w) in zip(seqs, watched):
             if w is None:

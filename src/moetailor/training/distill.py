@@ -59,7 +59,6 @@ from ..transforms.artifacts import checkpoint_directory, copy_tokenizer, model_f
 
 SIDECAR, PLAN_FILE = DISTILL_SIDECAR, DISTILL_PLAN_FILE
 STATE_FILE = "state.pt"
-SPLIT_POINTS = ("uniform", "zero")
 
 
 # ----------------------------------------------------------------------------------------------
