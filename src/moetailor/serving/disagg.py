@@ -1,20 +1,14 @@
 """Disaggregated prefill/decode: two worker processes, one pool of experts each.
 
-The prefill worker holds the full checkpoint, runs prefill steps only, samples each request's
-first token and hands the request's KV blocks over; the decode worker holds the pruned checkpoint
-(from ``moetailor prune``), a distilled decoder with its plan (``moetailor distill``), or the full
-model with the plan's decode policy,
-writes those blocks into its own pool unchanged and decodes. Freed expert weight memory becomes KV
-capacity: under the same ``memory_budget`` the decode worker holds more blocks (``capacity()``).
+The prefill worker holds the full checkpoint, runs prefill, samples each request's first token and
+hands its KV blocks over; the decode worker (a pruned checkpoint, a distilled decoder with its plan,
+or the full model with the plan's decode policy) writes those blocks into its own pool and decodes.
+Freed expert memory becomes KV capacity (``capacity()``).
 
-Every channel belongs to one worker: the front end sends to a worker through its own inbox queue
-and reads from it through its own pipe, and hand-overs travel prefill -> front end -> decode
-(tensors in shared memory, so only handles are copied). A worker that dies, even mid-message, can
-therefore only break its own channels: its in-flight requests end with finish_reason "error" and a
-message, a new worker with fresh channels is started, and requests keep being served. A worker that
-stops answering without dying (SIGSTOP, a deadlock) is treated the same way: each worker sends a
-heartbeat every ``HEARTBEAT_S`` from a thread of its own, and one silent for ``heartbeat_timeout``
-seconds is killed, its requests end with an error and it is replaced.
+Every channel belongs to one worker (its inbox queue, its pipe; hand-overs go prefill -> front end ->
+decode, tensors in shared memory), so a worker that dies, even mid-message, breaks only its own
+channels: its requests end with finish_reason "error" and it is replaced. One that stops answering
+(no heartbeat for ``heartbeat_timeout`` s) is killed and treated the same way.
 """
 from __future__ import annotations
 
