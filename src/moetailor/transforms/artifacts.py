@@ -1,10 +1,8 @@
 """Writing model artifacts safely: a directory appears whole or not at all.
 
-Every transform (prune, distill, split) writes a stock checkpoint the same way: refuse an existing
-output unless told to overwrite (and always refuse to replace one of its own inputs), build everything
-in a hidden temporary directory beside it, then rename it into place, so an interrupted run (an
-exception, Ctrl-C, or SIGTERM, which `moetailor` turns into SystemExit) never leaves half a checkpoint
-or the temporary directory behind.
+Refuse an existing output unless told to overwrite (never one of the run's inputs), build in a hidden
+temporary directory beside it, then rename it into place: an exception, Ctrl-C or SIGTERM never leaves
+half a checkpoint or the temporary directory behind.
 """
 from __future__ import annotations
 

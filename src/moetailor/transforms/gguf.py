@@ -1,27 +1,11 @@
-"""A GGUF file for llama.cpp, written by llama.cpp's own converter.
+"""A GGUF file for llama.cpp, written by llama.cpp's own converter (``make setup-llamacpp`` unpacks it).
 
-llama.cpp's ``convert_hf_to_gguf.py`` (its ``conversion`` package and ``gguf`` package, unpacked from
-the llama-cpp-python sdist by ``make setup-llamacpp``) does the conversion; moetailor only does what
-a moetailor checkpoint needs beyond a hub one, through a subclass of the converter's model class:
-
-- untied embeddings: llama.cpp's qwen2moe and olmoe loaders require ``output.weight``, which a
-  checkpoint with ``tie_word_embeddings`` lacks, so the embedding is written a second time as the
-  output head (for every architecture: harmless where llama.cpp would fall back to the embedding);
-- the pre-tokenizer: the converter recognises a tokenizer by hashing its output on a test string, and
-  the bundled tokenizer (trained here) is in no table; its tokenizer.json says what it does (digits
-  split one by one, then GPT-2's byte-level regex), which is llama.cpp's "refact" pre-tokenizer, so
-  that name is written (plain byte-level: "gpt-2");
-- metadata: DeepSeek-V3's sigmoid expert scores (the converter reads them from a hub config's
-  ``scoring_func``, which transformers does not write); no BOS token is added (the bundled tokenizer has none; llama.cpp's BPE default would
-  otherwise name id 11), the expert budget a plan sets per token (``<arch>.expert_used_count``), and
-  where the experts came from (``moetailor.*``: source, kept expert ids per layer).
-
-What llama.cpp cannot express is refused here rather than converted into a different model: a plan
-whose layers keep different expert counts or route different numbers of experts (one count per
-GGUF), plan techniques with no llama.cpp knob (folding, dynamic skipping, per-step pools), and a
-checkpoint whose top-k renormalisation differs from the one llama.cpp's graph for that architecture
-hard-codes (qwen2moe and olmoe never renormalise, qwen3moe and Mixtral always do), unless the
-caller accepts the difference (a speed comparison on the same weights).
+moetailor adds only what its checkpoints need beyond a hub one, through a subclass of the converter's
+model class (docs/llamacpp.md has the table): the output head of tied embeddings, the "refact"
+pre-tokenizer of the bundled tokenizer, DeepSeek-V3's sigmoid scores, no BOS, a plan's
+``expert_used_count`` and ``moetailor.*`` provenance. What llama.cpp cannot express (per-layer expert
+counts or top-k, folding, skipping, pools, a top-k renormalisation its graph hard-codes otherwise)
+is refused rather than converted into a different model.
 """
 from __future__ import annotations
 

@@ -1,18 +1,15 @@
 """A merged checkpoint: a stock HF checkpoint whose experts are frequency-weighted merges of groups.
 
-For a plan whose layers merge experts (``pool_mode="merge"``, ``plans.merging``), merged expert g of a
-layer (groups ordered by representative id) has
+For a plan whose layers merge experts (``plans.merging``), merged expert g (groups ordered by
+representative id) has, after each member's neurons are permuted to the representative's (``align``,
+M-SMoE's weight matching),
 
     W_proj(g) = sum_{e in G_g} w_e W_proj(e)          for gate, up and down projections
-    router row(g) = row(rep(g))                        merge_router "dominant"
-                  = sum_{e in G_g} w_e row(e)          merge_router "weighted"
+    router row(g) = row(rep(g))  ("dominant")  or  sum_{e in G_g} w_e row(e)  ("weighted")
 
-where each member's intermediate neurons are first permuted to match the representative's (``align``:
-weight matching, as M-SMoE does before merging), and the config's expert count is m' (the group
-count), so stock transformers, vLLM and llama.cpp
-(after `moetailor export gguf`) load it with no moetailor code. Written one tensor at a time from
-the checkpoint on disk; ``moetailor_pruning.json`` records the groups (``kept`` = the
-representatives, ``merged`` = members and weights).
+and the config's expert count is the group count, so stock transformers, vLLM and llama.cpp load it.
+Written one tensor at a time; ``moetailor_pruning.json`` records ``kept`` (the representatives) and
+``merged`` (members and weights).
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Pruning a checkpoint on disk one tensor at a time: memory holds one output shard, never the model.
 
-The plan is checked and its kept experts are read against a meta-device skeleton of the model
-(only the routers are loaded, for the fingerprint), then every stored tensor is read, sliced or
-dropped by the same rule as the in-memory pruner (``prune.pruned_name``) and appended to the
-output shards. The result is the same stock checkpoint ``prune_checkpoint`` writes from a loaded
-model: the config's expert count is the kept count and ``moetailor_pruning.json`` lists the kept ids.
+The plan is checked against a meta-device skeleton (only the routers load, for the fingerprint); each
+stored tensor is then sliced or dropped by ``prune.pruned_name``'s rule, giving the same checkpoint
+``prune_checkpoint`` writes from a loaded model.
 """
 from __future__ import annotations
 
