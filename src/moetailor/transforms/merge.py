@@ -13,8 +13,6 @@ Written one tensor at a time; ``moetailor_pruning.json`` records ``kept`` (the r
 """
 from __future__ import annotations
 
-import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -88,11 +86,9 @@ def merge_experts(members: list[tuple[torch.Tensor, ...]], weights: tuple[float,
 def write_merged(ckpt, model, config, plan: Plan, groups: dict[int, Groups], out: Path, overwrite: bool, inputs,
                  phase: str, command: str | None, shard_bytes: int, progress: bool) -> Path:
     """The merged checkpoint of ``groups`` (see the module docstring), one layer's experts at a time."""
-    from tqdm import tqdm
-
     from ..models.architectures import arch_spec
     from ..models.checkpoint import EXPERT_KEY, FUSED_KEY, ROUTER_KEY, ShardWriter, hub_layout, split_layer_key
-    from .artifacts import COPIED, checkpoint_directory, copy_tokenizer
+    from .artifacts import checkpoint_directory, copy_tokenizer, finish_streamed, tensor_bar
     from .prune import pruned_config, write_sidecar
 
     router_rule = {i: plan.phase(phase).for_layer(i).merge_router for i in groups}
@@ -104,8 +100,7 @@ def write_merged(ckpt, model, config, plan: Plan, groups: dict[int, Groups], out
     count = len(next(iter(groups.values())))
     with checkpoint_directory(out, overwrite, inputs) as tmp:
         writer = ShardWriter(tmp, shard_bytes)
-        with tqdm(total=len(names), unit="tensor", desc="merging", disable=not progress, file=sys.stderr,
-                  mininterval=2) as bar:
+        with tensor_bar(names, "merging", progress) as bar:
             for name in names:
                 bar.update(1)
                 split = split_layer_key(name)
@@ -144,13 +139,7 @@ def write_merged(ckpt, model, config, plan: Plan, groups: dict[int, Groups], out
                 writer.add(slot["gate_up_proj"], torch.stack([torch.cat([gm, um]) for gm, um, _ in merged])
                            .to(gate_up.dtype))
                 writer.add(slot["down_proj"], torch.stack([dm for _, _, dm in merged]).to(down.dtype))
-            writer.close()
-        ckpt.close()
-        merged_config = pruned_config(config, count)
-        merged_config.save_pretrained(tmp)
-        for extra in COPIED:
-            if (ckpt.path / extra).is_file():
-                shutil.copy2(ckpt.path / extra, tmp / extra)
+        finish_streamed(ckpt, writer, pruned_config(config, count), tmp)
         copy_tokenizer(ckpt.path, tmp)
         kept = {i: tuple(ids[0] for ids, _ in g) for i, g in groups.items()}
         write_sidecar(tmp, model, plan, kept, phase, E, command, streamed=True,
