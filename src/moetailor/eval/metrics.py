@@ -21,9 +21,7 @@ from ..data.tasks import Example, score
 from ..routing import RoutingController
 from ..routing.policy import PhasePolicy
 
-# ---------------------------------------------------------------------------------------------
-# generation metrics
-# ---------------------------------------------------------------------------------------------
+# ---- generation metrics --------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Generation:
@@ -96,9 +94,7 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
 
 
-# ---------------------------------------------------------------------------------------------
-# a quality floor against the full model: paired ratio of accuracies, its interval, the verdict
-# ---------------------------------------------------------------------------------------------
+# ---- a quality floor against the full model: paired ratio of accuracies, its interval, the verdict ----
 
 MEETS, MISSES, UNDECIDED = "meets", "misses", "not enough prompts to tell"
 Z95 = 1.959963984540054      # two-sided 95%: each bound is a one-sided 2.5% test
@@ -235,9 +231,7 @@ def paired_floor_verdict(candidate: Sequence[bool], full: Sequence[bool], floor:
     return floor_verdict(PairedCounts.of(candidate, full), floor)
 
 
-# ---------------------------------------------------------------------------------------------
-# held-out text: KL from the full model and perplexity
-# ---------------------------------------------------------------------------------------------
+# ---- held-out text: KL from the full model and perplexity ----------------------------------------
 
 def kl_divergence(logp_ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """KL(ref || q) per position from log-probabilities [..., V] -> [...] (nats)."""

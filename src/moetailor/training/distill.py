@@ -49,8 +49,7 @@ SIDECAR, PLAN_FILE = DISTILL_SIDECAR, DISTILL_PLAN_FILE
 STATE_FILE = "state.pt"
 
 
-# ----------------------------------------------------------------------------------------------
-# configuration
+# ---- configuration -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -127,8 +126,7 @@ def draw_split(length: int, split_point: str, gen: torch.Generator) -> int:
     return int(f * length)
 
 
-# ----------------------------------------------------------------------------------------------
-# the student: a view of the full model
+# ---- the student: a view of the full model -------------------------------------------------------
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -257,8 +255,7 @@ class Student:
         return merged
 
 
-# ----------------------------------------------------------------------------------------------
-# loss
+# ---- loss ----------------------------------------------------------------------------------------
 
 
 def teacher_targets(logits: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -327,8 +324,7 @@ def distill_loss(student: Student, batch: torch.Tensor, splits: list[int], cfg: 
             "tokens": B * L}
 
 
-# ----------------------------------------------------------------------------------------------
-# training
+# ---- training ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -497,8 +493,7 @@ def plot_loss(log: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------------------------
-# export and loading
+# ---- export and loading --------------------------------------------------------------------------
 
 
 def export(student: Student, out: str | Path, result: DistillResult | None = None, overwrite: bool = False,
@@ -536,8 +531,7 @@ def export(student: Student, out: str | Path, result: DistillResult | None = Non
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# data
+# ---- data ----------------------------------------------------------------------------------------
 
 
 def token_batches(tokenizer, spec: str, cfg: DistillConfig) -> Callable[[int], Iterator[torch.Tensor]]:

@@ -58,9 +58,7 @@ GATES = ("exact", "proxy", "finetune")
 WIDTH_KEYS = ("moe_intermediate_size", "intermediate_size")   # first one present is the expert width
 
 
-# ---------------------------------------------------------------------------------------------
-# profiling
-# ---------------------------------------------------------------------------------------------
+# ---- profiling -----------------------------------------------------------------------------------
 
 @dataclass
 class LayerProfile:
@@ -137,9 +135,7 @@ def profile_neurons(model, batches, progress: bool = True) -> dict[int, LayerPro
                             p.tokens) for i, p in prof.items()}   # the partition search runs on the CPU
 
 
-# ---------------------------------------------------------------------------------------------
-# partitioning
-# ---------------------------------------------------------------------------------------------
+# ---- partitioning --------------------------------------------------------------------------------
 
 def check_parts(width: int, parts: int) -> None:
     if parts < 2:
@@ -253,9 +249,7 @@ def check_partition(groups: torch.Tensor, width: int) -> None:
     assert torch.equal(sorted_ids, torch.arange(width).expand(E, width)), "partition is not disjoint and complete"
 
 
-# ---------------------------------------------------------------------------------------------
-# building the split model
-# ---------------------------------------------------------------------------------------------
+# ---- building the split model --------------------------------------------------------------------
 
 @dataclass
 class LayerSplit:
@@ -439,9 +433,7 @@ def _choice(logits: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
     return scores + layer.router_bias.float() if layer.router_bias is not None else scores
 
 
-# ---------------------------------------------------------------------------------------------
-# writing
-# ---------------------------------------------------------------------------------------------
+# ---- writing -------------------------------------------------------------------------------------
 
 def write_split(result: SplitResult, source_model, out: str | Path, overwrite: bool = False,
                 source_dir: Path | None = None, command: str | None = None) -> Path:
