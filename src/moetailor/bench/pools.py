@@ -1,10 +1,9 @@
 """Decode pools to benchmark and the models that serve them.
 
-A pool keeps ``keep`` of each layer's routed experts. It runs two ways that compute the same
-function: colocated (the full model with a masked router, via a plan's ``LayerPolicy(keep=...)``)
-and disaggregated (a pruned checkpoint holding only the kept experts, built in memory with
-``moetailor.transforms.prune``). Which experts are kept does not change the bytes a step reads,
-only how many; the benchmark keeps a seeded random subset, the same one in every layer.
+A pool keeps ``keep`` of each layer's routed experts, run colocated (a masked router on the full
+model) or disaggregated (a pruned checkpoint built in memory): the same function. Which experts are
+kept does not change the bytes a step reads, only how many; the pool is a seeded random subset, the
+same in every layer.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Text domains for the reference model, read from packages available without a model hub.
 
-Each domain is a list of documents (a few KB each). ``build_corpus`` writes, per domain, the
-training documents to a work directory and a small held-out slice plus a calibration sample into
-the package (``data/bundled/``), so evaluation and calibration work on a fresh clone without the
-Debian packages installed. Split is by document index with a fixed seed: held-out documents are
-never trained on.
+``build_corpus`` writes each domain's training documents to a work directory and a small held-out
+slice plus a calibration sample into the package (``data/bundled/``), so evaluation and calibration
+work on a fresh clone. The split is by document index with a fixed seed: held-out is never trained on.
 """
 from __future__ import annotations
 
