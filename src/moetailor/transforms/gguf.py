@@ -149,9 +149,7 @@ def _converter_class(base, *, untie: bool, pre_tokenizer: str | None, top_k: int
                 yield from super().modify_tensors(data_torch, "lm_head.weight", bid)
 
         def get_vocab_base_pre(self, tokenizer):
-            if pre_tokenizer is not None:
-                return pre_tokenizer
-            return super().get_vocab_base_pre(tokenizer)
+            return pre_tokenizer if pre_tokenizer is not None else super().get_vocab_base_pre(tokenizer)
 
         def set_gguf_parameters(self):
             super().set_gguf_parameters()
@@ -237,13 +235,9 @@ class GGUFExport:
 def export_gguf(source: str | Path, out: str | Path, outtype: str = "f32", *, top_k: int | None = None,
                 overwrite: bool = False, allow_routing_difference: bool = False, extra: dict | None = None,
                 verbose: bool = False) -> GGUFExport:
-    """Convert the checkpoint directory ``source`` into the GGUF file ``out`` with llama.cpp's converter.
-
-    ``top_k``: experts per token written as ``<arch>.expert_used_count`` (None = the model's k).
-    ``allow_routing_difference``: convert even when llama.cpp's graph renormalises the top-k weights
-    differently from this checkpoint (``routing_difference``); otherwise that is an error.
-    Written to a temporary file beside ``out`` and renamed: never half a file.
-    """
+    """Convert the checkpoint directory ``source`` into the GGUF file ``out`` (atomically) with llama.cpp's
+    converter. ``top_k``: the file's ``<arch>.expert_used_count`` (None = the model's k).
+    ``allow_routing_difference``: convert even where ``routing_difference`` finds one (else an error)."""
     from transformers import AutoConfig
 
     from ..models.paths import resolve_model_path
@@ -302,6 +296,8 @@ class GGUFPlan:
     top_k: int | None                           # experts per token; None = the model's k
 
 
+MERGED = ("merged experts (new weights: write the merged checkpoint with `moetailor prune MODEL PLAN --out DIR` and "
+          "export DIR)")
 UNSUPPORTED = {
     "pool_mode": "routes outside the pool dropped or folded (llama.cpp only has the masked router a pruned "
                  "checkpoint computes)",
@@ -309,10 +305,8 @@ UNSUPPORTED = {
     "token_keep": "token-level folding (llama.cpp has no folding)",
     "batch_pool": "a per-step batch pool (llama.cpp has no per-step expert pool)",
     "fold": "folding (llama.cpp has no folding)",
-    "merge": "merged experts (new weights: write the merged checkpoint with `moetailor prune MODEL PLAN --out DIR` "
-             "and export DIR)",
-    "merge_router": "merged experts (new weights: write the merged checkpoint with `moetailor prune MODEL PLAN --out "
-                    "DIR` and export DIR)",
+    "merge": MERGED,
+    "merge_router": MERGED,
 }
 
 
