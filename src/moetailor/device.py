@@ -99,7 +99,6 @@ def to_device(value, device: torch.device):
 @dataclass
 class Placement:
     """Moves weights and activations onto ``device`` and counts the bytes placed there.
-
     ``resident``: weight bytes on the device now (a whole model, or the streamed layer); ``peak``: the
     most bytes placed at once (weights + the activations a step holds there)."""
 

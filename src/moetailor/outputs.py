@@ -132,13 +132,11 @@ def _same(a: Path, b: Path) -> bool:
 def check_output(out: str | Path, *, overwrite: bool = False, inputs=(), directory: bool = False,
                  replaces: bool = True, flag: str = "--out") -> Path:
     """Raise a one-line error when ``out`` cannot or must not be written; return it as a Path.
-
     ``inputs``: the paths the verb reads (None entries are skipped). ``directory``: the output is a
     folder (else a file). ``replaces``: a directory output is replaced as a whole (prune, split,
     distill), so no input may live inside it; eval and bench write files into their folder instead.
     Raises FileExistsError when ``out`` exists and ``overwrite`` is false, or another moetailor
-    run holds it (``claim_output``).
-    """
+    run holds it (``claim_output``)."""
     out = Path(out)
     if out.exists():
         if directory and not out.is_dir():

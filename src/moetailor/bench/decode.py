@@ -90,7 +90,6 @@ def model_names(spec: str) -> list[str]:
 def measure_model(name: str, cfg: DecodeConfig, progress_desc: str = "decode", model=None
                   ) -> tuple[list[Measured], dict]:
     """Every pool at every batch for one model, plus transformers' step time per batch (if asked).
-
     ``model``: an already built model to measure under ``name`` (default: load it by name)."""
     from tqdm import tqdm
 

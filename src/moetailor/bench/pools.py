@@ -53,9 +53,7 @@ def mask_plan(model, keep: float, phase: str = "decode") -> Plan:
 
 def pruned_model(model, keep: float):
     """The model with only the pool's experts (a pruned checkpoint, built in memory, never written).
-
-    Non-expert tensors are shared with ``model``; expert tensors are sliced copies.
-    """
+    Non-expert tensors are shared with ``model``; expert tensors are sliced copies."""
     from transformers import AutoModelForCausalLM
 
     from ..transforms.prune import pruned_state
@@ -99,9 +97,7 @@ def make_pools(model, keeps: list[float], pruned: bool, top_ks: list[int] = ()) 
 
 def plan_pool(model, path: str) -> Pool:
     """A decode pool from a plan file (any policy: masking, folding, skipping), labelled by file name.
-
-    This is the hook for comparing, e.g., a folding plan's step cost with a masking plan's.
-    """
+    This is the hook for comparing, e.g., a folding plan's step cost with a masking plan's."""
     from pathlib import Path
 
     plan = Plan.load(path)

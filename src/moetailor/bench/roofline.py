@@ -255,10 +255,8 @@ def slo_curve(shape: ModelShape, gpu: GPU, keep: float, context: int, batches: l
 def per_seq_cost_matching(shape: ModelShape, gpu: GPU, keep: float, mode: str, target: float, slo_tps: float,
                           context: int, max_context: int, num_gpus: int = 1) -> float | None:
     """The per-sequence step cost (seconds) that brings the ideal projection's speedup down to ``target``.
-
     Extra per-sequence cost lowers every pool's batch at the SLO; the smaller the full pool's batch, the
-    less of its pool the union covers, and the smaller the pruned pool's gain.
-    """
+    less of its pool the union covers, and the smaller the pruned pool's gain."""
     def speedup(c: float) -> float | None:
         proj = project(shape, gpu, [keep], slo_tps, context, max_context, num_gpus, Efficiency(per_seq_s=c))
         return next((p.speedup for p in proj if p.mode == mode), None)

@@ -52,7 +52,6 @@ def _header(file: Path) -> tuple[int, dict]:
 
 class Checkpoint:
     """Tensor names, shapes and reads of a safetensors checkpoint (sharded or single file).
-
     Tensors are read with plain file reads into fresh (or given) CPU tensors, not through a memory
     map: a read leaves nothing mapped, so the process's resident memory is what it holds, not every
     page of every shard it has read."""

@@ -316,7 +316,6 @@ class WorkerUnavailable(RuntimeError):
 
 class DisaggregatedLLM:
     """Same front end as ``LLM`` (generate, add_request, step, abort), work done by two processes.
-
     The decode worker runs ``decode_model`` (default: ``model``) under ``plan`` (default: none, or
     the plan a distilled decoder was trained with)."""
 

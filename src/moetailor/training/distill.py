@@ -137,8 +137,7 @@ class Student:
     """The pruned decoder as a view of ``model``: the plan's decode policy, trainable copies of the
     router weights and norms, and an SE2 per MoE layer. ``teacher(...)`` runs the untouched full model.
 
-    The model's own parameters are frozen (requires_grad False) and never written to.
-    """
+    The model's own parameters are frozen (requires_grad False) and never written to."""
 
     def __init__(self, model: nn.Module, plan: Plan, se2: bool = True, experts: bool = False):
         plan.check_model(model)
