@@ -506,27 +506,25 @@ class DisaggregatedLLM:
         return [seq] if seq is not None else []
 
     def _apply(self, msg: Delta) -> RemoteSequence | None:
-        rid, ids, text, reason, error, stage = (msg.request_id, msg.token_ids, msg.text, msg.finish_reason, msg.error,
-                                                msg.stage)
-        logprobs, prompt_logprobs = msg.logprobs, msg.prompt_logprobs
+        ids = msg.token_ids
         with self.lock:
-            seq = self.seqs.get(rid)
+            seq = self.seqs.get(msg.request_id)
             if seq is None:
                 return None
             if ids and seq.first_token_time is None:
                 seq.first_token_time = time.perf_counter()
             if len(ids) >= len(seq.completion_token_ids):       # ignore a stale (reordered) message
                 self.tokens_generated += len(ids) - len(seq.completion_token_ids)
-                seq.completion_token_ids, seq.text = list(ids), text
-                if logprobs is not None:
-                    seq.logprobs = logprobs
-            if prompt_logprobs is not None:
-                seq.prompt_logprobs = prompt_logprobs
-            if stage == "decode":
-                seq.stage = stage
-            if reason is not None:
-                seq.finish(reason, error)
-                self.seqs.pop(rid, None)
+                seq.completion_token_ids, seq.text = list(ids), msg.text
+                if msg.logprobs is not None:
+                    seq.logprobs = msg.logprobs
+            if msg.prompt_logprobs is not None:
+                seq.prompt_logprobs = msg.prompt_logprobs
+            if msg.stage == "decode":
+                seq.stage = "decode"
+            if msg.finish_reason is not None:
+                seq.finish(msg.finish_reason, msg.error)
+                self.seqs.pop(msg.request_id, None)
             return seq
 
     def _replace_dead_workers(self) -> list[RemoteSequence]:
