@@ -83,7 +83,7 @@ def _parse_shares(tail: str, spec: str) -> tuple[tuple[str, float], ...]:
 
 
 def parse_data_spec(spec: str | DataSpec) -> DataSpec:
-    """Validate a ``--data`` spec (see the module docstring) and return it parsed."""
+    """Validate a ``--data`` spec (docs/plans.md lists the forms) and return it parsed."""
     if isinstance(spec, DataSpec):
         return spec
     tasks, domain_names = _component_names()
