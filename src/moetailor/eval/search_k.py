@@ -3,7 +3,7 @@
 Quality is the next-token KL from the full model on calibration text, scored as the engine serves
 (``eval.metrics.HeldoutScorer``). Coordinate descent over single-expert transfers keeps the total
 fixed: start uniform (budget // n per MoE layer, the remainder to the last layers); each round take
-the move "one expert from layer i to layer j" that lowers KL most; stop when none lowers it by more
+the move "one expert from layer i to layer j" (k_i > 1, k_j < k) that lowers KL most; stop when none lowers it by more
 than ``tol`` nats or after ``max_rounds``. Scored allocations are cached, so a round costs at most
 n(n-1) passes. The result is checked on held-out text (and optionally tasks) and written as a plan.
 """

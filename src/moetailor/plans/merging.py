@@ -13,12 +13,14 @@ Grouping:
           directions align (ExFold), and on raw means average linkage chained every low-norm expert
           into one cluster (33 of 64 experts at 32 kept, both bundled models).
   msmoe   M-SMoE (ICLR 2024): the m' most routed experts are dominant; each other joins the one it is
-          most similar to, by the cosine of router weight rows (the logits' linear map, no data).
+          most similar to. M-SMoE compares router logits on data; the cosine of the router weight rows
+          (the logits' linear map, no data) stands in here.
 
-Why the dominant row by default: a stock checkpoint with m' experts needs one row per merged expert,
-and no linear row reproduces the group's summed probability (a log-sum-exp of the members' logits)
-on a bias-free router; the dominant row keeps exactly the routes of the expert that carried most of
-the group's tokens (as REAP's merging code does). docs/results.md measures ``weighted`` against it.
+Why the dominant row by default: neither paper shrinks the router, but a stock checkpoint with m'
+experts needs one row per merged expert, and no linear row reproduces the group's summed probability
+(a log-sum-exp of the members' logits) on a bias-free router; the dominant row keeps exactly the routes
+of the expert that carried most of the group's tokens (as REAP's merging code does). docs/results.md
+measures ``weighted`` against it.
 """
 from __future__ import annotations
 

@@ -12,12 +12,14 @@ over the teacher's top-64 tokens plus one bucket for the rest. Teacher and stude
 pass (``torch.func.functional_call``); SE2, an MLP shaped like the shared expert SE1 (gate/up copied,
 down zero), is added to SE1's output by a hook on only in the student pass (inside Qwen2-MoE's
 sigmoid shared-expert gate; DeepSeek-V3's is ungated), so SE1 + SE2 merge exactly. Without a shared
-expert (qwen3_moe, olmoe, mixtral) SE2 is refused (``--no-se2`` trains router and norms only).
+expert (qwen3_moe, olmoe, mixtral) SE2 is refused, since their stock checkpoint cannot hold an extra
+always-on MLP (``--no-se2`` trains router and norms only).
 ``experts=True`` (``--train-experts``) also trains copies of the kept experts: such a model has
 nothing else with capacity to absorb what the dropped experts did.
 
 Export merges SE1 and SE2 into one shared expert of twice the width: a stock checkpoint of the same
-architecture, meant as the DECODE model (prefill stays on the original, whose KV it was trained on).
+architecture, meant as the DECODE model (prefill stays on the original: router and norms were trained
+for decode only).
 """
 from __future__ import annotations
 

@@ -24,8 +24,9 @@ Router rows (``gate``):
   Where h.v = 1 the child weight is w_e s_p, and a down scale of 1/s_p reproduces the parent at the
   full budget while smaller budgets keep each parent's heaviest parts; ``proxy_spread`` (std of h.v)
   says how close to exact. DeepSeek-V3 tie-breaks by share in e_score_correction_bias instead.
-* Grouped routers (DeepSeek ``n_group`` > 1): each routing group becomes N sub-groups (sub-group
-  g*N + p holds part p of every expert of group g, ``models.groups.split_order``), so the same
+* Grouped routers (DeepSeek ``n_group`` > 1): parent-major children would fill a group's top-2 with
+  parts of its best expert and change which groups win, so each routing group becomes N sub-groups
+  (sub-group g*N + p holds part p of every expert of group g, ``models.groups.split_order``): the same
   original groups win and the full budget is exact.
 * ``"finetune"``: the proxy router, then only router rows train to match the original's next-token
   distribution (``training.split_finetune``).
