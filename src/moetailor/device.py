@@ -1,12 +1,10 @@
 """Where the offline verbs run a model's weights (``--device``): one placement for every verb.
 
-``resolve_device`` turns ``auto | cpu | cuda | cuda:N`` into a torch device and refuses a GPU torch
-does not see before any model loads. ``Placement`` is the only code that moves what a verb computes
-with onto that device: a whole model (in-memory verbs), one decoder layer at a time (layer-streamed
-verbs), token batches and activations. It counts the bytes it has placed there, so the device
-memory a layer-streamed verb needs (one layer plus the activations of one batch) is measured by the
-same code on the CPU and on a GPU; on a GPU, ``device_peak_bytes`` adds the allocator's own peak
-(which also sees the intermediates inside a layer).
+``resolve_device`` turns ``auto | cpu | cuda | cuda:N`` into a torch device, refusing a GPU torch
+does not see before any model loads. ``Placement`` is the only code that moves weights (a model, or
+one decoder layer at a time), batches and activations to it, and counts the bytes placed, so a
+streamed verb's device memory is measured by the same code on CPU and GPU (``device_peak_bytes``
+adds the allocator's peak on a GPU).
 """
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
 SPREAD_SHARE = 0.9   # a model fits one GPU when its weights take at most this share of the free memory
 
 
@@ -102,7 +99,6 @@ def to_device(value, device: torch.device):
 @dataclass
 class Placement:
     """Moves weights and activations onto ``device`` and counts the bytes placed there.
-
     ``resident``: weight bytes on the device now (a whole model, or the streamed layer); ``peak``: the
     most bytes placed at once (weights + the activations a step holds there)."""
 

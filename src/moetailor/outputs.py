@@ -1,20 +1,12 @@
-"""Writing outputs safely: one check before the work, one atomic file writer.
+"""Writing outputs safely: one check before the work, one atomic file writer (docs/reliability.md).
 
-Every verb that writes calls ``check_output`` before it starts any work: an existing output needs
-``--overwrite``, an output is never one of the verb's own inputs (not even with ``--overwrite``;
-paths are compared after resolving symlinks), a file output is not a directory (and the reverse),
-and the folder it goes into can be created and written. Files are written with ``atomic_path``
-(or ``write_json`` / ``write_text`` on top of it): a temporary file beside the target, renamed
-over it once complete, so an interrupted write leaves neither half a file nor a stray temporary
-file, and the result gets the permissions of any new file (the umask), not a temporary file's
-0600. Whole checkpoint directories are written the same way by
-``transforms.artifacts.checkpoint_directory``.
-
-``check_output`` also claims the output for this process (``claim_output``: a lock file created
-with O_EXCL, released when the verb ends), so two runs given the same ``--out`` never both succeed
-with one result silently lost: the second is told the output is being written. And ``--overwrite``
-replaces a whole directory only when moetailor wrote it (its marker file ``MARKER`` or a checkpoint
-sidecar), never a folder of the user's own files.
+``check_output`` runs before any work: an existing output needs ``--overwrite``, an output is never
+one of the verb's inputs (compared after resolving symlinks), a file is not a directory (and the
+reverse), the folder can be written; it also claims the output (``claim_output``: an O_EXCL lock
+file) so two runs into one ``--out`` never both succeed, and ``--overwrite`` replaces a directory
+only when moetailor wrote it (``MARKER`` or a checkpoint sidecar). ``atomic_path`` writes a temporary
+file beside the target and renames it, so an interrupted write leaves nothing behind and the result
+gets the umask's permissions, not a temporary file's 0600.
 """
 from __future__ import annotations
 
@@ -140,13 +132,11 @@ def _same(a: Path, b: Path) -> bool:
 def check_output(out: str | Path, *, overwrite: bool = False, inputs=(), directory: bool = False,
                  replaces: bool = True, flag: str = "--out") -> Path:
     """Raise a one-line error when ``out`` cannot or must not be written; return it as a Path.
-
     ``inputs``: the paths the verb reads (None entries are skipped). ``directory``: the output is a
     folder (else a file). ``replaces``: a directory output is replaced as a whole (prune, split,
     distill), so no input may live inside it; eval and bench write files into their folder instead.
     Raises FileExistsError when ``out`` exists and ``overwrite`` is false, or another moetailor
-    run holds it (``claim_output``).
-    """
+    run holds it (``claim_output``)."""
     out = Path(out)
     if out.exists():
         if directory and not out.is_dir():

@@ -29,9 +29,7 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 def gemv_bandwidth(gate_up: torch.Tensor | None = None, down: torch.Tensor | None = None, repeats: int = 3,
                    experts: int = 40, hidden: int = 2048, width: int = 1024) -> float:
     """Best-of-``repeats`` bytes/s of one token through every expert: gate_up [E, 2I, H], down [E, H, I].
-
-    With no tensors given, allocates ``experts`` fp32 experts of the synthetic model's shape (1 GB at 40).
-    """
+    With no tensors given, allocates ``experts`` fp32 experts of the synthetic model's shape (1 GB at 40)."""
     if gate_up is None or down is None:
         gate_up = torch.randn(experts, 2 * width, hidden) * 0.02
         down = torch.randn(experts, hidden, width) * 0.02

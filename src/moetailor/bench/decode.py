@@ -1,10 +1,8 @@
 """`moetailor bench decode`: decode speed against the memory-bandwidth floor, per pool and batch.
 
-For each model and batch, every pool runs side by side in one run (noise on a shared machine hits
-all of them alike): step time, tokens/s, distinct experts per layer measured next to the formula
-m'(1-(1-k/m')^B), bytes per step, achieved bandwidth next to the read bandwidth measured in the
-same run, each pool's speedup next to its ideal traffic ratio, and the same batches through
-transformers ``generate``.
+Every pool runs side by side in one run (a shared machine's noise hits all alike): step time,
+tokens/s, distinct experts per layer beside m'(1-(1-k/m')^B), bytes per step, achieved bandwidth
+beside the measured read bandwidth, speedup beside the ideal traffic ratio, and transformers ``generate``.
 """
 from __future__ import annotations
 
@@ -92,7 +90,6 @@ def model_names(spec: str) -> list[str]:
 def measure_model(name: str, cfg: DecodeConfig, progress_desc: str = "decode", model=None
                   ) -> tuple[list[Measured], dict]:
     """Every pool at every batch for one model, plus transformers' step time per batch (if asked).
-
     ``model``: an already built model to measure under ``name`` (default: load it by name)."""
     from tqdm import tqdm
 

@@ -1,15 +1,9 @@
 """Which weight format decodes fastest on this CPU: fp32, bf16 or int8 weight-only expert GEMVs.
 
-A decode step pushes a few rows (1..8 tokens per expert) through each routed expert, so it streams
-the expert weights once and the kernel's streaming rate bounds the step. This probe times the
-experts' matmuls in each format for a given number of rows over a pool of experts well above the
-last-level cache (same shapes as the synthetic model: gate_up [2I, H], down [H, I]) and reports the
-bytes each format streams per second and the time per expert, side by side in one run. Formats:
-
-- "fp32": ``F.linear`` on fp32 weights (the engine's default).
-- "bf16": ``F.linear`` on bf16 weights and activations (oneDNN; AVX-512 BF16 where present).
-- "int8": int8 weights with one fp32 scale per output row, ``aten._weight_int8pack_mm``
-  (weight-only: activations stay fp32).
+A decode step streams each routed expert's weights once for a few rows, so the kernel's streaming
+rate bounds it. This probe times the experts' matmuls per format over a pool well above the
+last-level cache (the synthetic model's shapes): "fp32" and "bf16" ``F.linear`` (oneDNN), "int8"
+weights with one fp32 scale per output row (``aten._weight_int8pack_mm``, activations fp32).
 """
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
-"""`moetailor bench ktiers`: per-request expert budgets under four schedules, side by side.
+"""`moetailor bench ktiers`: per-request expert budgets under the four ``k_schedule``s
+(routing/k_tiers.py: ``max``, ``mixed``, ``lanes``, ``tiers``), one heterogeneous workload each.
 
-One heterogeneous workload (budgets drawn from a mix such as ``2:0.5,8:0.5``) is served to
-completion by the same model under each ``k_schedule`` (routing/k_tiers.py):
-
-- ``max``: every step runs at its largest member's k (the baseline MoE-Prism compares against);
-- ``mixed``: one decode step for everyone, each token at its own k (reads the batch's union);
-- ``lanes``: online low-k / high-k decode lanes with an adaptive boundary;
-- ``tiers``: offline k tiers (residual tiers flushed or merged upward by the cost model).
-
-The k-aware schedules decide with a ``StepCost`` fitted to this machine's measured decode steps
-on a grid of batch sizes x budgets (``measure_step_cost``): varying the batch at a fixed k and k at
-a fixed batch separates the per-step, per-sequence, per-expert and per-route terms, which the
-workload's own steps (batch and k move together) cannot. Throughput is completion tokens over wall
-time; time-to-first-token counts from submission (all requests are queued at once).
+The k-aware schedules decide with a ``StepCost`` fitted to this machine's decode steps on a grid of
+batch sizes x budgets (``measure_step_cost``): varying one at a time separates the per-step,
+per-sequence, per-expert and per-route terms, which the workload's own steps cannot. Throughput is
+completion tokens over wall time; time-to-first-token counts from submission (all queued at once).
 """
 from __future__ import annotations
 

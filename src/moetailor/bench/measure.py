@@ -126,9 +126,7 @@ class _StepClock:
 
 def hf_decode(model, batch: int, prompt_len: int, steps: int, seed: int = 0) -> float:
     """Median decode step seconds of transformers ``generate`` (greedy, KV cache) on the same prompts.
-
-    ``model`` should be stock (no RoutingController), so this is what transformers alone delivers.
-    """
+    ``model`` should be stock (no RoutingController), so this is what transformers alone delivers."""
     vocab = model.get_output_embeddings().out_features
     ids = torch.tensor(prompts(batch, prompt_len, vocab, seed))                 # [B, L]
     clock = _StepClock()

@@ -1,10 +1,9 @@
 """Decode pools to benchmark and the models that serve them.
 
-A pool keeps ``keep`` of each layer's routed experts. It runs two ways that compute the same
-function: colocated (the full model with a masked router, via a plan's ``LayerPolicy(keep=...)``)
-and disaggregated (a pruned checkpoint holding only the kept experts, built in memory with
-``moetailor.transforms.prune``). Which experts are kept does not change the bytes a step reads,
-only how many; the benchmark keeps a seeded random subset, the same one in every layer.
+A pool keeps ``keep`` of each layer's routed experts, run colocated (a masked router on the full
+model) or disaggregated (a pruned checkpoint built in memory): the same function. Which experts are
+kept does not change the bytes a step reads, only how many; the pool is a seeded random subset, the
+same in every layer.
 """
 from __future__ import annotations
 
@@ -54,9 +53,7 @@ def mask_plan(model, keep: float, phase: str = "decode") -> Plan:
 
 def pruned_model(model, keep: float):
     """The model with only the pool's experts (a pruned checkpoint, built in memory, never written).
-
-    Non-expert tensors are shared with ``model``; expert tensors are sliced copies.
-    """
+    Non-expert tensors are shared with ``model``; expert tensors are sliced copies."""
     from transformers import AutoModelForCausalLM
 
     from ..transforms.prune import pruned_state
@@ -100,9 +97,7 @@ def make_pools(model, keeps: list[float], pruned: bool, top_ks: list[int] = ()) 
 
 def plan_pool(model, path: str) -> Pool:
     """A decode pool from a plan file (any policy: masking, folding, skipping), labelled by file name.
-
-    This is the hook for comparing, e.g., a folding plan's step cost with a masking plan's.
-    """
+    This is the hook for comparing, e.g., a folding plan's step cost with a masking plan's."""
     from pathlib import Path
 
     plan = Plan.load(path)

@@ -1,14 +1,10 @@
-"""Roofline projection of batched MoE decode on a GPU, from the same traffic accounting as the
-CPU benchmarks.
+"""Roofline projection of batched MoE decode on a GPU, from the CPU benchmarks' traffic accounting.
 
-One decode step with B sequences at mean context C reads: the dense weights (attention, routers,
-shared experts, dense FFNs, LM head), the union of routed experts (m'(1-(1-k/m')^B) per layer, a
-pool keeping m' of m experts), and each sequence's KV cache (plus recurrent state for linear
-attention). Its ideal time is max(bytes / bandwidth, FLOPs / peak); ``Efficiency`` derates it. The two
-times are the step cost model of the engine's schedules (``routing.traffic.StepCost``, one for the
-memory part and one for the compute part: ``roofline_costs``). Per-user speed is
-1 / step time; the batch a per-user SLO allows is the largest B whose step fits 1 / SLO and whose
-KV fits in memory. All weights bf16 (2 bytes), KV bf16.
+A step of B sequences at mean context C reads the dense weights, the union of routed experts
+(m'(1-(1-k/m')^B) per layer for a pool of m' of m) and each sequence's KV (plus recurrent state);
+its ideal time is max(bytes / bandwidth, FLOPs / peak), derated by ``Efficiency``, and the two terms
+are the engine's ``routing.traffic.StepCost`` (``roofline_costs``). The batch a per-user SLO allows
+is the largest B whose step fits 1 / SLO and whose KV fits in memory. Weights and KV bf16.
 """
 from __future__ import annotations
 
@@ -259,10 +255,8 @@ def slo_curve(shape: ModelShape, gpu: GPU, keep: float, context: int, batches: l
 def per_seq_cost_matching(shape: ModelShape, gpu: GPU, keep: float, mode: str, target: float, slo_tps: float,
                           context: int, max_context: int, num_gpus: int = 1) -> float | None:
     """The per-sequence step cost (seconds) that brings the ideal projection's speedup down to ``target``.
-
     Extra per-sequence cost lowers every pool's batch at the SLO; the smaller the full pool's batch, the
-    less of its pool the union covers, and the smaller the pruned pool's gain.
-    """
+    less of its pool the union covers, and the smaller the pruned pool's gain."""
     def speedup(c: float) -> float | None:
         proj = project(shape, gpu, [keep], slo_tps, context, max_context, num_gpus, Efficiency(per_seq_s=c))
         return next((p.speedup for p in proj if p.mode == mode), None)

@@ -1,10 +1,6 @@
 """`moetailor bench slo`: machine throughput against per-user speed as the batch grows (SlimWise
-Figure 4), for the full pool and the pruned pools, colocated (masked router on the full model) and
-disaggregated (a pruned checkpoint as the decode instance), and the throughput each reaches at a
-per-user SLO.
-
-Each decode step gives every running sequence one token, so per-user tokens/s = 1 / step time and
-machine tokens/s = batch / step time.
+Figure 4), for the full and pruned pools, colocated and disaggregated, and the throughput each
+reaches at a per-user SLO. Per-user tokens/s = 1 / step time; machine tokens/s = batch / step time.
 """
 from __future__ import annotations
 

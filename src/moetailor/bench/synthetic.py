@@ -37,11 +37,3 @@ def synthetic_model(layers: int = 2, seed: int = 0, vocab: int = 1024, **shape):
     model.eval()
     model.moetailor_source = f"synthetic-olmoe-{layers}-layers-seed{seed}"
     return model
-
-
-def expert_pool_bytes(model) -> int:
-    """Bytes of routed-expert weights in the model (what must exceed the cache to be bandwidth-bound)."""
-    from ..models.adapters import moe_layers
-
-    return sum(l.experts.gate_up_proj.numel() * l.experts.gate_up_proj.element_size()
-               + l.experts.down_proj.numel() * l.experts.down_proj.element_size() for l in moe_layers(model))

@@ -40,9 +40,7 @@ def ideal_speedup(full_bytes: float, pool_bytes: float) -> float:
 
 class RouteCounter:
     """Observer for ``RoutingController.observing``: distinct experts per layer of the last forward.
-
-    ``with ctl.observing(counter): model(...)`` then ``counter.distinct`` -> {layer: count}.
-    """
+    ``with ctl.observing(counter): model(...)`` then ``counter.distinct`` -> {layer: count}."""
 
     def __init__(self) -> None:
         self.distinct: dict[int, int] = {}

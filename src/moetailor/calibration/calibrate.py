@@ -1,14 +1,10 @@
 """One streaming forward pass that accumulates per-expert statistics (and optionally ExFold tables).
 
-The RoutingController's observer sees each MoE layer's input hidden [T, H] and the stock routes;
-the collector recomputes expert outputs for the routed tokens only (``all_experts``: for every
-expert on every token, so folding sees every pair) and adds to float64 sums. Memory is bounded by
-one batch (the sums are [E, E] per layer at most), never by the number of calibration tokens.
-
-Gate weight g (``gate``):
-  "renorm"  (default) p = the router's scores over all experts (softmax; sigmoid for DeepSeek-V3),
-            g_j = p_j / sum_{i in top-k} p_i: renormalised over the token's chosen k (REAP's default);
-  "softmax" g_j = p_j, not renormalised.
+The RoutingController's observer sees each MoE layer's input [T, H] and the stock routes; the
+collector recomputes expert outputs for the routed tokens only (``all_experts``: every expert on
+every token) into float64 sums, so memory is bounded by one batch, never by the token count.
+Gate weight g: "renorm" (default, REAP's) p_j / sum_{i in top-k} p_i with p the router's scores
+(softmax; sigmoid for DeepSeek-V3); "softmax" p_j.
 """
 from __future__ import annotations
 

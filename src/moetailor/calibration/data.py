@@ -1,29 +1,12 @@
-"""Calibration text: a data spec -> a deterministic stream of token windows.
+"""Calibration text: a data spec -> a deterministic stream of token windows (docs/plans.md lists the
+``--data`` specs: ``tasks[:t1,t2]``, ``text[:dom1,dom2]``, ``mix``, ``mixture:C=S,...``, a .jsonl or
+.txt file).
 
-Calibrate on the traffic the pruned model will serve: the calibration set decides which experts
-survive. Specs (``--data``):
-  ``tasks``                 the task-suite mixture (the bundled reference model's workload, and its default),
-                            drawn from the TRAINING rng stream with a seed offset
-                            (``training_rng(TASK_SEED_OFFSET + seed)``), so it is neither the evaluation
-                            stream nor the exact sequences the reference model was trained on;
-  ``tasks:t1,t2``           the same, only the named tasks (one task = one calibration domain);
-  ``text``                  the bundled calibration documents of every text domain;
-  ``text:dom1,dom2``        the bundled calibration documents of the named domains;
-  ``mix``                   tasks and text documents, alternating by a seeded coin (half the documents
-                            each; text documents are longer, so most of the tokens are text);
-  ``mixture:C=S,C=S,...``   token shares per component (``tasks``, ``text``, a task name or a text domain
-                            name), e.g. ``mixture:tasks=0.7,text=0.3``: each component gets at least its
-                            share of the tokens (shares are normalised to sum to 1);
-  ``path/to/file.jsonl``    the user's own traffic, one JSON object per line with either
-                            ``"text"``, ``"prompt"`` + ``"completion"`` (joined), or chat ``"messages"``
-                            (``[{"role": ..., "content": ...}]``, rendered with the tokenizer's chat
-                            template; a tokenizer without one is an error naming the fix);
-  ``path/to/file.txt``      plain text, cut into ~3 KB documents at line boundaries.
-
-Documents are tokenized without special tokens, joined with EOS and packed into windows of
-``seq_len`` tokens (windows cross document boundaries, as in training). When a finite source is
-exhausted it starts again from its first document, so any token count can be reached.
-Reused by distillation and evaluation (next-token KL on calibration text).
+``tasks`` is drawn from the TRAINING rng stream at a seed offset (``training_rng(TASK_SEED_OFFSET +
+seed)``), so it is neither the evaluation stream nor the sequences the reference model saw. Documents
+are tokenized without special tokens, joined with EOS and packed into ``seq_len`` windows (crossing
+document boundaries, as in training); a finite source starts again when exhausted, so any token count
+can be reached. Reused by distillation and evaluation.
 """
 from __future__ import annotations
 
@@ -100,7 +83,7 @@ def _parse_shares(tail: str, spec: str) -> tuple[tuple[str, float], ...]:
 
 
 def parse_data_spec(spec: str | DataSpec) -> DataSpec:
-    """Validate a ``--data`` spec (see the module docstring) and return it parsed."""
+    """Validate a ``--data`` spec (docs/plans.md lists the forms) and return it parsed."""
     if isinstance(spec, DataSpec):
         return spec
     tasks, domain_names = _component_names()

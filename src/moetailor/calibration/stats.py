@@ -169,11 +169,9 @@ class LayerStats:
 
     def fold_tables(self):
         """ExFold's S (scale) and L (relative loss) for every source -> target pair.
-
         S = sum w<u,v> / (sum w||v||^2 + 1e-3), clipped to [-4, 4];
         L = (sum w||u||^2 - 2 S sum w<u,v> + S^2 sum w||v||^2) / sum w||u||^2;
-        unobserved pairs: S = 0, L = inf; the diagonal is the identity (S = 1, L = 0).
-        """
+        unobserved pairs: S = 0, L = inf; the diagonal is the identity (S = 1, L = 0)."""
         from ..routing import FoldTables
 
         if not self.has_fold:

@@ -1,11 +1,9 @@
-"""Layer-streamed calibration: the statistics of ``calibrate`` for a checkpoint that does not fit in memory.
+"""Layer-streamed calibration: ``calibrate``'s statistics for a checkpoint that does not fit in memory.
 
-All calibration batches go through the embeddings, then through decoder layer 0 (loaded from the
-shards, then freed), then layer 1, and so on (``models.streamed.LayerStream``). The same
-``Collector`` observes each MoE layer's inputs and routes, so the statistics (frequency, mass, EAN,
-REAP, co-selection, beta, ExFold tables) are the in-memory calibration's: each batch meets the same
-layer computations, only in layer-major order. Peak memory: one decoder layer plus the activations of
-all batches ([tokens, H] in the working dtype; spilled to disk above ``spill_bytes``).
+All batches go through the embeddings, then decoder layer 0 (loaded from the shards, then freed), then
+layer 1, ... (``models.streamed.LayerStream``), observed by the same ``Collector``, so the statistics
+are the in-memory ones, only computed layer-major. Peak memory: one decoder layer plus all batches'
+activations (spilled to disk above ``spill_bytes``).
 """
 from __future__ import annotations
 

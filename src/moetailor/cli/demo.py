@@ -1,12 +1,9 @@
 """`moetailor demo`: the main job on the bundled model, end to end in about a minute.
 
-Runs task prompts (10 per task by default: 60, so a 5-point difference means something) through
-the engine twice — the full model, then phase-aware (full prefill, a 50% decode pool from the
-bundled REAP plan, calibrated on the model's workload: the task domain) — and prints what the plan
-was calibrated on, sample outputs, accuracy and length per task, and decode throughput with the
-expert traffic each decode step read. Then what the pool buys: the bundled model's steps are not bound
-by expert reads, so decode speed of the full and the 50% pool is measured on a model with published
-layer shapes (random weights, built in memory) whose experts must stream from memory.
+Task prompts (10 per task: 60) run through the engine twice, full and phase-aware (a 50% decode pool
+from the bundled REAP plan); it prints the calibration data, samples, accuracy and length per task,
+and decode throughput with its expert traffic. Then what the pool buys, on a random model with
+published layer shapes whose experts must stream from memory (the bundled one is not bound by them).
 """
 from __future__ import annotations
 

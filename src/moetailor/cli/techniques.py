@@ -1,11 +1,5 @@
-"""Per-phase policy options for `generate` and `serve` (folding and skipping, issues 7 and 8).
-
-Not a verb (no ``register``): `cli/generate.py` adds the options with ``add_policy_arguments(p)``
-and applies them with ``apply_policy_arguments(llm, args)`` once the engine exists, e.g.::
-
-    moetailor generate reference --prefill-policy fold-prefill:4 --decode-policy fold-decode:32 \
-        --fold-stats build/stats-fold.safetensors --prompt "12+34="
-"""
+"""Per-phase policy options for `generate` and `serve` (folding and skipping). Not a verb: the engine
+verbs add them with ``add_policy_arguments(p)`` and apply them with ``apply_policy_arguments(llm, args)``."""
 from __future__ import annotations
 
 import argparse

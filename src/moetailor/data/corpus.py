@@ -1,10 +1,8 @@
 """Text domains for the reference model, read from packages available without a model hub.
 
-Each domain is a list of documents (a few KB each). ``build_corpus`` writes, per domain, the
-training documents to a work directory and a small held-out slice plus a calibration sample into
-the package (``data/bundled/``), so evaluation and calibration work on a fresh clone without the
-Debian packages installed. Split is by document index with a fixed seed: held-out documents are
-never trained on.
+``build_corpus`` writes each domain's training documents to a work directory and a small held-out
+slice plus a calibration sample into the package (``data/bundled/``), so evaluation and calibration
+work on a fresh clone. The split is by document index with a fixed seed: held-out is never trained on.
 """
 from __future__ import annotations
 
@@ -151,13 +149,11 @@ def _pypi_sdist(name: str, version: str) -> Path:
 def build_corpus(work_dir: Path, seed: int = 0, heldout_docs: int = 12, calib_docs: int = 40,
                  max_train_chars: int = 6_000_000, bundle: bool = True) -> dict[str, dict]:
     """Write train/<domain>.jsonl to ``work_dir`` and the bundled held-out/calibration text.
-
     With ``bundle=False`` (a later model trained beside the bundled one) the shipped held-out and
     calibration text stays as it is, and any training document sharing a line of 40+ characters
     with it is dropped: a Debian package of another version cuts into other documents, and the
     held-out text must stay unseen. Returns per-domain document counts. Requires the Debian
-    packages in ``DEBIAN_PACKAGES``.
-    """
+    packages in ``DEBIAN_PACKAGES``."""
     train_dir = Path(work_dir) / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
     for split in ("heldout", "calibration"):

@@ -1,12 +1,7 @@
-"""Quality per expert budget: a split model's sub-expert budgets against whole-expert top-k on the
-original model at equal active parameters (MoE-Prism's operating points).
-
-A model split into N parts routes b of N*k sub-experts per token, i.e. a fraction b / (N*k) of the
-routed expert parameters; the original reaches the same fraction only at whole numbers of experts,
-b = N*j. Both models are evaluated with the ``topk:K`` configuration (both phases) through the
-ordinary eval sweep (accuracy and output lengths per task, resumable cells), and joined per active
-fraction. A budget is *usable* when its accuracy is within ``tolerance`` of that model's full
-budget; the paper's claim is about 4x more usable points for the split model.
+"""Quality per expert budget (MoE-Prism's operating points): a split model's b of N*k sub-experts
+against the original's whole-expert top-k at equal active parameters (b = N*j). Both run ``topk:K``
+through the ordinary eval sweep and are joined per active fraction; a budget is *usable* within
+``tolerance`` of that model's full budget.
 """
 from __future__ import annotations
 

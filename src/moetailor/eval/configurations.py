@@ -1,19 +1,9 @@
 """Named evaluation configurations: how a base plan is applied to the two phases.
 
-The four SlimWise configurations (their Table 3) come from one pruning policy P:
-
-    baseline     full prefill, full decode
-    pruned       P prefill,    P decode      (a conventionally pruned checkpoint)
-    reverse      P prefill,    full decode
-    phase-aware  full prefill, P decode      (SlimWise)
-
-Later techniques add a configuration by registering a builder; the runner only knows names::
-
-    @configuration("fold-decode", uses_plan=False, takes_arg=True, help="decode pool of D experts, folded")
-    def _fold_decode(model, plan, arg): ...
-
-A spec string names one configuration, with an optional argument after a colon
-("fold-decode:32", "distilled:build/student").
+SlimWise's four (their Table 3) from one pruning policy P: baseline (full, full), pruned (P, P),
+reverse (P prefill, full decode), phase-aware (full prefill, P decode). Other techniques register a
+builder (``@configuration("fold-decode", uses_plan=False, takes_arg=True, help=...)``); the runner
+only knows names. A spec names one, with an optional argument after a colon ("fold-decode:32").
 """
 from __future__ import annotations
 

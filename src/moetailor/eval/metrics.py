@@ -1,18 +1,11 @@
 """What an expert budget does to a model: accuracy, how long it talks, and how far it drifts.
 
-SlimWise's point is that accuracy alone hides the damage: a pruned prefill stops too early, a
-pruned decode runs on until the length budget. So every configuration is scored on
-
-* exact-match accuracy (the task suite's scorer),
-* output length p50 / p90 in tokens, the share of generations that hit ``max_tokens`` and the
-  share that ended with EOS,
-* teacher-forced next-token KL divergence from the full model, and perplexity, on held-out text.
-
-Held-out text is scored the way the engine serves it: each window is split in half, the first
-half runs under the configuration's *prefill* policy (writing the KV cache) and the second half
-continues from that cache under its *decode* policy; KL and perplexity are measured on the second
-half. So Reverse (pruned prefill) and Phase-aware (pruned decode) get different numbers, and the
-full model scores KL 0.
+Accuracy alone hides the damage (a pruned prefill stops too early, a pruned decode runs to the length
+budget), so every configuration is scored on exact-match accuracy, output length p50 / p90, the
+shares hitting ``max_tokens`` and ending on EOS, and held-out KL and perplexity. Held-out text is
+scored as the engine serves it: the first half of each window under the *prefill* policy (writing the
+KV cache), the second half, where KL is measured, from that cache under the *decode* policy; so
+Reverse and Phase-aware get different numbers and the full model scores KL 0.
 """
 from __future__ import annotations
 
@@ -28,9 +21,7 @@ from ..data.tasks import Example, score
 from ..routing import RoutingController
 from ..routing.policy import PhasePolicy
 
-# ---------------------------------------------------------------------------------------------
-# generation metrics
-# ---------------------------------------------------------------------------------------------
+# ---- generation metrics --------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Generation:
@@ -103,9 +94,7 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
 
 
-# ---------------------------------------------------------------------------------------------
-# a quality floor against the full model: paired ratio of accuracies, its interval, the verdict
-# ---------------------------------------------------------------------------------------------
+# ---- a quality floor against the full model: paired ratio of accuracies, its interval, the verdict ----
 
 MEETS, MISSES, UNDECIDED = "meets", "misses", "not enough prompts to tell"
 Z95 = 1.959963984540054      # two-sided 95%: each bound is a one-sided 2.5% test
@@ -242,9 +231,7 @@ def paired_floor_verdict(candidate: Sequence[bool], full: Sequence[bool], floor:
     return floor_verdict(PairedCounts.of(candidate, full), floor)
 
 
-# ---------------------------------------------------------------------------------------------
-# held-out text: KL from the full model and perplexity
-# ---------------------------------------------------------------------------------------------
+# ---- held-out text: KL from the full model and perplexity ----------------------------------------
 
 def kl_divergence(logp_ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """KL(ref || q) per position from log-probabilities [..., V] -> [...] (nats)."""

@@ -1,26 +1,16 @@
 """The evaluation sweep: plans x configurations x sampling x seeds, generated through the engine.
 
-A sweep calibrates once per model (statistics cached in the output directory), makes one plan per
-criterion and keep ratio (cached too), and evaluates each configuration of each plan. The unit of
-work is a *cell* (one configuration, one sampling mode, one seed: every task's prompts in one
-batched ``llm.generate``), written to ``OUT/cells/`` as it completes, so an interrupted sweep
-resumes where it stopped. Held-out KL/perplexity is one more cell per configuration.
+A sweep calibrates once per model and makes one plan per criterion and keep ratio (both cached in
+OUT: ``stats.safetensors``, ``plans/``), then evaluates each configuration of each plan. The unit of
+work is a *cell* (one configuration, sampling mode and seed: every task's prompts in one batched
+``llm.generate``; held-out KL/perplexity is one more cell), written to ``OUT/cells/`` as it completes,
+so an interrupted sweep resumes; ``results.json``, ``results.md`` and plots come last.
 
-Layout of OUT::
-
-    stats.safetensors  calibration statistics (once per model)
-    plans/          <criterion>-<keep>.json
-    cells/          one JSON per completed cell
-    results.json    everything, with model, plans, seeds, versions and the command
-    results.md      the tables;  *.png  the plots
-
-A cell is reused only when its *identity* matches: the hashes of everything that decides its
-result (the model's weights, the tokenizer, the content of the plan the configuration runs, the
-prompts and reference answers it scores, or the held-out windows), the configuration, sampling
-mode and parameters, seed, tasks, n and token budgets. A cell file in OUT with another identity
-(another plan, model or setting written there before) is an error naming the field that differs;
-``overwrite=True`` (``--overwrite``) recomputes such cells instead. Cached statistics are checked
-the same way against the model and the calibration data and token count.
+A cell is reused only when its *identity* matches: the hashes of everything that decides its result
+(weights, tokenizer, the plan's content, the prompts and answers or held-out windows), the
+configuration, sampling, seed, tasks, n and token budgets. A cell in OUT with another identity is an
+error naming the field that differs, unless ``overwrite=True`` (``--overwrite``). Cached statistics
+are checked the same way against the model, the calibration data and the token count.
 """
 from __future__ import annotations
 

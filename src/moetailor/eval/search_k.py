@@ -1,20 +1,11 @@
 """`moetailor search-k`: a per-layer active-expert allocation under a total budget.
 
-Quality is the next-token KL divergence from the full model on calibration text (teacher-forced,
-scored as the engine serves: first half of each window under the prefill policy, second half
-from that KV cache under the decode policy; ``eval.metrics.HeldoutScorer``).
-
-The search is coordinate descent over single-expert transfers, so the total stays fixed:
-
-  1. start from the uniform allocation: budget // n per MoE layer, the remainder one each to the
-     last layers;
-  2. each round, evaluate every move "one expert from layer i to layer j" (k_i > 1, k_j < k),
-     and take the move that lowers KL most;
-  3. stop when no move lowers KL by more than ``tol`` nats, or after ``max_rounds`` rounds.
-
-Allocations already scored are cached, so a round costs at most n(n-1) forward passes over the
-calibration windows. The result is checked on held-out text (the bundled held-out documents,
-never seen by the search) and optionally on task accuracy, and written as a plan.
+Quality is the next-token KL from the full model on calibration text, scored as the engine serves
+(``eval.metrics.HeldoutScorer``). Coordinate descent over single-expert transfers keeps the total
+fixed: start uniform (budget // n per MoE layer, the remainder to the last layers); each round take
+the move "one expert from layer i to layer j" (k_i > 1, k_j < k) that lowers KL most; stop when none lowers it by more
+than ``tol`` nats or after ``max_rounds``. Scored allocations are cached, so a round costs at most
+n(n-1) passes. The result is checked on held-out text (and optionally tasks) and written as a plan.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Held-out KL of a pruned model from the full one, for checkpoints that do not fit in memory.
 
-The held-out windows run layer by layer (``models.streamed.LayerStream``) through the full
-checkpoint twice per loaded layer: once with the full router and once under the candidate, which
-is either a plan (its decode policy on every token: what its pruned checkpoint computes) or a
-second checkpoint (a pruned one, streamed beside the original). Reported: teacher-forced
-next-token KL(full || candidate) in nats per token over every position, and both perplexities. On
-random weights this is the meaningful quality number (task accuracy is not).
+The windows run layer by layer (``models.streamed.LayerStream``) through the full checkpoint, twice
+per loaded layer: with the full router and under the candidate (a plan's decode policy on every
+token, or a second, pruned checkpoint streamed beside it). Reported: KL(full || candidate) in nats
+per token and both perplexities; on random weights this is the meaningful quality number.
 """
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
-"""Evaluation configurations for folding and skipping; see plans/techniques.py.
+"""Evaluation configurations for folding and skipping (each one's ``help`` says what it runs).
 
-    fold-prefill:K    prefill tokens keep K of k routes, the rest folded; full decode
-    drop-prefill:K    the same without folding (the rest dropped, not renormalised)
-    fold-decode:D     decode steps keep a pool of D experts, routes outside folded; full prefill
-    drop-decode:D     the same pool (same importance), routes outside dropped
-    plan+fold         the plan's decode pool, excluded routes folded (phase-aware pruning + folding)
-    plan+drop         the plan's decode pool, excluded routes dropped (no re-routing, no folding)
-    topk-decode:K     k' = K in decode only;  topk-prefill:K  in prefill only  (``topk:K``: both)
-    layer-k:K1/K2/..  per-MoE-layer k in both phases;  bhep:B/H/E/P  the four-tuple allocation
-    skip              NAEE dynamic skipping, per-layer beta from statistics, both phases
-    skip-decode       the same in decode only
-
-Fold statistics (and the stats skip reads beta from) come from, in order: ``@PATH`` after the
-argument (``fold-decode:32@stats.safetensors``), the base plan's ``fold_stats``, the base plan's
-``meta.stats`` (skip only), else a fold calibration of the model made once and cached
-(``plans.techniques.ensure_fold_stats``). Loaded when the configuration is built, so the held-out
-KL (which runs before the engine) sees the tables too.
+Fold statistics (and skip's betas) come from, in order: ``@PATH`` after the argument
+(``fold-decode:32@stats.safetensors``), the base plan's ``fold_stats``, its ``meta.stats`` (skip
+only), else a fold calibration made once and cached (``plans.techniques.ensure_fold_stats``). They
+load when the configuration is built, so the held-out KL (run before the engine) sees them too.
 """
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
-"""Tasks from the user's own JSONL: a prompt (or chat ``messages``), a reference answer and a match rule.
-
-One JSON object per line::
-
-    {"prompt": "add 12 + 34\\n", "answer": "46", "match": "number"}
-    {"messages": [{"role": "user", "content": "Capital of France?"}], "answer": "Paris", "match": "contains"}
-    {"prompt": "...", "answer": "46", "match": "regex", "pattern": "#### (\\\\S+)", "task": "arithmetic"}
-
-Match rules (``match``, default ``exact``), each comparing the generated text with ``answer``:
-
-* ``exact``: the output, stripped of surrounding whitespace, equals the answer;
-* ``number``: the last number in the output equals the answer as a number (``1,000`` = ``1000.0``);
-* ``regex``: ``pattern``'s first capture group, at its first match in the output, equals the answer;
-* ``contains``: the answer occurs in the output.
-
-``task`` (optional) groups lines into rows of the report (default: the file's name). Chat
-``messages`` are rendered with the model's chat template (``models.chat.chat_prompt``). A bad line
-is a ValueError naming the file, the line number and what is wrong.
+"""Tasks from the user's own JSONL: a prompt (or chat ``messages``), a reference answer and a match
+rule (``exact``, ``number``, ``regex`` with ``pattern``, ``contains``; docs/evaluation.md shows the
+format). ``task`` (optional) groups lines into report rows (default: the file's name). A bad line is
+a ValueError naming the file, the line number and what is wrong.
 """
 from __future__ import annotations
 

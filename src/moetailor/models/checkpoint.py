@@ -1,16 +1,11 @@
 """A checkpoint on disk read one tensor at a time: the streamed verbs never hold the whole model.
 
-A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or shards with a
-``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file), as the hub ships them.
 Routed experts are stored per expert in the hub layout (``model.layers.{i}.mlp.experts.{j}.gate_proj
 .weight``; Mixtral: ``block_sparse_moe.experts.{j}.w1``), which transformers fuses on load into
-``mlp.experts.gate_up_proj [E, 2I, H]`` and ``mlp.experts.down_proj [E, H, I]``. ``hub_names`` and
-``fused_tensor`` are that mapping in both directions, for one decoder layer at a time.
-
-``skeleton(path, dtype)`` builds the stock model on the meta device (no memory) with only the
-routers loaded, so ``moe_layers``, ``model_fingerprint``, plans and the RoutingController work on it
-unchanged; ``load_module`` materialises one submodule (a decoder layer, the embeddings) from the
-shards and ``free_module`` returns it to the meta device.
+``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``; ``hub_names`` and ``fused_tensor`` map one
+decoder layer both ways. ``skeleton`` builds the stock model on the meta device with only the routers
+loaded (``moe_layers``, fingerprints, plans and the RoutingController work on it unchanged);
+``load_module`` materialises one submodule from the shards and ``free_module`` returns it to meta.
 """
 from __future__ import annotations
 
@@ -57,7 +52,6 @@ def _header(file: Path) -> tuple[int, dict]:
 
 class Checkpoint:
     """Tensor names, shapes and reads of a safetensors checkpoint (sharded or single file).
-
     Tensors are read with plain file reads into fresh (or given) CPU tensors, not through a memory
     map: a read leaves nothing mapped, so the process's resident memory is what it holds, not every
     page of every shard it has read."""

@@ -1,23 +1,11 @@
-"""DeepSeek's grouped routing, as the facts every technique needs about it.
+"""DeepSeek's grouped routing (``n_group`` > 1), as the facts every technique needs about it; the one
+place that knows these rules (docs/plans.md, "Grouped routing").
 
-A grouped router (DeepSeek-V2/V3/R1: ``n_group`` > 1) splits the E routed experts into ``n_group``
-contiguous groups of E / n_group ids. Per token it scores each group by the sum of the group's top-2
-selection scores (sigmoid + ``e_score_correction_bias``), keeps the ``topk_group`` best groups, and
-picks top-k experts inside them (transformers ``DeepseekV3TopkRouter``). In expert-parallel
-deployments a group is a node, so a token's experts span at most ``topk_group`` nodes.
-
-What fewer experts per group means (the rule moetailor uses, in masked mode and in checkpoints):
-the masked router sets dropped experts' selection scores to -inf *before* the group score, so a
-group's score is the sum of its top-2 *kept* experts, and a group keeping fewer than 2 experts
-scores -inf (it is chosen only if fewer than ``topk_group`` groups keep 2 or more). A pruned
-checkpoint keeps ``n_group`` and ``topk_group`` and has E' / n_group experts per group; it routes
-exactly like the masked model when every group keeps the same count c >= 2 and
-``topk_group * c >= top_k`` (so the chosen groups always hold k kept experts). ``checkpoint_problem``
-says why a kept set fails that; ``balanced_keep`` chooses a kept set that passes.
-
-This module is the one place that knows these rules: plans (group-balanced selection), the router
-(fold targets stay in their group), pruned checkpoints (in memory or shard by shard) and the split
-call it.
+The masked router sets dropped experts' selection scores to -inf *before* the group score, so a group
+scores the sum of its top-2 *kept* experts, and one keeping fewer than 2 scores -inf. A pruned
+checkpoint keeps ``n_group`` and ``topk_group``; it routes exactly like the masked model when every
+group keeps the same count c >= 2 and ``topk_group * c >= top_k``. ``checkpoint_problem`` says why a
+kept set fails that; ``balanced_keep`` chooses one that passes.
 """
 from __future__ import annotations
 

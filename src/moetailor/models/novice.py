@@ -1,13 +1,10 @@
 """Novice checkpoints: the format stock vLLM (>= 0.34, ``fused_moe/expert_substitution.py``) loads.
 
-A MoNE-pruned checkpoint keeps the router whole and the config's expert count, lists the replaced
-experts per decoder layer in ``config.approximate_experts`` (``{"3": [5, 9, ...]}``), stores no
-weights for them, stores the retained experts under their own (logical) ids in the hub's per-expert
-layout, and one constant per replaced expert, ``<experts prefix>.<expert id>.approx_value`` [H]
-(``model.layers.3.mlp.experts.5.approx_value``). The router's choice and weights are unchanged
-(no renormalisation): a replaced expert's route adds g * c_e. That is moetailor's
-``pool_mode="novice"``, so ``load_model`` reads such a checkpoint into the full-size model (the
-replaced experts' rows zero, never read) plus the plan and constants that serve it
+A MoNE-pruned checkpoint keeps the router and the expert count, lists the replaced experts per layer
+in ``config.approximate_experts`` (``{"3": [5, 9]}``), stores no weights for them but one constant
+each, ``<experts prefix>.<id>.approx_value`` [H]; a replaced expert's route adds g * c_e (no
+renormalisation). That is ``pool_mode="novice"``, so ``load_model`` reads it into the full-size model
+(replaced rows zero, never read) with the plan and constants that serve it
 (``plans.plan.novice_checkpoint_plan``, ``model.moetailor_constants``).
 """
 from __future__ import annotations

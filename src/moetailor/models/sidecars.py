@@ -1,10 +1,8 @@
 """What moetailor's transforms record beside a checkpoint, read once when the model is loaded.
 
-``moetailor split`` and ``moetailor distill`` write stock checkpoints plus a JSON sidecar; the facts
-later stages need from those sidecars (a split model's sub-experts per expert, a distilled decoder's
-plan) are read by ``load_model`` (``loading.read_sidecars``) into ``model.moetailor_sidecars`` (a
-``Sidecars``). Code above this layer (the engine in particular) asks the model, so it never opens a
-transform's files, and a model built in memory simply has none.
+``split`` and ``distill`` write stock checkpoints plus a JSON sidecar; ``load_model`` reads the facts
+later stages need (a split model's sub-experts per expert, a distilled decoder's plan) into
+``model.moetailor_sidecars``, so the engine asks the model and never opens a transform's files.
 """
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """Running a checkpoint layer by layer: embeddings, then one decoder layer at a time from the shards.
 
-Memory holds one decoder layer plus the activations of every batch ([tokens, H] in the working
-dtype; on disk when they exceed ``spill_bytes``), never the model. Each layer sees exactly the
-inputs the stock model gives it: the attention mask, position ids and rotary tables are captured by
-running the stock base model's forward once per batch shape with its decoder layers replaced by
-recorders, so every architecture's mask rules (causal, sliding window) are the stock ones.
-
-``LayerStream(path, dtype, placement)`` holds the meta-device skeleton (``checkpoint.skeleton``): a
-RoutingController installed on it (observers, plans) acts on each layer while it is loaded.
-``placement`` (``device.Placement``, default the CPU) puts each layer on the compute device in turn,
-with one batch's activations and the layer's inputs: device memory holds one decoder layer plus one
-batch's activations; the activations of the other batches wait in host memory (or on disk).
+Memory holds one decoder layer plus every batch's activations ([tokens, H]; on disk beyond
+``spill_bytes``), never the model; with a ``placement`` on a GPU, device memory holds one layer and
+one batch. Each layer sees the inputs the stock model gives it: mask, position ids and rotary tables
+are captured by running the stock base model once per batch shape with recorders for its layers, so
+every architecture's mask rules are the stock ones. A RoutingController installed on the meta-device
+skeleton (``checkpoint.skeleton``) acts on each layer while it is loaded.
 """
 from __future__ import annotations
 

@@ -1,26 +1,15 @@
-"""Expert importance criteria and budget plans made from calibration statistics.
+"""Expert importance criteria and budget plans made from calibration statistics (docs/plans.md has
+each criterion's formula).
 
-Per layer and routed expert j, over the calibration tokens T_j routed to j (hard top-k membership),
-with g_j the gate weight recorded in the stats file (default: softmax over all experts renormalised
-over the chosen k) and E_j(x) the expert's output:
+Per layer and expert j, over the calibration tokens T_j routed to j (hard top-k membership), with g_j
+the recorded gate weight and E_j(x) the expert's output: frequency |T_j|, mass sum g_j, ean sum
+||E_j||, weighted-ean sum g_j ||E_j||, reap the mean of g_j ||E_j|| (0 when T_j is empty), mone
+sum ||E_j - c_j||^2 (c_j the mean output), random, structured-even, structured-first.
 
-  frequency      |T_j|
-  mass           sum_{x in T_j} g_j(x)                       (routing mass / soft count)
-  ean            sum_{x in T_j} ||E_j(x)||                   (expert activation norm)
-  weighted-ean   sum_{x in T_j} g_j(x) ||E_j(x)||
-  reap           (1 / |T_j|) sum_{x in T_j} g_j(x) ||E_j(x)||  (REAP; 0 when T_j is empty)
-  mone           |T_j| x output variance = sum_{x in T_j} ||E_j(x) - c_j||^2, c_j the mean output: the
-                 squared error replacing j by its constant adds (MoNE's novice score)
-  random         a seeded uniform draw per expert (the baseline that fails badly)
-  structured-even  keep even ids first (0, 2, 4, ...), then odd ids
-  structured-first keep the lowest ids (the first m')
-
-A layer keeps its m' highest-scoring experts (ties: the lower id); k stays unchanged.
-``protect_super`` N keeps the model's N super experts whatever their score (``super_experts``),
-each taking one of its layer's m' places. ``novice`` replaces the dropped experts by their mean
-outputs instead of masking them (pool_mode "novice": the full router's choice, g * c_j added). On a grouped
-router (DeepSeek n_group > 1) a plan keeps m'/n_group per routing group by default, ranked inside
-each group (``grouped_keep``), so the plan can become a pruned checkpoint.
+A layer keeps its m' highest-scoring experts (ties: the lower id); k is unchanged. ``protect_super``
+keeps the model's N super experts inside the m'; ``novice`` replaces dropped experts by their mean
+outputs; a grouped router keeps m'/n_group per routing group (``grouped_keep``), so the plan can
+become a pruned checkpoint.
 """
 from __future__ import annotations
 

@@ -1,35 +1,26 @@
 """Merged-expert plans: which experts merge into one, with what weights (HC-SMoE, M-SMoE).
 
-A layer that keeps m' of E experts by merging partitions its experts into m' groups; each group
-becomes one expert whose gate, up and down projections are the members' weighted average (weights
-w_e = f_e / sum f over the group, f_e = calibration routing frequency: M-SMoE's rule, used for both
-groupings so that they differ only in how they group), and whose router row is the group representative's (``merge_router="dominant"``, default)
-or the weighted average of the members' rows (``"weighted"``). The representative is the group's
-most frequently routed member. ``transforms.merge`` writes the stock checkpoint (m' experts).
+A layer keeping m' of E experts by merging partitions them into m' groups; each becomes one expert,
+the members' weighted average (w_e = f_e / sum f, f the calibration routing frequency: M-SMoE's rule,
+for both groupings), with the router row of its representative (the most routed member;
+``merge_router="dominant"``) or the weighted average of the rows (``"weighted"``). ``transforms.merge``
+writes the checkpoint; ``protect_super`` keeps super experts as groups of one.
 
 Grouping:
-  hcsmoe  HC-SMoE (Chen et al., ICML 2025): agglomerative clustering of the experts by their outputs
-          on calibration data, average linkage, until m' clusters remain. The signature is each
-          expert's mean output over every calibration token, as HC-SMoE's (``LayerStats.mean_output_all``,
-          recorded by ``calibrate --all-experts``), else over the tokens routed to it
-          (``LayerStats.mean_output``), scaled to unit length: the distance is the
-          direction's (Euclidean between unit vectors, a monotone map of cosine). Expert outputs differ
-          several-fold in norm within a layer while their directions align (ExFold's observation), and
-          on raw means average linkage chains every low-norm expert into one cluster: on both bundled
-          models at 32 of 64, one cluster of 33 experts and 31 singletons in every layer.
-  msmoe   M-SMoE (Li et al., ICLR 2024): the m' most frequently routed experts are dominant; every
-          other expert joins the dominant expert it is most similar to. M-SMoE measures similarity on
-          router logits over calibration data; here the cosine of the router weight rows (the logits'
-          linear map, no data needed) stands in.
+  hcsmoe  HC-SMoE (ICML 2025): average-linkage clustering of the experts' mean outputs over every
+          calibration token (``LayerStats.mean_output_all``, ``calibrate --all-experts``), else over
+          their routed tokens, scaled to unit length. Outputs differ several-fold in norm while their
+          directions align (ExFold), and on raw means average linkage chained every low-norm expert
+          into one cluster (33 of 64 experts at 32 kept, both bundled models).
+  msmoe   M-SMoE (ICLR 2024): the m' most routed experts are dominant; each other joins the one it is
+          most similar to. M-SMoE compares router logits on data; the cosine of the router weight rows
+          (the logits' linear map, no data) stands in here.
 
-Why the dominant row by default: neither paper shrinks the router (M-SMoE keeps all E rows and
-sends a member's routes to the merged expert); a stock checkpoint with m' experts needs one row per
-merged expert, and no linear row reproduces the group's summed probability (a log-sum-exp of the
-members' logits) on a bias-free router. The dominant row keeps exactly the routes of the expert that
-carried most of the group's tokens (what REAP's public merging code does); ``weighted`` is the other
-option, measured against it in docs/results.md.
-
-``protect_super`` keeps the model's N super experts (``criteria.super_experts``) as groups of one.
+Why the dominant row by default: neither paper shrinks the router, but a stock checkpoint with m'
+experts needs one row per merged expert, and no linear row reproduces the group's summed probability
+(a log-sum-exp of the members' logits) on a bias-free router; the dominant row keeps exactly the routes
+of the expert that carried most of the group's tokens (as REAP's merging code does). docs/results.md
+measures ``weighted`` against it.
 """
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
 """A plan: which experts run, per layer and per phase, and where that decision came from.
 
-JSON schema (version 1), documented in docs/plans.md::
-
-    {"format": "moetailor-plan", "version": 1,
-     "model": {model_type, moe_layers, num_experts, top_k, router_hash, source},
-     "prefill": {"<layer>": LayerPolicy, ...},   # layers not listed run the full router
-     "decode":  {"<layer>": LayerPolicy, ...},
-     "meta": {criterion, keep_ratio, keep_experts, stats, created, command, ...},
-     "fold_stats": "stats.safetensors" | null}   # needed only by folding and novice policies
-
-``fold_stats`` is written relative to the plan file's folder when the statistics lie inside it (a plan
-folder, e.g. ``moetailor tune``'s, can move as a whole), else absolute; ``Plan.load`` resolves it to
-an absolute path (relative to the plan file, then to the working directory, for plans written
-before), so every verb reads it the same way.
-
-The plan is the one artifact every technique writes: pruning sets ``keep``, skipping sets
-``top_k``/``skip_beta``, folding sets ``pool_mode="fold"``/``token_keep``/``batch_pool``.
+The one artifact every technique writes (pruning sets ``keep``, skipping ``top_k``/``skip_beta``,
+folding ``pool_mode="fold"``/``token_keep``/``batch_pool``); its JSON schema is in docs/plans.md.
+``fold_stats`` is written relative to the plan's folder when the statistics lie inside it (a plan
+folder can move as a whole), else absolute; ``Plan.load`` resolves it (relative to the plan file,
+then to the working directory, for older plans), so every verb reads it the same way.
 """
 from __future__ import annotations
 

@@ -63,9 +63,7 @@ def _int(value, what: str) -> int:
         raise ValueError(f"{what} must be an integer, got {value!r}") from None
 
 
-# ---------------------------------------------------------------------------------------------
-# folding (ExFold) and its no-fold baselines
-# ---------------------------------------------------------------------------------------------
+# ---- folding (ExFold) and its no-fold baselines --------------------------------------------------
 
 def fold_prefill(shape: Shape, k_pre: int, fold: bool = True) -> PhasePolicy:
     """Token-level folding: each token keeps its ``k_pre`` strongest routes (K_pre in [1, k])."""
@@ -94,9 +92,7 @@ def pool_with_fold(policy: PhasePolicy, fold: bool = True) -> PhasePolicy:
     return PhasePolicy({i: layers.get(i, p) for i, p in policy.layers.items()})
 
 
-# ---------------------------------------------------------------------------------------------
-# skipping: top-k reduction, per-layer k, the (b, h, e, p) four-tuple, NAEE dynamic skipping
-# ---------------------------------------------------------------------------------------------
+# ---- skipping: top-k reduction, per-layer k, the (b, h, e, p) four-tuple, NAEE dynamic skipping ----
 
 def check_k(shape: Shape, k: int, where: str = "") -> int:
     at = f" ({where})" if where else ""
@@ -187,9 +183,7 @@ def skip_policy(shape: Shape, stats, beta: float | None = None) -> PhasePolicy:
     return PhasePolicy(layers)
 
 
-# ---------------------------------------------------------------------------------------------
-# fold statistics: where they come from and how a model gets them
-# ---------------------------------------------------------------------------------------------
+# ---- fold statistics: where they come from and how a model gets them -----------------------------
 
 def attach_fold_tables(model, stats_path: str | Path) -> None:
     """Load ExFold tables from ``stats_path`` into the model's RoutingController (checked against the
@@ -285,9 +279,7 @@ def ensure_fold_stats(model, tokenizer=None, path: str | Path | None = None, tok
     return path
 
 
-# ---------------------------------------------------------------------------------------------
-# plans and the per-phase spec parser (for `generate` / `serve` / `eval`)
-# ---------------------------------------------------------------------------------------------
+# ---- plans and the per-phase spec parser (for `generate` / `serve` / `eval`) ---------------------
 
 def technique_plan(model, prefill: PhasePolicy | None = None, decode: PhasePolicy | None = None,
                    stats_path: str | Path | None = None, **meta) -> Plan:

@@ -1,13 +1,7 @@
-"""Incremental detokenization and stop strings: each update decodes only a short window of tokens.
-
-A sequence's text is brought up to date when it is read (``Sequence.text``: a stream reads it each
-step) or, for a request with stop strings, after every step (the stop must end it at once).
-
-A sequence's ``text`` grows by the text of its newest tokens, decoded together with the token
-before them (a tokenizer may render a token differently at the start of a string); a window that
-ends inside a multi-byte character waits for the next token. When the sequence finishes, its text
-is decoded once in full (the exact ``tokenizer.decode`` of the completion) and cut at the first
-stop string, so the final text never depends on how it was streamed.
+"""Incremental detokenization and stop strings: each update decodes only the newest tokens, with
+the token before them (a tokenizer may render a token differently at the start of a string); a
+window ending inside a multi-byte character waits. A finished sequence is decoded once in full and
+cut at the first stop string, so the final text never depends on how it was streamed.
 """
 from __future__ import annotations
 

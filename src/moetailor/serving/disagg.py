@@ -1,20 +1,14 @@
 """Disaggregated prefill/decode: two worker processes, one pool of experts each.
 
-The prefill worker holds the full checkpoint, runs prefill steps only, samples each request's
-first token and hands the request's KV blocks over; the decode worker holds the pruned checkpoint
-(from ``moetailor prune``), a distilled decoder with its plan (``moetailor distill``), or the full
-model with the plan's decode policy,
-writes those blocks into its own pool unchanged and decodes. Freed expert weight memory becomes KV
-capacity: under the same ``memory_budget`` the decode worker holds more blocks (``capacity()``).
+The prefill worker holds the full checkpoint, runs prefill, samples each request's first token and
+hands its KV blocks over; the decode worker (a pruned checkpoint, a distilled decoder with its plan,
+or the full model with the plan's decode policy) writes those blocks into its own pool and decodes.
+Freed expert memory becomes KV capacity (``capacity()``).
 
-Every channel belongs to one worker: the front end sends to a worker through its own inbox queue
-and reads from it through its own pipe, and hand-overs travel prefill -> front end -> decode
-(tensors in shared memory, so only handles are copied). A worker that dies, even mid-message, can
-therefore only break its own channels: its in-flight requests end with finish_reason "error" and a
-message, a new worker with fresh channels is started, and requests keep being served. A worker that
-stops answering without dying (SIGSTOP, a deadlock) is treated the same way: each worker sends a
-heartbeat every ``HEARTBEAT_S`` from a thread of its own, and one silent for ``heartbeat_timeout``
-seconds is killed, its requests end with an error and it is replaced.
+Every channel belongs to one worker (its inbox queue, its pipe; hand-overs go prefill -> front end ->
+decode, tensors in shared memory), so a worker that dies, even mid-message, breaks only its own
+channels: its requests end with finish_reason "error" and it is replaced. One that stops answering
+(no heartbeat for ``heartbeat_timeout`` s) is killed and treated the same way.
 """
 from __future__ import annotations
 
@@ -322,7 +316,6 @@ class WorkerUnavailable(RuntimeError):
 
 class DisaggregatedLLM:
     """Same front end as ``LLM`` (generate, add_request, step, abort), work done by two processes.
-
     The decode worker runs ``decode_model`` (default: ``model``) under ``plan`` (default: none, or
     the plan a distilled decoder was trained with)."""
 
@@ -513,27 +506,25 @@ class DisaggregatedLLM:
         return [seq] if seq is not None else []
 
     def _apply(self, msg: Delta) -> RemoteSequence | None:
-        rid, ids, text, reason, error, stage = (msg.request_id, msg.token_ids, msg.text, msg.finish_reason, msg.error,
-                                                msg.stage)
-        logprobs, prompt_logprobs = msg.logprobs, msg.prompt_logprobs
+        ids = msg.token_ids
         with self.lock:
-            seq = self.seqs.get(rid)
+            seq = self.seqs.get(msg.request_id)
             if seq is None:
                 return None
             if ids and seq.first_token_time is None:
                 seq.first_token_time = time.perf_counter()
             if len(ids) >= len(seq.completion_token_ids):       # ignore a stale (reordered) message
                 self.tokens_generated += len(ids) - len(seq.completion_token_ids)
-                seq.completion_token_ids, seq.text = list(ids), text
-                if logprobs is not None:
-                    seq.logprobs = logprobs
-            if prompt_logprobs is not None:
-                seq.prompt_logprobs = prompt_logprobs
-            if stage == "decode":
-                seq.stage = stage
-            if reason is not None:
-                seq.finish(reason, error)
-                self.seqs.pop(rid, None)
+                seq.completion_token_ids, seq.text = list(ids), msg.text
+                if msg.logprobs is not None:
+                    seq.logprobs = msg.logprobs
+            if msg.prompt_logprobs is not None:
+                seq.prompt_logprobs = msg.prompt_logprobs
+            if msg.stage == "decode":
+                seq.stage = "decode"
+            if msg.finish_reason is not None:
+                seq.finish(msg.finish_reason, msg.error)
+                self.seqs.pop(msg.request_id, None)
             return seq
 
     def _replace_dead_workers(self) -> list[RemoteSequence]:
@@ -641,9 +632,6 @@ class DisaggregatedLLM:
     def crash_decode_worker(self) -> None:
         """Fault injection (tests): kill the decode worker as the OS would."""
         self.workers["decode"].process.kill()
-
-    def worker_pids(self) -> dict[str, int]:
-        return {kind: w.process.pid for kind, w in self.workers.items()}
 
     def close(self) -> None:
         for worker in self.workers.values():

@@ -1,33 +1,14 @@
 """The collapse guard: notices when a reduced expert pool stops behaving like the full model and
-sends its requests back to the full pool.
+sends its requests back to the full pool (docs/guard.md: what it watches, the bounds, the trip cycle).
 
-A training-free pruned decoder can fail silently (SlimWise: every generation ran to the length
-budget while accuracy fell from 0.97 to 0.17). The guard watches two things:
+Per request it rescues (repetition, overrun past the full pool's p90); per policy it compares a window
+of recent requests with the full pool's, fed by shadows, and trips. Lengths count only where the model
+chose to stop (EOS): a request cut by ``max_tokens`` or a client's stop string is evidence only past the
+overrun limit, else 30 requests with ``max_tokens: 1`` would look like a collapse.
 
-* per request, while it decodes on a reduced pool: n-gram repetition over its recent tokens, and
-  whether it has run far past the length the full pool needs (``overrun``). Either moves that
-  request's next decode steps to the full pool (a *rescue*). The KV cache is shared by every pool
-  (pruning never touches attention), so nothing is recomputed.
-* per expert policy (the engine's plan, or a per-request plan), a sliding window of recent
-  requests: output length p50/p90, the share ending with EOS/stop, the share hitting max_tokens,
-  the rescued share and the mean next-token entropy, compared with the same window of the full
-  pool. Lengths are the model's only where it chose to stop (EOS): a request that ran to its
-  ``max_tokens`` or stopped on a client's stop string has a length the client set, so it is evidence
-  only when it ran past what the full pool needs (its budget above the overrun limit); otherwise
-  30 requests with ``max_tokens: 1`` would look like a pool that collapsed to one-token answers. The full pool's window is fed by requests it serves and by *shadows*: a documented
-  fraction (``shadow_fraction``) of each reduced policy's requests is also decoded on the full
-  pool, so the comparison holds on the same traffic. When a policy drifts beyond the bounds it
-  *trips*: its running requests and every new request go to the full pool, the reason is logged
-  and shown on /metrics. After ``cooldown_steps`` engine steps it gets *probation*: a few new
-  requests run on it again, all shadowed, and fresh evidence re-enables it or trips it again (with
-  a doubled cool-down).
-
-The guard decides and the engine acts: ``admit`` (each new request) returns an ``Admission`` (the
-plan to run it on, a full-pool shadow to queue beside it), ``observe`` (after each step), ``forget``
-(on abort) and ``reset`` (a new engine plan) return ``Action``s (``RunOn``: move a request's next
-steps to another plan; ``Abort``: end a shadow), which ``LLM`` applies. The guard never calls the
-engine; what it changes is ``seq.plan`` / ``seq.plan_key``, through the engine, which the scheduler
-and ``LLM.step_policy`` already use to choose a step's policy.
+The guard decides and the engine acts: ``admit`` returns an ``Admission``; ``observe``, ``forget`` and
+``reset`` return ``Action``s (``RunOn``, ``Abort``) that ``LLM`` applies. The guard never calls the
+engine; a switch changes only ``seq.plan`` / ``seq.plan_key`` (the KV cache is shared by every pool).
 """
 from __future__ import annotations
 
@@ -170,7 +151,6 @@ class Watch:
     role: str                        # "reduced" | "fallback" (guarded, on the full pool) | "shadow" | "full"
     entropy_sum: float = 0.0
     entropy_n: int = 0
-    confidence_sum: float = 0.0
     rescued: str | None = None
     switched_at: int | None = None   # completion tokens when it moved to the full pool
 
@@ -334,7 +314,6 @@ class Guard:
         if not is_prefill and any(w is not None for _, w in watched):
             probs = logits.float().softmax(-1)                                     # [B, V]
             entropy = torch.special.entr(probs).sum(-1).tolist()                  # [B] nats (0 log 0 = 0)
-            confidence = probs.max(-1).values.tolist()                            # [B]
             for i, w in watched:
                 if w is None:
                     continue
@@ -342,7 +321,6 @@ class Guard:
                     self.policies[w.policy].steps[w.role] += 1
                 if w.role in ("reduced", "shadow", "full") or (w.role == "fallback" and w.switched_at is None):
                     w.entropy_sum += entropy[i]
-                    w.confidence_sum += confidence[i]
                     w.entropy_n += 1
         for seq, (_, w) in zip(seqs, watched):
             if w is None:

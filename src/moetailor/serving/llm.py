@@ -125,10 +125,9 @@ class LLM:
     def set_plan(self, plan: Plan | str | Path | None) -> None:
         """Use ``plan`` from the next step on (None = the full router in both phases)."""
         plan = load_checked(plan, Plan, self.model)
-        if plan is not None:
+        if plan is not None:   # compile now so a bad plan fails here, not inside a step
             from ..plans.techniques import attach_plan_fold_tables
             attach_plan_fold_tables(self.model, plan)
-        if plan is not None:   # compile now so a bad plan fails here, not inside a step
             self.controller.compile(plan.prefill)
             self.controller.compile(plan.decode)
         self.plan = plan
@@ -179,10 +178,9 @@ class LLM:
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
         for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
-            if value is None:
-                continue
-            ids.update([value] if isinstance(value, int) else value)
+            value = getattr(source, "eos_token_id", None)
+            if value is not None:
+                ids.update([value] if isinstance(value, int) else value)
         return ids
 
     # ---- requests ------------------------------------------------------------------------------
@@ -236,11 +234,6 @@ class LLM:
                 self.runner.write_blocks(seq.block_table[:n_src], kv)
             return True
 
-    def unfinished(self) -> list[Sequence]:
-        """The sequences running (first) or waiting."""
-        with self.lock:
-            return [*self.scheduler.running, *self.scheduler.waiting]
-
     def request_limits(self) -> RequestLimits:
         if getattr(self, "_limits", None) is None:
             self._limits = RequestLimits(self.vocab_size, self.config.max_model_len,
@@ -280,8 +273,7 @@ class LLM:
         return {"ok": True, "workers": {}}
 
     def close(self) -> None:
-        """Write the observed statistics, if observing; nothing else to release beyond memory
-        (``serving/client.py``)."""
+        """Write the observed statistics, if observing (``serving/client.py``)."""
         with self.lock:
             observer, self.observer = self.observer, None
         if observer is not None:

@@ -1,17 +1,11 @@
-"""Decode pools that follow the load: the full expert pool at small decode batches, smaller pools
-as the batch grows, chosen per step and sharing one KV cache.
-
-At batch 1 a pruned pool saves almost no traffic (a token reads k experts either way) but costs
-quality; at a large batch the routed union covers most of the pool, and a pool of m' experts saves
-up to m / m' of the expert reads. So a decode step of B sequences runs the largest (most accurate)
-pool whose estimated step time meets the per-step SLO, and the smallest pool when none does. The
-estimate is the engine's step-cost model (``k_tiers.StepCost``; ``LLM.fit_k_cost`` fits it to the
-measured steps) with the pool's size as the number of experts the union is drawn from:
+"""Decode pools that follow the load (docs/techniques.md): each decode step of B sequences runs the
+largest pool whose estimated step time meets the per-step SLO, else the smallest. The estimate is
+``k_tiers.StepCost`` with the pool's size as the number of experts the union is drawn from:
 
     seconds(B, m') = fixed + per_token * B + L * (per_expert * m'(1 - (1 - k/m')^B) + per_route * B * k)
 
-The rungs are colocated plans (``LayerPolicy(keep=..., pool_mode="mask")`` on the same model), so
-every pool reads the same KV cache and a sequence may move between pools from one step to the next.
+The rungs are colocated mask plans on one model, so they share the KV cache and a sequence may move
+between pools from one step to the next.
 """
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Log-probabilities the engine returns beside tokens: the chosen token's and the top-N alternatives',
-per generated token (``SamplingParams.logprobs``) and per prompt token (``prompt_logprobs``, what the
-server's ``echo`` returns). Values are from the model's raw next-token distribution (log-softmax of
-the step's logits, before temperature / top-k / top-p), as vLLM reports them by default.
-
-Also the two OpenAI response shapes built from them: the legacy completions ``logprobs`` object
-(``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``) and the chat ``logprobs.content``
-list, with ``TokenText``: each token's own bytes (from the vocabulary, never from decoding) and the
-pieces of text a run of tokens decodes to (they join to the text).
+"""Log-probabilities beside tokens, per generated token (``SamplingParams.logprobs``) and per prompt
+token (``prompt_logprobs``, the server's ``echo``): from the raw next-token distribution (before
+temperature / top-k / top-p), as vLLM reports them. Also the OpenAI completions and chat
+``logprobs`` shapes, with ``TokenText``: each token's own bytes and the text pieces a run decodes to.
 """
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """Chooses each step's sequences. A step is all-prefill or all-decode, so it has one expert policy.
 
-Prefill first: admit waiting sequences while slots, free blocks and the token budget allow.
-Otherwise decode every running sequence, preempting (free blocks, recompute later) from the back
-of the queue when the pool cannot hold the next token. Requests in different step groups (another
-expert plan, ``seq.plan_key``, or another offline k tier, ``seq.tier``) never share a step: a step
-takes the group at the head of its queue, and a decode step sends its group to the back so groups
-take turns. Within a group the budget policy may narrow a decode step to one lane of per-request
-expert budgets (``budgets.BudgetPolicy.decode_group``); the other sequences keep their blocks and
-wait. After a step, ``postprocess`` appends each sequence's token and finishes the ones that are done.
+Prefill first: admit waiting sequences while slots, free blocks and the token budget allow; else
+decode every running sequence, preempting from the back when the pool cannot hold the next token.
+Step groups (``seq.plan_key``, ``seq.tier``) never share a step: a step takes the group at the head
+of its queue and a decode step sends it to the back, so groups take turns; the budget policy may
+narrow a decode step to one lane (``budgets.BudgetPolicy.decode_group``).
 """
 from __future__ import annotations
 

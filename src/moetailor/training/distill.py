@@ -1,35 +1,25 @@
 """Repair the pruned decoder by distillation from the full model's KV cache (SlimWise §1).
 
-For each training sequence of length L a split point s ~ U[0, L) is drawn. The teacher (the full
-model, frozen) runs the whole sequence once without gradients: its KV cache cropped to [0, s) is
-the prefill the deployed decoder would receive, and its next-token distributions over [s, L) are
-the targets. The student (the plan's decode policy: masked router, plus the trainables below)
-continues over [s, L) from that cache. s = 0 is ordinary distillation (the ablation).
+Per sequence of length L a split point s ~ U[0, L) is drawn (s = 0 is ordinary distillation). The
+frozen teacher (the full model) runs the whole sequence once: its KV cache over [0, s) is the prefill
+the deployed decoder receives, its next-token distributions over [s, L) the targets. The student (the
+plan's decode policy plus the trainables below) continues over [s, L) from that cache:
 
     loss = alpha * CE(next token) + (1 - alpha) * KL(teacher || student)
 
-KL runs over the teacher's top-64 tokens plus one bucket holding the rest of the mass, for both
-distributions. Teacher and student are ONE model object (one copy of the experts):
+over the teacher's top-64 tokens plus one bucket for the rest. Teacher and student are ONE model
+(one copy of the experts): router weights and norms train as copies swapped in only for the student
+pass (``torch.func.functional_call``); SE2, an MLP shaped like the shared expert SE1 (gate/up copied,
+down zero), is added to SE1's output by a hook on only in the student pass (inside Qwen2-MoE's
+sigmoid shared-expert gate; DeepSeek-V3's is ungated), so SE1 + SE2 merge exactly. Without a shared
+expert (qwen3_moe, olmoe, mixtral) SE2 is refused, since their stock checkpoint cannot hold an extra
+always-on MLP (``--no-se2`` trains router and norms only).
+``experts=True`` (``--train-experts``) also trains copies of the kept experts: such a model has
+nothing else with capacity to absorb what the dropped experts did.
 
-* router weights and norms train as separate copies that are swapped in only for the student
-  pass (``torch.func.functional_call``), so the teacher pass always sees the original tensors;
-* SE2, a new MLP shaped like the shared expert SE1 (gate/up copied from SE1, down projection zero),
-  is added to SE1's output by a forward hook that is on only during the student pass. For
-  Qwen2-MoE this sits inside the sigmoid shared-expert gate, so gate * (SE1 + SE2) merges exactly;
-  DeepSeek-V3's shared expert is ungated, and SE1 + SE2 merges exactly there too.
-* Architectures without a shared expert (qwen3_moe, olmoe, mixtral) have no SE1, and a stock
-  checkpoint of theirs cannot hold an extra always-on MLP, so SE2 is refused there with a clear
-  error; ``se2=False`` (CLI ``--no-se2``) trains router and norms only.
-* ``experts=True`` (CLI ``--train-experts``) also trains copies of the routed experts' weights, swapped
-  in like the router's. The decode checkpoint is a separate model (prefill keeps the original's
-  experts and KV), so its experts may differ; only the experts the decode pool keeps get gradients.
-  Why: a model without a shared expert has nothing else with capacity to absorb what the dropped
-  experts did (router and norms are a few thousand parameters per layer).
-
-Export merges SE1 and SE2 into one shared expert of twice the width (gate/up rows and down
-columns concatenated; config's shared width doubled): a stock checkpoint of the same architecture.
-It is meant as the DECODE model: prefill stays on the original model (the distilled router and
-norms were trained for decode only), decode runs the distilled model with the same plan.
+Export merges SE1 and SE2 into one shared expert of twice the width: a stock checkpoint of the same
+architecture, meant as the DECODE model (prefill stays on the original: router and norms were trained
+for decode only).
 """
 from __future__ import annotations
 
@@ -59,11 +49,9 @@ from ..transforms.artifacts import checkpoint_directory, copy_tokenizer, model_f
 
 SIDECAR, PLAN_FILE = DISTILL_SIDECAR, DISTILL_PLAN_FILE
 STATE_FILE = "state.pt"
-SPLIT_POINTS = ("uniform", "zero")
 
 
-# ----------------------------------------------------------------------------------------------
-# configuration
+# ---- configuration -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -140,8 +128,7 @@ def draw_split(length: int, split_point: str, gen: torch.Generator) -> int:
     return int(f * length)
 
 
-# ----------------------------------------------------------------------------------------------
-# the student: a view of the full model
+# ---- the student: a view of the full model -------------------------------------------------------
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -152,8 +139,7 @@ class Student:
     """The pruned decoder as a view of ``model``: the plan's decode policy, trainable copies of the
     router weights and norms, and an SE2 per MoE layer. ``teacher(...)`` runs the untouched full model.
 
-    The model's own parameters are frozen (requires_grad False) and never written to.
-    """
+    The model's own parameters are frozen (requires_grad False) and never written to."""
 
     def __init__(self, model: nn.Module, plan: Plan, se2: bool = True, experts: bool = False):
         plan.check_model(model)
@@ -270,8 +256,7 @@ class Student:
         return merged
 
 
-# ----------------------------------------------------------------------------------------------
-# loss
+# ---- loss ----------------------------------------------------------------------------------------
 
 
 def teacher_targets(logits: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -340,8 +325,7 @@ def distill_loss(student: Student, batch: torch.Tensor, splits: list[int], cfg: 
             "tokens": B * L}
 
 
-# ----------------------------------------------------------------------------------------------
-# training
+# ---- training ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -510,8 +494,7 @@ def plot_loss(log: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------------------------
-# export and loading
+# ---- export and loading --------------------------------------------------------------------------
 
 
 def export(student: Student, out: str | Path, result: DistillResult | None = None, overwrite: bool = False,
@@ -549,8 +532,7 @@ def export(student: Student, out: str | Path, result: DistillResult | None = Non
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# data
+# ---- data ----------------------------------------------------------------------------------------
 
 
 def token_batches(tokenizer, spec: str, cfg: DistillConfig) -> Callable[[int], Iterator[torch.Tensor]]:

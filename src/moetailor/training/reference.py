@@ -69,9 +69,7 @@ def train_tokenizer(corpus_dir: Path, out_dir: Path, vocab_size: int = 8192, see
 
 class Mixture:
     """Packs training sequences: a share of task examples, the rest text windows by domain weight.
-
-    Domains are sampled uniformly (not by size), so no single source dominates.
-    """
+    Domains are sampled uniformly (not by size), so no single source dominates."""
 
     def __init__(self, tokenizer, corpus_dir: Path, seq_len: int, task_share: float, seed: int,
                  mask_prompts: bool = False, task_weights: dict[str, float] | None = None, drill_share: float = 0.0):

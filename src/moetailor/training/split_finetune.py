@@ -1,11 +1,8 @@
-"""Gate-only fine-tuning of a split model: train the router rows, freeze everything else.
-
-The target is the ORIGINAL model's next-token distribution on calibration text: the loss is the
-mean per-token KL(original || split). Each step runs the split model at one budget from a cycle of
-budgets (a quarter, half, three quarters and all of N*k sub-experts, through the routing
-controller's per-token ``token_top_k``), so the router learns an order of sub-experts that holds
-up when a request asks for fewer of them, not just the full-budget choice. Gradients reach the
-router through the selected routing weights (softmax -> top-k values -> renormalisation).
+"""Gate-only fine-tuning of a split model: train the router rows against the ORIGINAL model's next-token
+distribution (mean per-token KL(original || split)), everything else frozen. Each step runs one budget
+from a cycle (a quarter, half, three quarters and all of N*k sub-experts, via ``token_top_k``), so the
+learned order of sub-experts holds when a request asks for fewer; gradients reach the router through
+the selected routing weights.
 """
 from __future__ import annotations
 

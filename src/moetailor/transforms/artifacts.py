@@ -1,16 +1,15 @@
 """Writing model artifacts safely: a directory appears whole or not at all.
 
-Every transform (prune, distill, split) writes a stock checkpoint the same way: refuse an existing
-output unless told to overwrite (and always refuse to replace one of its own inputs), build everything
-in a hidden temporary directory beside it, then rename it into place, so an interrupted run (an
-exception, Ctrl-C, or SIGTERM, which `moetailor` turns into SystemExit) never leaves half a checkpoint
-or the temporary directory behind.
+Refuse an existing output unless told to overwrite (never one of the run's inputs), build in a hidden
+temporary directory beside it, then rename it into place: an exception, Ctrl-C or SIGTERM never leaves
+half a checkpoint or the temporary directory behind.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +75,25 @@ def model_from_state(config, state: dict, dtype, what: str):
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     return model.eval()
+
+
+def tensor_bar(names, desc: str, progress: bool):
+    """A progress bar over a checkpoint's tensors on stderr (closed however the loop ends, so an error
+    prints after it, on its own line)."""
+    from tqdm import tqdm
+
+    return tqdm(total=len(names), unit="tensor", desc=desc, disable=not progress, file=sys.stderr, mininterval=2)
+
+
+def finish_streamed(ckpt, writer, config, tmp: Path) -> None:
+    """Close the output shards and the source, then write the config and ``COPIED`` beside them (the
+    writer copies the tokenizer last)."""
+    writer.close()
+    ckpt.close()
+    config.save_pretrained(tmp)
+    for extra in COPIED:
+        if (ckpt.path / extra).is_file():
+            shutil.copy2(ckpt.path / extra, tmp / extra)
 
 
 def copy_tokenizer(source: str | Path | None, dest: Path) -> None:

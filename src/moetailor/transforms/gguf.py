@@ -1,27 +1,11 @@
-"""A GGUF file for llama.cpp, written by llama.cpp's own converter.
+"""A GGUF file for llama.cpp, written by llama.cpp's own converter (``make setup-llamacpp`` unpacks it).
 
-llama.cpp's ``convert_hf_to_gguf.py`` (its ``conversion`` package and ``gguf`` package, unpacked from
-the llama-cpp-python sdist by ``make setup-llamacpp``) does the conversion; moetailor only does what
-a moetailor checkpoint needs beyond a hub one, through a subclass of the converter's model class:
-
-- untied embeddings: llama.cpp's qwen2moe and olmoe loaders require ``output.weight``, which a
-  checkpoint with ``tie_word_embeddings`` lacks, so the embedding is written a second time as the
-  output head (for every architecture: harmless where llama.cpp would fall back to the embedding);
-- the pre-tokenizer: the converter recognises a tokenizer by hashing its output on a test string, and
-  the bundled tokenizer (trained here) is in no table; its tokenizer.json says what it does (digits
-  split one by one, then GPT-2's byte-level regex), which is llama.cpp's "refact" pre-tokenizer, so
-  that name is written (plain byte-level: "gpt-2");
-- metadata: DeepSeek-V3's sigmoid expert scores (the converter reads them from a hub config's
-  ``scoring_func``, which transformers does not write); no BOS token is added (the bundled tokenizer has none; llama.cpp's BPE default would
-  otherwise name id 11), the expert budget a plan sets per token (``<arch>.expert_used_count``), and
-  where the experts came from (``moetailor.*``: source, kept expert ids per layer).
-
-What llama.cpp cannot express is refused here rather than converted into a different model: a plan
-whose layers keep different expert counts or route different numbers of experts (one count per
-GGUF), plan techniques with no llama.cpp knob (folding, dynamic skipping, per-step pools), and a
-checkpoint whose top-k renormalisation differs from the one llama.cpp's graph for that architecture
-hard-codes (qwen2moe and olmoe never renormalise, qwen3moe and Mixtral always do), unless the
-caller accepts the difference (a speed comparison on the same weights).
+moetailor adds only what its checkpoints need beyond a hub one, through a subclass of the converter's
+model class (docs/llamacpp.md has the table): the output head of tied embeddings, the "refact"
+pre-tokenizer of the bundled tokenizer, DeepSeek-V3's sigmoid scores, no BOS, a plan's
+``expert_used_count`` and ``moetailor.*`` provenance. What llama.cpp cannot express (per-layer expert
+counts or top-k, folding, skipping, pools, a top-k renormalisation its graph hard-codes otherwise)
+is refused rather than converted into a different model.
 """
 from __future__ import annotations
 
@@ -165,9 +149,7 @@ def _converter_class(base, *, untie: bool, pre_tokenizer: str | None, top_k: int
                 yield from super().modify_tensors(data_torch, "lm_head.weight", bid)
 
         def get_vocab_base_pre(self, tokenizer):
-            if pre_tokenizer is not None:
-                return pre_tokenizer
-            return super().get_vocab_base_pre(tokenizer)
+            return pre_tokenizer if pre_tokenizer is not None else super().get_vocab_base_pre(tokenizer)
 
         def set_gguf_parameters(self):
             super().set_gguf_parameters()
@@ -253,13 +235,9 @@ class GGUFExport:
 def export_gguf(source: str | Path, out: str | Path, outtype: str = "f32", *, top_k: int | None = None,
                 overwrite: bool = False, allow_routing_difference: bool = False, extra: dict | None = None,
                 verbose: bool = False) -> GGUFExport:
-    """Convert the checkpoint directory ``source`` into the GGUF file ``out`` with llama.cpp's converter.
-
-    ``top_k``: experts per token written as ``<arch>.expert_used_count`` (None = the model's k).
-    ``allow_routing_difference``: convert even when llama.cpp's graph renormalises the top-k weights
-    differently from this checkpoint (``routing_difference``); otherwise that is an error.
-    Written to a temporary file beside ``out`` and renamed: never half a file.
-    """
+    """Convert the checkpoint directory ``source`` into the GGUF file ``out`` (atomically) with llama.cpp's
+    converter. ``top_k``: the file's ``<arch>.expert_used_count`` (None = the model's k).
+    ``allow_routing_difference``: convert even where ``routing_difference`` finds one (else an error)."""
     from transformers import AutoConfig
 
     from ..models.paths import resolve_model_path
@@ -318,6 +296,8 @@ class GGUFPlan:
     top_k: int | None                           # experts per token; None = the model's k
 
 
+MERGED = ("merged experts (new weights: write the merged checkpoint with `moetailor prune MODEL PLAN --out DIR` and "
+          "export DIR)")
 UNSUPPORTED = {
     "pool_mode": "routes outside the pool dropped or folded (llama.cpp only has the masked router a pruned "
                  "checkpoint computes)",
@@ -325,10 +305,8 @@ UNSUPPORTED = {
     "token_keep": "token-level folding (llama.cpp has no folding)",
     "batch_pool": "a per-step batch pool (llama.cpp has no per-step expert pool)",
     "fold": "folding (llama.cpp has no folding)",
-    "merge": "merged experts (new weights: write the merged checkpoint with `moetailor prune MODEL PLAN --out DIR` "
-             "and export DIR)",
-    "merge_router": "merged experts (new weights: write the merged checkpoint with `moetailor prune MODEL PLAN --out "
-                    "DIR` and export DIR)",
+    "merge": MERGED,
+    "merge_router": MERGED,
 }
 
 

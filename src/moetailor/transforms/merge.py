@@ -1,23 +1,18 @@
 """A merged checkpoint: a stock HF checkpoint whose experts are frequency-weighted merges of groups.
 
-For a plan whose layers merge experts (``pool_mode="merge"``, ``plans.merging``), merged expert g of a
-layer (groups ordered by representative id) has
+For a plan whose layers merge experts (``plans.merging``), merged expert g (groups ordered by
+representative id) has, after each member's neurons are permuted to the representative's (``align``,
+M-SMoE's weight matching),
 
     W_proj(g) = sum_{e in G_g} w_e W_proj(e)          for gate, up and down projections
-    router row(g) = row(rep(g))                        merge_router "dominant"
-                  = sum_{e in G_g} w_e row(e)          merge_router "weighted"
+    router row(g) = row(rep(g))  ("dominant")  or  sum_{e in G_g} w_e row(e)  ("weighted")
 
-where each member's intermediate neurons are first permuted to match the representative's (``align``:
-weight matching, as M-SMoE does before merging), and the config's expert count is m' (the group
-count), so stock transformers, vLLM and llama.cpp
-(after `moetailor export gguf`) load it with no moetailor code. Written one tensor at a time from
-the checkpoint on disk; ``moetailor_pruning.json`` records the groups (``kept`` = the
-representatives, ``merged`` = members and weights).
+and the config's expert count is the group count, so stock transformers, vLLM and llama.cpp load it.
+Written one tensor at a time; ``moetailor_pruning.json`` records ``kept`` (the representatives) and
+``merged`` (members and weights).
 """
 from __future__ import annotations
 
-import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -91,11 +86,9 @@ def merge_experts(members: list[tuple[torch.Tensor, ...]], weights: tuple[float,
 def write_merged(ckpt, model, config, plan: Plan, groups: dict[int, Groups], out: Path, overwrite: bool, inputs,
                  phase: str, command: str | None, shard_bytes: int, progress: bool) -> Path:
     """The merged checkpoint of ``groups`` (see the module docstring), one layer's experts at a time."""
-    from tqdm import tqdm
-
     from ..models.architectures import arch_spec
     from ..models.checkpoint import EXPERT_KEY, FUSED_KEY, ROUTER_KEY, ShardWriter, hub_layout, split_layer_key
-    from .artifacts import COPIED, checkpoint_directory, copy_tokenizer
+    from .artifacts import checkpoint_directory, copy_tokenizer, finish_streamed, tensor_bar
     from .prune import pruned_config, write_sidecar
 
     router_rule = {i: plan.phase(phase).for_layer(i).merge_router for i in groups}
@@ -107,8 +100,7 @@ def write_merged(ckpt, model, config, plan: Plan, groups: dict[int, Groups], out
     count = len(next(iter(groups.values())))
     with checkpoint_directory(out, overwrite, inputs) as tmp:
         writer = ShardWriter(tmp, shard_bytes)
-        with tqdm(total=len(names), unit="tensor", desc="merging", disable=not progress, file=sys.stderr,
-                  mininterval=2) as bar:
+        with tensor_bar(names, "merging", progress) as bar:
             for name in names:
                 bar.update(1)
                 split = split_layer_key(name)
@@ -147,13 +139,7 @@ def write_merged(ckpt, model, config, plan: Plan, groups: dict[int, Groups], out
                 writer.add(slot["gate_up_proj"], torch.stack([torch.cat([gm, um]) for gm, um, _ in merged])
                            .to(gate_up.dtype))
                 writer.add(slot["down_proj"], torch.stack([dm for _, _, dm in merged]).to(down.dtype))
-            writer.close()
-        ckpt.close()
-        merged_config = pruned_config(config, count)
-        merged_config.save_pretrained(tmp)
-        for extra in COPIED:
-            if (ckpt.path / extra).is_file():
-                shutil.copy2(ckpt.path / extra, tmp / extra)
+        finish_streamed(ckpt, writer, pruned_config(config, count), tmp)
         copy_tokenizer(ckpt.path, tmp)
         kept = {i: tuple(ids[0] for ids, _ in g) for i, g in groups.items()}
         write_sidecar(tmp, model, plan, kept, phase, E, command, streamed=True,

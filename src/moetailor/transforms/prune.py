@@ -1,10 +1,9 @@
 """A pruned checkpoint: a stock HF checkpoint holding only a plan's kept experts.
 
 Router rows, fused expert tensors and DeepSeek's ``e_score_correction_bias`` are sliced to the kept
-ids and the config's expert count is set to the kept count, so stock transformers (or vLLM) loads it
-without moetailor. It computes the same function as the full model with a masked router (dropped
-experts' logits -inf before softmax/top-k, k unchanged). The kept original ids are recorded in
-``moetailor_pruning.json`` beside the weights.
+ids and the expert count set to match, so stock transformers (or vLLM) loads it. It computes what the
+full model computes with a masked router (dropped logits -inf before top-k, k unchanged); the kept
+original ids go to ``moetailor_pruning.json``.
 """
 from __future__ import annotations
 

@@ -1,52 +1,35 @@
 """MoE-Prism sub-expert splitting: each expert of width I becomes N experts of width I/N.
 
-An expert computes ``E(x) = W_down (silu(W_gate x) * (W_up x))``, a sum over its I intermediate
-neurons. Partitioning the neurons into N disjoint groups and slicing gate/up rows and down columns
-per group gives N sub-experts whose outputs add up to the parent's output exactly. The result is
-again a stock MoE with N*m experts of width I/N and top-(N*k), so a budget of 1..N*k sub-experts
-per token becomes a fine-grained knob.
+An expert ``E(x) = W_down (silu(W_gate x) * (W_up x))`` is a sum over its I neurons; slicing gate/up
+rows and down columns by N disjoint neuron groups gives N sub-experts whose outputs sum to the
+parent's. The result is a stock MoE with N*m experts and top-(N*k): a budget of 1..N*k sub-experts.
 
-Which neurons go together (``partition_neurons``): neurons that fire together should share a
-sub-expert, so that a token routed to a few sub-experts finds most of its active neurons there.
-On routed calibration tokens we measure each neuron's magnitude ``a_i = |silu(g_i) * u_i|`` and the
-Pearson correlation ``C_ij`` of magnitudes between neurons. The objective is
-
-    maximise  J(P) = sum over groups g of P, sum over pairs i < j in g of C_ij
-
-(the within-group co-activation), over partitions into N groups of exactly I/N neurons. We start
-greedily (seed each group with the heaviest unassigned neuron, then repeatedly add the unassigned
-neuron with the largest summed correlation to the group) and improve by simulated annealing over
-swaps of two neurons in different groups (Metropolis acceptance, geometric cooling), all experts
-of a layer in parallel. ``method="random"`` is the baseline: a seeded random equal split.
+Grouping (``partition_neurons``): neurons that fire together should share a sub-expert. With
+``a_i = |silu(g_i) * u_i|`` on routed calibration tokens and C_ij the Pearson correlation of a_i, a_j,
+maximise J(P) = sum over groups g, pairs i < j in g of C_ij over equal-size partitions: greedy start
+(seed a group with the heaviest free neuron, add the free neuron most correlated with the group), then
+simulated annealing over swaps (Metropolis, geometric cooling), all experts of a layer at once.
+``method="random"`` is the seeded random baseline.
 
 Router rows (``gate``):
-* ``"exact"``: every child repeats its parent's row. With softmax scoring the N children of
-  expert e each get probability p_e / N over the N*m experts, so top-(N*k) selects all children of
-  the parent's top-k (children of one parent tie, parents do not) and each child's routing weight is
-  w_e / N, with or without norm_topk_prob. Scaling each child's down projection by N makes the sum
-  over children exactly w_e E_e(x): the split model computes what the original computes. (With
-  sigmoid scoring, DeepSeek-V3, the child score equals the parent's; the down scale is N when the
-  top-k weights are renormalised and 1 otherwise.) Below the full budget, which children of a
-  parent survive is decided by topk's tie order: arbitrary.
-* ``"proxy"`` (training-free gate reconstruction): children are ordered by their share s_p of the
-  parent's output mass (mass of neuron i: E|a_i| * ||W_down[:, i]||), child 0 the heaviest, and
-  child p's logit gets ``log(N s_p)`` added. The stock qwen/olmoe/mixtral router has no bias, so
-  the constant is carried by the calibration "constant direction" v: the linear functional with
-  mean 1 and minimum variance on calibration router inputs (v = S^-1 mu / mu^T S^-1 mu, S the
-  covariance, ridge-regularised); the child row is ``parent_row + log(N s_p) * v``. Where h.v = 1,
-  child probabilities are p_e s_p, the child weight is w_e s_p, and scaling the child's down
-  projection by 1/s_p reproduces the parent at the full budget, while smaller budgets keep each
-  parent's heaviest parts first. The spread of h.v is reported (``proxy_spread``): the smaller it
-  is, the closer the full budget is to exact. For DeepSeek-V3 the e_score_correction_bias (which
-  only steers selection) carries a tiny tie-break by share instead, so the full budget stays exact.
-* Grouped routers (DeepSeek ``n_group`` > 1): parent-major children would fill a group's top-2
-  with two parts of its best expert and change which groups win. Instead each routing group becomes
-  N sub-groups (``n_group`` and ``topk_group`` times N; sub-group g*N + p holds part p of every
-  expert of group g, ``models.groups.split_order``): a sub-group scores what its group scored, the
-  N*topk_group winners are the parts of the original topk_group groups, and the full budget is
-  exact; a token's sub-experts still come from at most topk_group original groups.
-* ``"finetune"``: the proxy router, then only router rows are trained to match the original
-  model's next-token distribution (``training.split_finetune``).
+* ``"exact"``: each child repeats its parent's row. Softmax gives each child p_e / N, so top-(N*k)
+  selects all children of the parent's top-k with weight w_e / N each; scaling the child's down
+  projection by N reproduces the original exactly (sigmoid scoring, DeepSeek-V3: the child score is
+  the parent's, down scale N if top-k weights are renormalised, else 1). Below the full budget, which
+  children survive is topk's tie order.
+* ``"proxy"`` (training-free): child p (ordered by its share s_p of the parent's output mass,
+  E|a_i| * ||W_down[:, i]||) gets ``log(N s_p)`` added to its logit. The bias-free router carries the
+  constant through v, the direction with mean(h.v) = 1 and minimum variance on calibration router
+  inputs (v = S^-1 mu / mu^T S^-1 mu, ridge-regularised): child row = parent row + log(N s_p) v.
+  Where h.v = 1 the child weight is w_e s_p, and a down scale of 1/s_p reproduces the parent at the
+  full budget while smaller budgets keep each parent's heaviest parts; ``proxy_spread`` (std of h.v)
+  says how close to exact. DeepSeek-V3 tie-breaks by share in e_score_correction_bias instead.
+* Grouped routers (DeepSeek ``n_group`` > 1): parent-major children would fill a group's top-2 with
+  parts of its best expert and change which groups win, so each routing group becomes N sub-groups
+  (sub-group g*N + p holds part p of every expert of group g, ``models.groups.split_order``): the same
+  original groups win and the full budget is exact.
+* ``"finetune"``: the proxy router, then only router rows train to match the original's next-token
+  distribution (``training.split_finetune``).
 """
 from __future__ import annotations
 
@@ -76,9 +59,7 @@ GATES = ("exact", "proxy", "finetune")
 WIDTH_KEYS = ("moe_intermediate_size", "intermediate_size")   # first one present is the expert width
 
 
-# ---------------------------------------------------------------------------------------------
-# profiling
-# ---------------------------------------------------------------------------------------------
+# ---- profiling -----------------------------------------------------------------------------------
 
 @dataclass
 class LayerProfile:
@@ -155,9 +136,7 @@ def profile_neurons(model, batches, progress: bool = True) -> dict[int, LayerPro
                             p.tokens) for i, p in prof.items()}   # the partition search runs on the CPU
 
 
-# ---------------------------------------------------------------------------------------------
-# partitioning
-# ---------------------------------------------------------------------------------------------
+# ---- partitioning --------------------------------------------------------------------------------
 
 def check_parts(width: int, parts: int) -> None:
     if parts < 2:
@@ -271,9 +250,7 @@ def check_partition(groups: torch.Tensor, width: int) -> None:
     assert torch.equal(sorted_ids, torch.arange(width).expand(E, width)), "partition is not disjoint and complete"
 
 
-# ---------------------------------------------------------------------------------------------
-# building the split model
-# ---------------------------------------------------------------------------------------------
+# ---- building the split model --------------------------------------------------------------------
 
 @dataclass
 class LayerSplit:
@@ -457,9 +434,7 @@ def _choice(logits: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
     return scores + layer.router_bias.float() if layer.router_bias is not None else scores
 
 
-# ---------------------------------------------------------------------------------------------
-# writing
-# ---------------------------------------------------------------------------------------------
+# ---- writing -------------------------------------------------------------------------------------
 
 def write_split(result: SplitResult, source_model, out: str | Path, overwrite: bool = False,
                 source_dir: Path | None = None, command: str | None = None) -> Path:

@@ -1,19 +1,16 @@
 """Pruning a checkpoint on disk one tensor at a time: memory holds one output shard, never the model.
 
-The plan is checked and its kept experts are read against a meta-device skeleton of the model
-(only the routers are loaded, for the fingerprint), then every stored tensor is read, sliced or
-dropped by the same rule as the in-memory pruner (``prune.pruned_name``) and appended to the
-output shards. The result is the same stock checkpoint ``prune_checkpoint`` writes from a loaded
-model: the config's expert count is the kept count and ``moetailor_pruning.json`` lists the kept ids.
+The plan is checked against a meta-device skeleton (only the routers load, for the fingerprint); each
+stored tensor is then sliced or dropped by ``prune.pruned_name``'s rule, giving the same checkpoint
+``prune_checkpoint`` writes from a loaded model.
 """
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
 from ..plans.plan import Plan
-from .artifacts import COPIED, checkpoint_directory, copy_tokenizer, refuse_existing
+from .artifacts import checkpoint_directory, copy_tokenizer, finish_streamed, refuse_existing, tensor_bar
 from .prune import kept_per_layer, novice_substituted, pruned_config, pruned_name, write_sidecar
 
 
@@ -22,7 +19,6 @@ def prune_checkpoint_streamed(source: str | Path, plan: Plan | str | Path, out: 
                               progress: bool = True) -> Path:
     """Write a stock checkpoint holding only the plan's kept experts of the checkpoint at ``source``,
     reading and writing one tensor at a time (into a temporary directory renamed at the end)."""
-    from tqdm import tqdm
     from transformers import AutoConfig
 
     from ..models.architectures import arch_spec
@@ -51,9 +47,7 @@ def prune_checkpoint_streamed(source: str | Path, plan: Plan | str | Path, out: 
     names = ckpt.keys()
     with checkpoint_directory(out, overwrite, inputs) as tmp:
         writer = ShardWriter(tmp, shard_bytes)
-        # closed however the loop ends, so an error is printed after the bar, on its own line
-        with tqdm(total=len(names), unit="tensor", desc="pruning", disable=not progress, file=sys.stderr,
-                  mininterval=2) as bar:
+        with tensor_bar(names, "pruning", progress) as bar:
             for name in names:
                 action = pruned_name(name, kept)
                 bar.update(1)
@@ -62,12 +56,7 @@ def prune_checkpoint_streamed(source: str | Path, plan: Plan | str | Path, out: 
                 new, rows = action
                 tensor = ckpt.get(name)
                 writer.add(new, tensor if rows is None else tensor.index_select(0, rows))
-            writer.close()
-        ckpt.close()
-        config.save_pretrained(tmp)
-        for extra in COPIED:
-            if (ckpt.path / extra).is_file():
-                shutil.copy2(ckpt.path / extra, tmp / extra)
+        finish_streamed(ckpt, writer, config, tmp)
         copy_tokenizer(ckpt.path, tmp)
         write_sidecar(tmp, model, plan, kept, phase, original_E, command, streamed=True)
     return out
@@ -78,8 +67,6 @@ def write_novice(ckpt, model, config, plan: Plan, substituted: dict[int, tuple[i
     """A novice checkpoint (``models/novice.py``; stock vLLM >= 0.34 loads it): the retained experts under
     their own ids, no weights for the replaced ones, their constants (the plan's statistics' mean outputs,
     fp32) as ``approx_value`` tensors, and ``config.approximate_experts``. One tensor at a time."""
-    from tqdm import tqdm
-
     from ..calibration import ExpertStats
     from ..models.checkpoint import EXPERT_KEY, FUSED_KEY, ShardWriter, split_layer_key
     from ..models.novice import approx_name
@@ -91,8 +78,7 @@ def write_novice(ckpt, model, config, plan: Plan, substituted: dict[int, tuple[i
     prefixes: dict[int, str] = {}
     with checkpoint_directory(out, overwrite, inputs) as tmp:
         writer = ShardWriter(tmp, shard_bytes)
-        with tqdm(total=len(names), unit="tensor", desc="pruning", disable=not progress, file=sys.stderr,
-                  mininterval=2) as bar:
+        with tensor_bar(names, "pruning", progress) as bar:
             for name in names:
                 bar.update(1)
                 split = split_layer_key(name)
@@ -112,13 +98,8 @@ def write_novice(ckpt, model, config, plan: Plan, substituted: dict[int, tuple[i
                 constants = stats.layers[layer].mean_output.float()
                 for e in ids:
                     writer.add(approx_name(prefixes[layer], e), constants[e].contiguous())
-            writer.close()
-        ckpt.close()
         config.approximate_experts = {str(i): list(ids) for i, ids in sorted(substituted.items())}
-        config.save_pretrained(tmp)
-        for extra in COPIED:
-            if (ckpt.path / extra).is_file():
-                shutil.copy2(ckpt.path / extra, tmp / extra)
+        finish_streamed(ckpt, writer, config, tmp)
         copy_tokenizer(ckpt.path, tmp)
         E = model_experts(config)
         kept = {i: tuple(e for e in range(E) if e not in ids) for i, ids in substituted.items()}

@@ -1,31 +1,21 @@
 """Synthetic real-shaped checkpoints: published MoE configs, seeded random bf16 weights, written to disk.
 
-``write_synthetic(preset, out)`` writes what the hub ships for a model of that shape — sharded
-safetensors with ``model.safetensors.index.json``, ``config.json`` and a tokenizer (the bundled
-reference model's BPE tokenizer, 8,192 ids, which fit every preset's larger vocabulary) — so every
-moetailor verb and stock transformers load it. Weights are generated one tensor at a time from a
-generator seeded by (seed, tensor name) and written shard by shard: memory holds one shard
-(``shard_bytes``), never the model. Routed experts use the hub's per-expert layout.
+``write_synthetic(preset, out)`` writes what the hub ships (sharded safetensors with an index,
+``config.json``, the bundled 8,192-id tokenizer, per-expert layout), so every moetailor verb and stock
+transformers load it. Each tensor comes from a generator seeded by (seed, name), written shard by
+shard: memory holds one shard (``shard_bytes``), never the model.
 
-Weights: linear layers N(0, 0.02) (``initializer_range``), norms 1, biases 0. Routers are skewed so
-that a few experts are hot, as in real traffic: every embedding row carries a shared unit direction
-u (as long as the random part), and router row e of each layer is a random row orthogonal to u,
-scaled to unit logit std, plus a multiple of u with b_e ~ N(0, 1) drawn per layer, scaled so that on
-the embeddings it adds ``skew * b_e`` to expert e's logit for every token: experts with large b_e are
-hot in every batch (without skew, routing is near uniform).
+Weights: linear N(0, 0.02), norms 1, biases 0. Routers are skewed so a few experts are hot: every
+embedding row carries a shared unit direction u (as long as its random part); router row e is a random
+row orthogonal to u at unit logit std plus a multiple of u that adds ``skew * b_e`` (b_e ~ N(0, 1)
+per layer) to expert e's logit for every token.
 
-Two rules keep routing token-dependent through the layers (without them every token picked the same
-experts: the hottest expert took 94-100% of tokens in every layer). Random attention mixes each
-position with the average of its context, and that average is nearly the same for every token: the
-shared direction u (half of every embedding row's energy) and the frequency-weighted mean of the
-embeddings. At N(0, 0.02) the attention output is several times the embeddings' norm (5.6x at hidden
-512, growing with the hidden size), so this common vector swamped each token's own part of the router
-input. Hence (1) the projections that read the residual stream into attention (q, k, v; MLA's q and
-kv_a) have u projected out of their input: attention does not see the shared direction; (2) the
-attention output projection is drawn with std 0.02 / sqrt(hidden), so a layer's attention adds at most
-about the embeddings' norm. Routed experts keep N(0, 0.02): their outputs differ per token (they are
-routed), which spreads routing further.
-docs/scale.md gives the measured expert frequencies.
+Two rules keep routing token-dependent through the layers (without them the hottest expert took
+94-100% of tokens in every layer): random attention averages each position's context, which is nearly
+the same vector for every token (u and the mean embedding) and at N(0, 0.02) several times the
+embeddings' norm (5.6x at hidden 512). So (1) q, k, v (MLA: q and kv_a) read the residual with u
+projected out, and (2) the attention output projection has std 0.02 / sqrt(hidden). Routed experts
+keep N(0, 0.02). docs/scale.md gives the measured expert frequencies.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Request parsing: an OpenAI JSON body -> ``SamplingParams``, a prompt and the logprob options.
 
-Every check of what a client sent lives here, once, before an engine sees the request: each
-field's type and range (a float must be finite), the body size, the prompt's characters before
-tokenizing, the stop strings, the plan name, the tokenizer routes' bodies; a field the server does
-not implement is a 400 that says so. ``BadRequest`` is answered 400, ``TooLarge`` 413, with the
-message as written. What the engine itself checks (the budget, the context limit, the vocabulary)
-stays with the engine (``validation.check_request``), so both server kinds answer alike.
+Every check of what a client sent lives here, once, before an engine sees the request (types and
+finite ranges, body size, prompt characters before tokenizing, stop strings, plan name, tokenizer
+routes' bodies); ``BadRequest`` is a 400, ``TooLarge`` a 413. What the engine checks itself (budget,
+context, vocabulary; ``validation.check_request``) stays there, so both server kinds answer alike.
 """
 from __future__ import annotations
 
