@@ -90,10 +90,14 @@ class RoutingController:
         return _CONTROLLERS.get(model)
 
     def compile(self, policy: PhasePolicy | None) -> dict[int, CompiledPolicy]:
-        if policy is None or policy.is_identity:
+        """The policy's compiled layers (none for the full router), built once per policy object."""
+        if policy is None:
             return {}
         key = id(policy)
         if key not in self._cache or self._cache[key][0] is not policy:
+            if policy.is_identity:
+                self._cache[key] = (policy, {})
+                return {}
             device = self.layers[0].router.weight.device
             known = {l.index for l in self.layers}
             unknown = sorted(set(policy.layers) - known)

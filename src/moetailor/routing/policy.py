@@ -63,7 +63,7 @@ class LayerPolicy:
 
     @property
     def is_identity(self) -> bool:
-        return self == LayerPolicy()
+        return self == FULL
 
     @property
     def needs_constants(self) -> bool:

@@ -62,7 +62,7 @@ def module_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``x @ weight.T + bias``: a weight the engine packed on the native op (rows in the weight's dtype,
     the result in ``x``'s), any other through ``native_linear`` (in a decode step the op up to
     ``NATIVE_LINEAR_ROWS`` rows, else torch's GEMM, transformers' own arithmetic)."""
-    if kernels.is_packed(weight):
+    if weight.dim() == 4:   # packed (``kernels.pack_weight``: a linear weight is [N, K] else)
         return torch.ops.moetailor.rows_linear(x.to(weight.dtype).contiguous(), weight, bias).to(x.dtype)
     return native_linear(x, weight, bias)
 
@@ -394,7 +394,7 @@ class Decoder:
                                step.experts_read, int(budget))               # [B, H] each
         x, h, moe_in_out = graph.attention(i, x, h, cos, sin, kv.slot_mapping, kv.block_table,
                                            kv.context_lens)                   # [B, H] x2, [B, E (+ 2I + 1)]
-        _, weights, index = controller.route_layer(moe, h, logits=moe_in_out[:, :moe.num_experts])   # [B, K] each
+        _, weights, index = controller.route_layer(moe, h, logits=moe_in_out[:, :moe.semantics.num_experts])  # [B, K]
         constant, weights, index = novice_split(layer_policy(moe.experts, step), weights, index)
         if constant is not None:   # novice experts' g * c_e joins the residual the block adds the experts to
             x = x + constant.to(x.dtype)

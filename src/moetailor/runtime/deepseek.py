@@ -137,7 +137,6 @@ class MlaDecoder:
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, step: Step, controller,
             keep: torch.Tensor | None) -> torch.Tensor:
-        T = ids.shape[0]
         x = F.embedding(ids, self.embed)                                      # [T, H] the residual stream
         if self.rotary_table is not None:
             cos, sin = (t[positions][None] for t in self.rotary_table)        # [1, T, Dr] each

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
@@ -154,14 +155,15 @@ class LLM:
         """The one owner of which expert policy a step runs, and the decode pool by load it came from:
         the requests' own plan (the scheduler never mixes plans in a step; the guard's full pool is
         one), else in decode the pool the batch size picks, else the engine's plan."""
-        phase = "prefill" if is_prefill else "decode"
         own = seqs[0].plan
         if own is not None:
-            return own.phase(phase), None
+            return own.prefill if is_prefill else own.decode, None
         if not is_prefill and self.decode_pools is not None:
             rung = self.decode_pools.rung_for(len(seqs))
             return (rung.plan.decode if rung.plan is not None else FULL_PHASE), rung.pool_size
-        return (self.plan.phase(phase) if self.plan is not None else FULL_PHASE), None
+        if self.plan is None:
+            return FULL_PHASE, None
+        return self.plan.prefill if is_prefill else self.plan.decode, None
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -309,7 +311,8 @@ class LLM:
                           uniform=top_k is not None and mean_k == k_max)               # one budget: the native path
         every = [is_prefill and s.sampling.prompt_logprobs is not None and s.prompt_logprobs is None
                  for s in seqs]                                                    # prompt logprobs still to compute
-        with observed_step(self.observer, seqs, is_prefill):   # counted once the step's tokens are sampled
+        observing = observed_step(self.observer, seqs, is_prefill) if self.observer is not None else nullcontext()
+        with observing:                                          # counted once the step's tokens are sampled
             out = self.runner.run(seqs, is_prefill, self.block_manager, routing, every if any(every) else None)
             if any(every):
                 out = replace(out, logits=take_prompt_logprobs(seqs, every, out.logits))   # [B, V]
