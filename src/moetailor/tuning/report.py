@@ -31,8 +31,9 @@ def _of_full(r: dict) -> str:
 def rows(tuner, result, points: list[dict]) -> tuple[list[str], list[tuple]]:
     """The front table: one row per point."""
     speed = tuner.s.min_tok_s is not None
+    where = tuner.s.backend != "engine"     # which engine scored each row (a merged decoder: the embedded one)
     cols = ["plan", "budget", "pool", "KL", "accuracy %", "of full (95% CI)", "vs full (p)", "p90",
-            "tok/s" if speed else None, "vLLM", "floor", "at target"]
+            "tok/s" if speed else None, "vLLM", "scored on" if where else None, "floor", "at target"]
     cols = [c for c in cols if c]
     out = []
     for r in points:
@@ -44,7 +45,10 @@ def rows(tuner, result, points: list[dict]) -> tuple[list[str], list[tuple]]:
                f"{r['tasks']['p90']:.0f}" if r.get("tasks") else "-"]
         if speed:
             row.append(f"{r['tok_s']:.0f}" if r.get("tok_s") is not None else "-")
-        row += ["yes" if r.get("vllm") else "no", tuner.floor_verdict(r), "yes" if tuner.at_target(r) else "no"]
+        row.append("yes" if r.get("vllm") else "no")
+        if where:
+            row.append({"vllm": "vLLM"}.get(r.get("scored_by"), r.get("scored_by") or "-"))
+        row += [tuner.floor_verdict(r), "yes" if tuner.at_target(r) else "no"]
         out.append(tuple(row))
     return cols, out
 

@@ -163,3 +163,44 @@ def test_tune_scores_candidates_on_vllm(tmp_path):
             assert runs["vllm"][key]["tasks"]["correct"] == r["tasks"]["correct"], key
     assert sum("tasks" in r for r in runs["vllm"].values()) >= 2
     assert max(r["kl"] for r in runs["vllm"].values()) > 0.01
+
+
+def test_tune_scores_novice_and_protected_super_candidates_on_vllm(tmp_path):
+    """`tune --backend vllm` searches the candidates that replace dropped experts: novice pools (the
+    in-process engine starts with novice constants) and the masked and novice pools with the model's
+    super experts protected are scored on vLLM, each one's held-out KL and greedy task answers equal to
+    the embedded engine's on the same candidate (fp32). Merged experts stay out here: a merged decoder
+    is scored on the embedded engine under either backend (tests/tuning/test_search.py)."""
+    args = ["--data", "tasks", "--min-quality", "0.5", "--budget", "0.5", "--servable", "vllm", "--criteria", "reap",
+            "--no-fold", "--no-allocation", "--no-top-k", "--novice", "--no-merge", "--protect-super", "8",
+            "--calib-tokens", "4096", "--kl-tokens", "256", "--kl-window", "64", "--n", "2", "--evaluate", "6",
+            "--dtype", "fp32"]
+    runs, fronts = {}, {}
+    for backend in ("engine", "vllm"):
+        out = tmp_path / backend
+        assert main(["tune", "reference", *args, "--backend", backend, "--out", str(out)]) in (0, 1)
+        runs[backend] = {p.stem: json.loads(p.read_text()) for p in (out / "candidates").glob("*.json")}
+        fronts[backend] = json.loads((out / "front.json").read_text())
+    assert runs["vllm"].keys() == runs["engine"].keys()
+
+    def kind(r):
+        return r["candidate"]["pool_mode"], bool(r["candidate"].get("protect_super"))
+
+    replacing = {k: r for k, r in runs["vllm"].items() if kind(r) != ("mask", False)}
+    assert {kind(r) for r in replacing.values()} == {("novice", False), ("novice", True), ("mask", True)}
+    for key, r in runs["engine"].items():
+        assert math.isclose(runs["vllm"][key]["kl"], r["kl"], rel_tol=1e-3, abs_tol=1e-5), key
+        if "tasks" in r:
+            assert runs["vllm"][key]["tasks"]["correct"] == r["tasks"]["correct"], key
+    evaluated = {kind(r) for r in replacing.values() if "tasks" in r}
+    assert evaluated & {("novice", False), ("novice", True)} and ("mask", True) in evaluated, evaluated
+    assert {p["scored_by"] for p in fronts["vllm"]["proxy"]} == {"vllm"}
+    assert not fronts["vllm"]["summary"]["notes"]
+    # the replacements change the scores, so a vLLM engine that ignored them could not pass: a novice pool
+    # and a protected pool each score another KL than the plain masked pool of the same size
+    kl = {(r["candidate"]["criterion"], *kind(r), r["candidate"]["sizes"][0]): r["kl"] for r in runs["engine"].values()
+          if len(set(r["candidate"]["sizes"])) == 1}
+    for mode, protected in (("novice", False), ("mask", True)):
+        sizes = [m for (c, p, s, m) in kl if (c, p, s) == ("reap", mode, protected)]
+        assert sizes and all(abs(kl[("reap", mode, protected, m)] - kl[("reap", "mask", False, m)]) > 1e-3
+                             for m in sizes), (mode, protected)
