@@ -228,3 +228,37 @@ def test_tune_scores_novice_and_protected_super_candidates_on_vllm(tmp_path):
         sizes = [m for (c, p, s, m) in kl if (c, p, s) == ("reap", mode, protected)]
         assert sizes and some(abs(kl[("reap", mode, protected, m)] - kl[("reap", "mask", False, m)]) > 1e-3
                               for m in sizes), (mode, protected, kl)
+
+
+def test_tune_on_vllm_scores_merged_experts_on_the_engine_and_says_so(tmp_path, capsys):
+    """Merged experts are other checkpoints, which a plan switch on the vLLM engine cannot give: `tune
+    --backend vllm` scores them on the embedded engine (held-out KL with the merged decoder, task answers
+    in the engine's disaggregated pair, beside the running vLLM engine), as `--backend engine` does, and
+    says so: a printed note, "scored on" engine in the table, "scored_by" in front.json."""
+    args = ["--data", "tasks", "--min-quality", "0.5", "--budget", "0.375", "--servable", "vllm", "--criteria", "reap",
+            "--no-fold", "--no-allocation", "--no-top-k", "--no-novice", "--protect-super", "0",
+            "--calib-tokens", "4096", "--kl-tokens", "256", "--kl-window", "64", "--n", "2", "--evaluate", "4",
+            "--dtype", "fp32"]
+    runs, fronts = {}, {}
+    for backend in ("engine", "vllm"):
+        out = tmp_path / backend
+        assert main(["tune", "reference", *args, "--backend", backend, "--out", str(out)]) in (0, 1)
+        runs[backend] = {p.stem: json.loads(p.read_text()) for p in (out / "candidates").glob("*.json")}
+        fronts[backend] = json.loads((out / "front.json").read_text())
+    printed = capsys.readouterr().out
+    assert runs["vllm"].keys() == runs["engine"].keys()
+    merged = {k for k, r in runs["vllm"].items() if r["candidate"]["pool_mode"] == "merge"}
+    assert {runs["vllm"][k]["candidate"]["merge"] for k in merged} == {"hcsmoe", "msmoe"}
+    assert {p["key"] for p in fronts["vllm"]["proxy"] if p["scored_by"] == "engine"} == merged
+    assert {p["scored_by"] for p in fronts["vllm"]["proxy"] if p["key"] not in merged} == {"vllm"}
+    for key, r in runs["engine"].items():
+        assert math.isclose(runs["vllm"][key]["kl"], r["kl"], rel_tol=1e-3, abs_tol=1e-5), key
+        if "tasks" in r:
+            assert runs["vllm"][key]["tasks"]["correct"] == r["tasks"]["correct"], key
+    assert any("tasks" in runs["vllm"][k] for k in merged), "a merged point must be evaluated to test its answers"
+    notes = fronts["vllm"]["summary"]["notes"]
+    assert len(notes) == 1 and "merged experts are scored on moetailor's engine" in notes[0]
+    assert f"note: {notes[0]}" in printed
+    table = (tmp_path / "vllm" / "front.md").read_text()
+    assert "| scored on |" in table and "| engine |" not in (tmp_path / "engine" / "front.md").read_text()
+    assert not fronts["engine"]["summary"]["notes"]
