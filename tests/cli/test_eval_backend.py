@@ -99,3 +99,44 @@ def test_engine_backend_is_what_eval_ran(tmp_path):
     phase_aware = plan.phase_aware()
     assert backend.heldout(phase_aware, windows) == HeldoutScorer(model, windows).score(None, phase_aware.decode)
     assert backend.heldout(None, windows).kl == 0.0
+
+
+def test_tune_novice_on_a_server_without_novice_constants_names_the_fix(tmp_path, capsys, monkeypatch):
+    """`tune --novice` against a server of the right model that was started without --vllm-novice (here a
+    stand-in answering the middleware's two routes): one line naming --vllm-novice, before any model loads."""
+    import json
+
+    import moetailor.models as models
+    from moetailor.integrations.vllm.plan import checkpoint_fingerprint
+    from moetailor.models.paths import resolve_model_path
+
+    answers = {"/moetailor/fingerprint": {"fingerprint": checkpoint_fingerprint(resolve_model_path("reference")),
+                                          "model": "reference", "prefix_caching": False, "novice": False},
+               "/v1/models": {"data": [{"id": "reference"}]}}
+
+    class Middleware(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(answers[self.path]).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the server was refused")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Middleware)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        one_line_error(capsys, ["tune", "reference", "--max-kl", "1", "--budget", "0.5", "--servable", "vllm",
+                                "--backend", "vllm", "--vllm-url", f"http://127.0.0.1:{server.server_address[1]}",
+                                "--novice", "--out", str(tmp_path / "o")],
+                       "adds no novice constants", "--vllm-novice", "drop --novice")
+    finally:
+        server.shutdown()
+    assert not (tmp_path / "o").exists()

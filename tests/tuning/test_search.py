@@ -187,6 +187,49 @@ def test_tune_searches_novice_merged_and_protected_pools_and_evaluates_merged_de
             assert r["floor"]["verdict"] in ("meets", "misses", "not enough prompts to tell")
 
 
+def test_backend_vllm_searches_the_replacing_pools_and_says_where_each_was_scored(tmp_path, monkeypatch):
+    """--backend vllm runs stage 3c too. Here the vLLM evaluator is the embedded engine under vLLM's name
+    (the real one: tests/integrations/vllm/test_vllm_evaluator.py), standing for a --vllm-url server
+    started without --vllm-novice: protected super experts are searched and scored on it; novice pools
+    are left out with a note naming the fix (and refused by name when --novice asks for them); merged
+    decoders are scored on the embedded engine, each row saying so."""
+    from moetailor.eval import backends
+    from moetailor.tuning.report import rows
+
+    class ServerWithoutNovice(backends.EngineBackend):
+        name, novice = "vllm", False
+
+    asked = []
+    monkeypatch.setattr(backends, "check_backend", lambda backend, url, model: {"novice": False, "name": "m"})
+    monkeypatch.setattr(backends, "make_backend", lambda backend, model, tok, path, url=None, novice=True:
+                        asked.append(novice) or ServerWithoutNovice(model, tok))
+    path = save("qwen2_moe", tmp_path / "model")
+    kw = dict(max_kl=10.0, budget=0.5, servable="vllm", backend="vllm", vllm_url="http://127.0.0.1:1",
+              criteria=("reap",), allocation=False, fold=False, top_k=False, protect_super=1)
+    tuner, result = tune(path, tmp_path / "out", **kw)
+    assert asked == [True]
+    cands = {r["key"]: r["candidate"] for r in tuner.scored.values()}
+    assert not any(c["pool_mode"] == "novice" for c in cands.values())
+    assert any(c["pool_mode"] == "mask" and c.get("protect_super") == 1 for c in cands.values())
+    merged = {k for k, c in cands.items() if c["pool_mode"] == "merge"}
+    assert merged and all((tuner.scored[k]["scored_by"] == "engine") == (k in merged) for k in cands)
+    assert tuner.scored[next(iter(merged))]["scored_by"] == "engine"
+    notes = result.summary["notes"]
+    assert len(notes) == 2 and "novice pools not searched" in notes[0] and "--vllm-novice" in notes[0]
+    assert "merged experts are scored on moetailor's engine" in notes[1]
+    data = json.loads((tmp_path / "out" / "front.json").read_text())
+    assert data["summary"]["notes"] == notes
+    assert {p["key"] for p in data["proxy"] if p["scored_by"] == "engine"} == merged
+    cols, table = rows(tuner, result, list(tuner.scored.values()))
+    where = dict(zip(tuner.scored, (row[cols.index("scored on")] for row in table)))
+    assert {k for k, v in where.items() if v == "engine"} == merged and set(where.values()) == {"engine", "vLLM"}
+    with pytest.raises(ValueError, match=r"--novice: the vLLM server .* adds no novice constants.*--vllm-novice"):
+        tune(path, tmp_path / "asked", novice=True, **kw)
+    assert not (tmp_path / "asked").exists()
+    tuner.s.backend = "engine"        # the engine scores every row: no column for it
+    assert "scored on" not in rows(tuner, result, [])[0]
+
+
 def test_tune_computes_in_float32_as_eval_does_unless_only_the_stored_dtype_fits(tmp_path, monkeypatch):
     """`eval` generates in float32 whatever the checkpoint stores; tune does too by default, so its
     verdicts are eval's (in the bundled models' stored bf16 one near-tie prompt of 300 scored

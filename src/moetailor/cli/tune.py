@@ -43,8 +43,12 @@ def register(sub) -> None:
     search = p.add_argument_group("search space")
     search.add_argument("--criteria", default=",".join(CRITERIA), help="criteria to compare (default: all four)")
     search.add_argument("--no-fold", action="store_true", help="leave folding out")
-    search.add_argument("--no-novice", action="store_true", help="leave novice pools (dropped experts replaced by "
-                        "their mean outputs, MoNE) out")
+    novice = search.add_mutually_exclusive_group()
+    novice.add_argument("--novice", action="store_true", default=None,
+                        help="require novice pools (dropped experts replaced by their mean outputs, MoNE): refuse a "
+                        "--vllm-url server that cannot switch them in (default: searched wherever the evaluator "
+                        "runs them, else skipped with a note)")
+    novice.add_argument("--no-novice", dest="novice", action="store_false", default=None, help="leave novice pools out")
     search.add_argument("--no-merge", action="store_true", help="leave merged experts (HC-SMoE, M-SMoE; served as "
                         "merged checkpoints) out")
     search.add_argument("--protect-super", type=int, default=8, metavar="N",
@@ -89,7 +93,7 @@ def run(args) -> int:
         model=args.model, data=data, out=Path(args.out), tasks=args.tasks, min_quality=args.min_quality,
         max_kl=args.max_kl, budget=args.budget, min_tok_s=args.min_tok_s, gpu=args.gpu, model_shape=args.model_shape,
         context=args.context, batch=args.batch, criteria=tuple(c.strip() for c in args.criteria.split(",") if c.strip()),
-        fold=not args.no_fold, novice=not args.no_novice, merge=not args.no_merge,
+        fold=not args.no_fold, novice=args.novice, merge=not args.no_merge,
         protect_super=args.protect_super, allocation=not args.no_allocation, top_k=not args.no_top_k, servable=args.servable,
         calib_tokens=args.calib_tokens, kl_tokens=args.kl_tokens, kl_window=args.kl_window, n=args.n,
         evaluate=args.evaluate, distill_steps=args.distill, distill_lr=args.distill_lr, seed=args.seed,
@@ -108,6 +112,8 @@ def run(args) -> int:
                  else "the floor is the held-out KL")
     print_table(f"Pareto front ({result.quality} vs budget at batch {settings.batch}; {s['candidates_scored']} plans "
                 f"scored by held-out traffic KL, {evaluated}; {s['seconds']:.0f} s) -> {args.out}", cols, table)
+    for note in s.get("notes") or []:
+        print(f"note: {note}")
     c = result.choice
     per_task = max(1, len(s.get("tasks") or [])) if result.quality == "accuracy" else None
 

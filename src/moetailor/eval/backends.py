@@ -5,7 +5,10 @@
   * ``VLLMBackend``: one vLLM engine with moetailor's plugin, either ``vllm.LLM`` in this process
     (the interpreter has vLLM: ``.venv-vllm``) or a running ``vllm serve`` at ``--vllm-url``. The
     engine starts once with the full router and switches plans between candidates
-    (``integrations.vllm.rpc.use_plan``), so whatever vLLM runs on scores the plans.
+    (``integrations.vllm.rpc.use_plan``), so whatever vLLM runs on scores the plans. Novice plans
+    switch in where the engine adds novice constants (``novice``: in-process when asked, a server
+    started with ``--vllm-novice``). A merged plan is another checkpoint, which no plan switch gives:
+    its callers score it on the embedded engine (``serving.disagg``).
 
 Both answer ``generate(plan, prompts, params)`` (moetailor ``SamplingParams``; outputs with ``text``,
 ``token_ids``, ``finish_reason``) and ``heldout(plan, windows)`` (KL from the full model and
@@ -40,9 +43,10 @@ class Completion:
     finish_reason: str | None
 
 
-def check_backend(backend: str, vllm_url: str | None, model: str | Path | None = None) -> None:
+def check_backend(backend: str, vllm_url: str | None, model: str | Path | None = None) -> dict | None:
     """Refuse, before any model loads, a backend this environment cannot run, or a server that does not
-    answer or serves another model than ``model`` (one line each)."""
+    answer or serves another model than ``model`` (one line each). Answers the server's record
+    (``server_info``) for a ``vllm_url``, else None."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown --backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if vllm_url and backend != "vllm":
@@ -51,7 +55,8 @@ def check_backend(backend: str, vllm_url: str | None, model: str | Path | None =
         raise ValueError(f"--backend vllm needs vLLM in this environment: {VLLM_SETUP} (or pass --vllm-url URL of a "
                          "running `moetailor serve MODEL --backend vllm`)")
     if backend == "vllm" and vllm_url:
-        probe_server(vllm_url, model)
+        return server_info(vllm_url, model)
+    return None
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -72,6 +77,7 @@ class EngineBackend:
     """moetailor's engine (generation) and the in-memory model's forward (held-out KL)."""
 
     name = "engine"
+    novice = True      # novice plans run (the engine adds each replaced expert's constant)
 
     def __init__(self, model, tokenizer, max_num_seqs: int = 64):
         self.model, self.tokenizer, self.max_num_seqs = model, tokenizer, max_num_seqs
@@ -127,7 +133,8 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, model, tokenizer, path: str | Path, *, url: str | None = None, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, kv_cache_mib: int = 512, enforce_eager: bool = False):
+                 max_model_len: int | None = None, kv_cache_mib: int = 512, enforce_eager: bool = False,
+                 novice: bool = True):
         from ..models.paths import resolve_model_path
         from ..runtime.runner import default_max_model_len
 
@@ -143,8 +150,12 @@ class VLLMBackend:
         self._plan_key: str | None = "unset"
         self._llm = None
         self._references: dict[int, list[torch.Tensor]] = {}
+        # whether novice plans switch in: the in-process engine adds novice constants on every MoE layer
+        # when asked (``novice``), a server when it was started with --vllm-novice
+        self.novice = novice
         if url:
             self.client = RemoteVLLM(url, path)   # checks the server (one line when it does not answer)
+            self.novice = self.client.novice
 
     # -- the engine --------------------------------------------------------------------------------
     @property
@@ -156,7 +167,7 @@ class VLLMBackend:
             os.environ.setdefault(SERIALIZATION_ENV, "1")   # plan switches reach the workers as functions
             from vllm import LLM
             kwargs = engine_kwargs(self.path, dtype=self.dtype, kv_cache_mib=self.kv_cache_mib,
-                                   enforce_eager=self.enforce_eager, novice=True,   # novice plans switch in
+                                   enforce_eager=self.enforce_eager, novice=self.novice,
                                    enable_prefix_caching=False, max_num_seqs=self.max_num_seqs,
                                    max_model_len=self.max_model_len, max_logprobs=self.vocab, seed=0,
                                    disable_log_stats=True)
@@ -285,6 +296,12 @@ def probe_server(url: str, model: str | Path | None = None) -> str:
     """The served model name of the moetailor-plugin vLLM server at ``url``, checked to serve ``model``
     (a bundled name or checkpoint directory; its router weights are compared, no model is loaded).
     One line when it does not answer, is not such a server, or serves another model."""
+    return server_info(url, model)["name"]
+
+
+def server_info(url: str, model: str | Path | None = None) -> dict:
+    """``probe_server``'s checks, answering the server's fingerprint record with its served model
+    ``name`` added (``novice``: whether novice plans switch in, ``--vllm-novice``)."""
     import httpx
 
     from ..integrations.vllm.plan import checkpoint_fingerprint
@@ -308,7 +325,7 @@ def probe_server(url: str, model: str | Path | None = None) -> str:
         problem = fingerprint_mismatch(served["fingerprint"], checkpoint_fingerprint(resolve_model_path(model)))
         if problem:
             raise ValueError(f"--vllm-url {url} serves another model ({served.get('model')}: {problem}); {start}")
-    return names.json()["data"][0]["id"]
+    return {**served, "name": names.json()["data"][0]["id"]}
 
 
 # vLLM's API server closes a keep-alive connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s), and
@@ -329,7 +346,8 @@ class RemoteVLLM:
         import httpx
 
         self.url = url.rstrip("/")
-        self.served_name = probe_server(url, model)
+        served = server_info(url, model)
+        self.served_name, self.novice = served["name"], bool(served.get("novice"))
         self.http = httpx.Client(timeout=None, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
 
     def _post(self, path: str, body: dict) -> dict:
@@ -373,7 +391,8 @@ class RemoteVLLM:
 
 
 def make_backend(backend: str, model, tokenizer, path: str | Path, *, url: str | None = None,
-                 max_num_seqs: int = 64):
+                 max_num_seqs: int = 64, novice: bool = True):
+    """``novice``: an in-process vLLM engine adds novice constants, so that novice plans switch in."""
     if backend == "vllm":
-        return VLLMBackend(model, tokenizer, path, url=url, max_num_seqs=max_num_seqs)
+        return VLLMBackend(model, tokenizer, path, url=url, max_num_seqs=max_num_seqs, novice=novice)
     return EngineBackend(model, tokenizer, max_num_seqs)

@@ -31,8 +31,11 @@ def _of_full(r: dict) -> str:
 def rows(tuner, result, points: list[dict]) -> tuple[list[str], list[tuple]]:
     """The front table: one row per point."""
     speed = tuner.s.min_tok_s is not None
+    # --backend vllm (which needs --servable vllm: every row runs on vLLM) says instead which engine scored
+    # each row: vLLM, or the embedded engine for a merged decoder
+    where = tuner.s.backend != "engine"
     cols = ["plan", "budget", "pool", "KL", "accuracy %", "of full (95% CI)", "vs full (p)", "p90",
-            "tok/s" if speed else None, "vLLM", "floor", "at target"]
+            "tok/s" if speed else None, "scored on" if where else "vLLM", "floor", "at target"]
     cols = [c for c in cols if c]
     out = []
     for r in points:
@@ -44,7 +47,11 @@ def rows(tuner, result, points: list[dict]) -> tuple[list[str], list[tuple]]:
                f"{r['tasks']['p90']:.0f}" if r.get("tasks") else "-"]
         if speed:
             row.append(f"{r['tok_s']:.0f}" if r.get("tok_s") is not None else "-")
-        row += ["yes" if r.get("vllm") else "no", tuner.floor_verdict(r), "yes" if tuner.at_target(r) else "no"]
+        if where:
+            row.append({"vllm": "vLLM"}.get(r.get("scored_by"), r.get("scored_by") or "-"))
+        else:
+            row.append("yes" if r.get("vllm") else "no")
+        row += [tuner.floor_verdict(r), "yes" if tuner.at_target(r) else "no"]
         out.append(tuple(row))
     return cols, out
 

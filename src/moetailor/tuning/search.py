@@ -13,8 +13,9 @@ Stages (each candidate's evidence is cached in ``OUT/candidates/KEY.json``, so a
 3. for the best criterion: every pool size on the fine grid, masked and folded; per-layer sizes
    under a fixed total from measured layer sensitivity (``tuning.sensitivity``); top-k reduction
    on the proxy front where the batch makes it pay; near the target, novice pools (MoNE score and
-   the best criterion), merged experts (HC-SMoE, M-SMoE; scored on their merged checkpoints) and
-   each of those and the masked pool with the model's super experts protected;
+   the best criterion), merged experts (HC-SMoE, M-SMoE; scored on their merged checkpoints, by the
+   embedded engine whatever ``--backend``: a plan switch on one vLLM engine cannot give another
+   checkpoint) and each of those and the masked pool with the model's super experts protected;
 4. task accuracy on the user's prompts (``eval`` scorers, through the engine) for the full model and
    the few proxy-front candidates nearest the target, walking the front until the floor is bracketed.
    A point meets an accuracy floor only when the paired 95% interval of its share of the full model's
@@ -58,7 +59,9 @@ class TuneSettings:
     batch: int = 64                     # decode batch the budget and speed are taken at
     criteria: tuple[str, ...] = CRITERIA
     fold: bool = True
-    novice: bool = True                 # novice pools (dropped experts replaced by their mean outputs)
+    novice: bool | None = None          # novice pools (dropped experts replaced by their mean outputs): None
+                                        # where the evaluator runs them (else skipped, with a note), True asked
+                                        # for (refused where it cannot), False left out
     merge: bool = True                  # merged experts (HC-SMoE, M-SMoE), served as merged checkpoints
     protect_super: int = 8              # super experts protected as a search dimension (0: never)
     allocation: bool = True
@@ -85,7 +88,11 @@ class TuneSettings:
         from ..eval.backends import check_backend
         from ..plans.criteria import CRITERIA as KNOWN
 
-        check_backend(self.backend, self.vllm_url, self.model)
+        served = check_backend(self.backend, self.vllm_url, self.model)
+        if served is not None and self.novice and not served.get("novice"):
+            raise ValueError(f"--novice: the vLLM server at {self.vllm_url} adds no novice constants, so novice plans "
+                             f"cannot switch in; restart it with `moetailor serve {self.model} --backend vllm "
+                             "--vllm-no-prefix-caching --vllm-novice`, or drop --novice")
         if self.backend == "vllm":
             if self.servable != "vllm":
                 raise ValueError("--backend vllm scores the plans vLLM's plugin runs: add --servable vllm")
@@ -193,6 +200,7 @@ class Tuner:
         self.out = Path(settings.out)
         self.scored: dict[str, dict] = {}
         self.plans: dict[str, object] = {}
+        self.notes: list[str] = []      # what the search left out or scored elsewhere, and why (printed, front.json)
 
     # ---- set-up ----------------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -248,7 +256,17 @@ class Tuner:
             [self.fp, sorted((p.name, p.stat().st_size) for p in self.path.glob("*.safetensors"))])
         if not self.streamed:
             from ..eval.backends import make_backend
-            self.backend = make_backend(s.backend, self.model, self.tokenizer, self.path, url=s.vllm_url)
+            self.backend = make_backend(s.backend, self.model, self.tokenizer, self.path, url=s.vllm_url,
+                                        novice=s.novice is not False)
+            if s.novice is None and not self.backend.novice:
+                self._note(f"novice pools not searched: the vLLM server at {s.vllm_url} adds no novice constants "
+                           f"(restart it with `moetailor serve {s.model} --backend vllm --vllm-no-prefix-caching "
+                           "--vllm-novice` to search them)")
+
+    def _note(self, line: str) -> None:
+        if line not in self.notes:
+            self.notes.append(line)
+            self.log(line)
 
     def _working_dtype(self):
         """``--dtype``, or by default float32: what `eval`'s generation and the engine verbs compute in, so
@@ -393,8 +411,8 @@ class Tuner:
                 from ..eval.streamed_kl import heldout_kl_streamed
                 kl = heldout_kl_streamed(self.path, self.windows, plan=self.plan(c), dtype=self.dtype,
                                          progress=False, placement=self.placement).kl
-            elif c.checkpoint:   # full prefill on the model, decode on the merged checkpoint
-                kl = self.scorer.score(None, None, self._load(self.merged_dir(c))).kl
+            elif c.checkpoint:   # full prefill on the model, decode on the merged checkpoint (the engine)
+                kl = self._engine_scorer().score(None, None, self._load(self.merged_dir(c))).kl
             else:
                 plan = self.plan(c)
                 kl = self.backend.heldout(plan.with_phases(None, plan.decode), self.windows).kl
@@ -405,9 +423,23 @@ class Tuner:
             record = {**record, "merged": str(self.merged_dir(c))}
         record = {**record, "key": c.key, "label": c.describe(self.E),
                   "budget": round(c.read_share(self.E, self.k, self.s.batch), 6),
-                  "pool_share": round(c.pool_share(self.E), 6), "vllm": c.runs_on_vllm()}
+                  "pool_share": round(c.pool_share(self.E), 6), "vllm": c.runs_on_vllm(),
+                  "scored_by": self.scored_by(c)}
         self.scored[c.key] = record
         return record
+
+    def scored_by(self, c: Candidate) -> str:
+        """Which engine scores ``c`` (KL and task answers): the --backend, except for a merged decoder,
+        which is its own checkpoint and runs on the embedded engine (prefill on the model)."""
+        return "engine" if c.checkpoint else self.s.backend
+
+    def _engine_scorer(self):
+        """The embedded engine's held-out scorer of the traffic windows (the full model's predictions
+        computed once): merged and distilled decoders are scored by it whatever --backend."""
+        if not hasattr(self, "scorer"):
+            from ..eval.metrics import HeldoutScorer
+            self.scorer = HeldoutScorer(self.model, self.windows)
+        return self.scorer
 
     def _score_all(self, cands: list[Candidate], desc: str) -> list[dict]:
         from tqdm import tqdm
@@ -491,7 +523,7 @@ class Tuner:
         the target (two either side): novice pools (the MoNE score and ``best``), merged experts (HC-SMoE,
         M-SMoE), and each of those and ``best``'s masked pool with the super experts protected."""
         s = self.s
-        if self.streamed or s.backend != "engine":   # scored on the model in memory, with the engine
+        if self.streamed:   # built from the model in memory
             return []
         near = sorted(fine, key=lambda m: abs(m / self.E - self._proxy_target()))[:5]
         grouped = (self.fp.get("n_group") or 1) > 1      # merging and protection are refused there (plans say why)
@@ -503,11 +535,15 @@ class Tuner:
                 if p >= m:
                     continue
                 kinds = [Candidate(best, sizes, "mask", protect_super=p)] if p else []
-                if s.novice and self.stats.has_outputs:
+                if s.novice is not False and self.backend.novice and self.stats.has_outputs:
                     kinds += [Candidate(c, sizes, "novice", protect_super=p) for c in dict.fromkeys(("mone", best))]
                 if s.merge and self.stats.has_outputs and not grouped:
                     kinds += [Candidate("frequency", sizes, "merge", protect_super=p, merge=g) for g in ("hcsmoe", "msmoe")]
                 out += kinds
+        if s.backend != "engine" and any(c.checkpoint for c in out):
+            self._note("merged experts are scored on moetailor's engine (prefill on the model, decode on the merged "
+                       "checkpoint): vLLM's evaluator switches plans on one engine, and a merged decoder is another "
+                       "checkpoint (\"scored on\": engine in the table and front.json)")
         return out
 
     def proxy_front(self) -> list[dict]:
@@ -615,7 +651,7 @@ class Tuner:
                       "prompts": len(gens), "seconds": round(time.time() - t0, 1)}
             r["tasks"] = cached
             stored = {k: v for k, v in r.items() if k not in ("key", "label", "budget", "pool_share", "vllm",
-                                                               "tok_s", "tok_s_kind")}
+                                                               "scored_by", "tok_s", "tok_s_kind")}
             write_json(self.out / "candidates" / f"{r['key']}.json", stored)
         r["accuracy"] = cached["accuracy"]
         return r
@@ -716,14 +752,15 @@ class Tuner:
             distill_checkpoint(str(self.path), plan_path, self.calib_data, cfg, out, overwrite=True,
                                progress=self.progress, command=self.s.command)
         d = {**r, "key": f"{c.key}+distilled{self.s.distill_steps}",
-             "label": f"{r['label']} distilled {self.s.distill_steps}", "distilled": str(out), "vllm": False}
+             "label": f"{r['label']} distilled {self.s.distill_steps}", "distilled": str(out), "vllm": False,
+             "scored_by": "engine"}
         d.pop("tasks", None)
         cache = self.out / "candidates" / f"{d['key']}.json"
         if cache.is_file():
             stored = json.loads(cache.read_text())
             if stored.get("identity") == self.identity and "tasks" in stored:
                 d["tasks"] = stored["tasks"]
-        d["kl"] = self.scorer.score(None, self.plan(c).decode, self._load(out)).kl
+        d["kl"] = self._engine_scorer().score(None, self.plan(c).decode, self._load(out)).kl
         return self._with_full(self.evaluate(d, decode_model=str(out)))
 
     def _load(self, path: Path):
@@ -823,7 +860,7 @@ class Tuner:
                    "calibration": self.stats.meta.get("data_sha256"), "kl_tokens": len(self.windows) * self.s.kl_window,
                    "task_traffic": self.task_traffic, "tasks": [t.name for t in self.tasks],
                    "prompts": len(self._ex) if hasattr(self, "_ex") else 0,
-                   "floor_confidence": 0.95 if quality == "accuracy" else None}
+                   "floor_confidence": 0.95 if quality == "accuracy" else None, "notes": list(self.notes)}
         result = TuneResult(points, shown, choice, quality, self.full, plan_path, summary)
         from .report import write_report
         write_report(self, result)

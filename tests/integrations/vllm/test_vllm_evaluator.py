@@ -121,6 +121,29 @@ def test_a_running_server_scores_the_same(both, server, tmp_path, quarter_plan):
     assert table(results) == table(engine)
 
 
+
+def test_tune_novice_needs_a_server_started_with_vllm_novice(server, tmp_path, capsys):
+    """The server above was started without --vllm-novice: its fingerprint says so, and `tune --novice`
+    is refused in one line naming the flag (without --novice, tune leaves novice pools out with a note:
+    tests/tuning/test_search.py)."""
+    from moetailor.eval.backends import server_info
+
+    assert server_info(server, "reference")["novice"] is False
+    out = tmp_path / "tune"
+    assert main(["tune", "reference", "--max-kl", "1", "--budget", "0.5", "--servable", "vllm", "--backend", "vllm",
+                 "--vllm-url", server, "--novice", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "adds no novice constants" in err and "--vllm-novice" in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_a_server_started_with_vllm_novice_says_so():
+    from moetailor.eval.backends import server_info
+
+    for url in serving("--vllm-no-prefix-caching", "--vllm-novice"):
+        assert server_info(url, "reference")["novice"] is True
+
+
 def test_a_server_of_another_model_is_refused(server, tmp_path, capsys):
     out = tmp_path / "other"
     assert main(["eval", "reference-qwen3", "--configs", "baseline", "--backend", "vllm", "--vllm-url", server,
@@ -163,3 +186,79 @@ def test_tune_scores_candidates_on_vllm(tmp_path):
             assert runs["vllm"][key]["tasks"]["correct"] == r["tasks"]["correct"], key
     assert sum("tasks" in r for r in runs["vllm"].values()) >= 2
     assert max(r["kl"] for r in runs["vllm"].values()) > 0.01
+
+
+def test_tune_scores_novice_and_protected_super_candidates_on_vllm(tmp_path):
+    """`tune --backend vllm` searches the candidates that replace dropped experts: novice pools (the
+    in-process engine starts with novice constants) and the masked and novice pools with the model's
+    super experts protected are scored on vLLM, each one's held-out KL and greedy task answers equal to
+    the embedded engine's on the same candidate (fp32). Merged experts stay out here: a merged decoder
+    is scored on the embedded engine under either backend (tests/tuning/test_search.py)."""
+    # 16 super experts at pools of 16-32 of 64: the bundled model's first 8 are in REAP's pools anyway
+    args = ["--data", "tasks", "--min-quality", "0.5", "--budget", "0.375", "--servable", "vllm", "--criteria", "reap",
+            "--no-fold", "--no-allocation", "--no-top-k", "--novice", "--no-merge", "--protect-super", "16",
+            "--calib-tokens", "4096", "--kl-tokens", "256", "--kl-window", "64", "--n", "2", "--evaluate", "6",
+            "--dtype", "fp32"]
+    runs, fronts = {}, {}
+    for backend in ("engine", "vllm"):
+        out = tmp_path / backend
+        assert main(["tune", "reference", *args, "--backend", backend, "--out", str(out)]) in (0, 1)
+        runs[backend] = {p.stem: json.loads(p.read_text()) for p in (out / "candidates").glob("*.json")}
+        fronts[backend] = json.loads((out / "front.json").read_text())
+    assert runs["vllm"].keys() == runs["engine"].keys()
+
+    def kind(r):
+        return r["candidate"]["pool_mode"], bool(r["candidate"].get("protect_super"))
+
+    replacing = {k: r for k, r in runs["vllm"].items() if kind(r) != ("mask", False)}
+    assert {kind(r) for r in replacing.values()} == {("novice", False), ("novice", True), ("mask", True)}
+    for key, r in runs["engine"].items():
+        assert math.isclose(runs["vllm"][key]["kl"], r["kl"], rel_tol=1e-3, abs_tol=1e-5), key
+        if "tasks" in r:
+            assert runs["vllm"][key]["tasks"]["correct"] == r["tasks"]["correct"], key
+    evaluated = {kind(r) for r in replacing.values() if "tasks" in r}
+    assert evaluated & {("novice", False), ("novice", True)} and ("mask", True) in evaluated, evaluated
+    assert {p["scored_by"] for p in fronts["vllm"]["proxy"]} == {"vllm"}
+    assert not fronts["vllm"]["summary"]["notes"]
+    # the replacements change the scores, so a vLLM engine that ignored them could not pass: every novice
+    # pool scores another KL than the plain masked pool of its size, and so does some protected pool
+    kl = {(r["candidate"]["criterion"], *kind(r), r["candidate"]["sizes"][0]): r["kl"] for r in runs["engine"].values()
+          if len(set(r["candidate"]["sizes"])) == 1}
+    for mode, protected, some in (("novice", False, all), ("mask", True, any)):
+        sizes = [m for (c, p, s, m) in kl if (c, p, s) == ("reap", mode, protected)]
+        assert sizes and some(abs(kl[("reap", mode, protected, m)] - kl[("reap", "mask", False, m)]) > 1e-3
+                              for m in sizes), (mode, protected, kl)
+
+
+def test_tune_on_vllm_scores_merged_experts_on_the_engine_and_says_so(tmp_path, capsys):
+    """Merged experts are other checkpoints, which a plan switch on the vLLM engine cannot give: `tune
+    --backend vllm` scores them on the embedded engine (held-out KL with the merged decoder, task answers
+    in the engine's disaggregated pair, beside the running vLLM engine), as `--backend engine` does, and
+    says so: a printed note, "scored on" engine in the table, "scored_by" in front.json."""
+    args = ["--data", "tasks", "--min-quality", "0.5", "--budget", "0.375", "--servable", "vllm", "--criteria", "reap",
+            "--no-fold", "--no-allocation", "--no-top-k", "--no-novice", "--protect-super", "0",
+            "--calib-tokens", "4096", "--kl-tokens", "256", "--kl-window", "64", "--n", "2", "--evaluate", "4",
+            "--dtype", "fp32"]
+    runs, fronts = {}, {}
+    for backend in ("engine", "vllm"):
+        out = tmp_path / backend
+        assert main(["tune", "reference", *args, "--backend", backend, "--out", str(out)]) in (0, 1)
+        runs[backend] = {p.stem: json.loads(p.read_text()) for p in (out / "candidates").glob("*.json")}
+        fronts[backend] = json.loads((out / "front.json").read_text())
+    printed = capsys.readouterr().out
+    assert runs["vllm"].keys() == runs["engine"].keys()
+    merged = {k for k, r in runs["vllm"].items() if r["candidate"]["pool_mode"] == "merge"}
+    assert {runs["vllm"][k]["candidate"]["merge"] for k in merged} == {"hcsmoe", "msmoe"}
+    assert {p["key"] for p in fronts["vllm"]["proxy"] if p["scored_by"] == "engine"} == merged
+    assert {p["scored_by"] for p in fronts["vllm"]["proxy"] if p["key"] not in merged} == {"vllm"}
+    for key, r in runs["engine"].items():
+        assert math.isclose(runs["vllm"][key]["kl"], r["kl"], rel_tol=1e-3, abs_tol=1e-5), key
+        if "tasks" in r:
+            assert runs["vllm"][key]["tasks"]["correct"] == r["tasks"]["correct"], key
+    assert any("tasks" in runs["vllm"][k] for k in merged), "a merged point must be evaluated to test its answers"
+    notes = fronts["vllm"]["summary"]["notes"]
+    assert len(notes) == 1 and "merged experts are scored on moetailor's engine" in notes[0]
+    assert f"note: {notes[0]}" in printed
+    table = (tmp_path / "vllm" / "front.md").read_text()
+    assert "| scored on |" in table and "| engine |" not in (tmp_path / "engine" / "front.md").read_text()
+    assert not fronts["engine"]["summary"]["notes"]

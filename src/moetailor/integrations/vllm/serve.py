@@ -7,9 +7,10 @@ top-level request field, as moetailor's own server does, by moving it into ``vll
 plugin validates it at admission (vLLM answers 400 outside [1, k]). It also answers moetailor's two
 evaluator routes (``moetailor eval/tune --backend vllm --vllm-url URL``):
 
-  * ``GET /moetailor/fingerprint``: ``{"fingerprint": ..., "model": path, "prefix_caching": bool}`` of
-    the served checkpoint, so a client checks it evaluates the model it means on a server whose cache
-    never hands one plan's blocks to the next (``--vllm-no-prefix-caching``);
+  * ``GET /moetailor/fingerprint``: ``{"fingerprint": ..., "model": path, "prefix_caching": bool,
+    "novice": bool}`` of the served checkpoint, so a client checks it evaluates the model it means on a
+    server whose cache never hands one plan's blocks to the next (``--vllm-no-prefix-caching``), and
+    whether novice plans switch in (``--vllm-novice``);
   * ``POST /moetailor/plan`` ``{"plan": PLAN_JSON | null}``: route the next requests by that plan (the
     full router for null), through ``rpc.use_plan`` on every worker (``collective_rpc``; the server
     runs with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which ``moetailor serve --backend vllm`` sets).
@@ -101,10 +102,13 @@ async def plan_route(scope, receive, send) -> None:
     checkpoint = engine.model_config.model
     try:
         if scope["path"] == "/moetailor/fingerprint":
-            from .plan import checkpoint_fingerprint
+            from .plan import NOVICE_KEY, checkpoint_fingerprint
             fp = await asyncio.to_thread(checkpoint_fingerprint, checkpoint)
             caching = bool(engine.vllm_config.cache_config.enable_prefix_caching)
-            return await _answer(send, 200, {"fingerprint": fp, "model": str(checkpoint), "prefix_caching": caching})
+            extra = engine.vllm_config.additional_config
+            novice = isinstance(extra, dict) and bool(extra.get(NOVICE_KEY))
+            return await _answer(send, 200, {"fingerprint": fp, "model": str(checkpoint), "prefix_caching": caching,
+                                             "novice": novice})
         if scope["method"] != "POST":
             return await _answer(send, 405, {"error": "POST {\"plan\": PLAN_JSON | null}" if scope["path"].endswith(
                 "/plan") else "POST"})
