@@ -104,9 +104,16 @@ class LayerObserver:
 
     def add(self, logits: torch.Tensor, live: torch.Tensor, decode: torch.Tensor) -> None:
         """The step's logits [T, E] and its per-token live / decode flags [T]: tensor ops only."""
+        if self.selects:     # a softmax router's full routes are its top k logits: the native op picks them
+            self.sums.add_logits(logits, live, decode, self.armed, self.slot)
+            return
         weights, index = route(logits.float(), self.semantics, self.full, self.bias, None, graph_safe=True,
                                select_kernel=self.select_kernel)                       # [T, K]
         self.sums.add_routes(logits, weights, index, live, decode, self.armed, self.slot)
+
+    @property
+    def selects(self) -> bool:
+        return self.sums.native and self.semantics.scoring == "softmax" and self.bias is None
 
 
 class StepObserver:
@@ -122,10 +129,11 @@ class StepObserver:
         """A step's T tokens before its forward: decode flags [T], token ids [T] (None: not known)."""
         self.finish()
         n_decode = int(np.count_nonzero(decode))
-        if ids is not None and (np.asarray(ids) < 0).any():   # async scheduling: sampled ids still on the device
-            ids = None
-        self.stats.begin(None, None if ids is None else [int(t) for t in ids], n_decode == 0, count=len(decode),
-                         decode_tokens=n_decode)
+        if ids is not None:
+            ids = np.asarray(ids)
+            if (ids < 0).any():     # async scheduling: sampled ids still on the device
+                ids = None
+        self.stats.begin(None, ids, n_decode == 0, count=len(decode), decode_tokens=n_decode)
         self.armed.fill_(1)
         self.open = True
 
