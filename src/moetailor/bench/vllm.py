@@ -98,7 +98,7 @@ def prepare(args) -> dict:
     if args.plan:
         half = Path(args.plan)
     elif args.model == "reference":
-        half = Path(__file__).resolve().parents[2] / "assets" / "plans" / "reference-reap-50.json"
+        half = Path(__file__).resolve().parents[1] / "assets" / "plans" / "reference-reap-50.json"
     else:
         half = uniform_plan(model, decode=LayerPolicy(keep=tuple(range(E // 2)))).save(args.out / "plan.json")
     base = Plan.load(half)
