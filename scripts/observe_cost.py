@@ -7,8 +7,8 @@ the bench's engine-level rows (``moetailor bench vllm --only observe,observe-ker
 ``layer``: per MoE layer, microseconds per call (one thread, as vLLM's CPU worker is bound to one core
 here; best of 5 rounds), the reference model's shapes (64 experts of hidden 256 x width 48, top-8, packed
 fp32 weights) at 1, 8 and 32 tokens: moetailor's experts kernel plain and with the observed side
-output (the native op, and through the plugin's ``step_experts_observed`` op), and what the routing op
-adds (the full router's routes and their sums, ``LayerObserver.add``).
+output (``swiglu_experts_observed``, the op the plugin's experts call), and what the routing op adds
+(the full router's routes and their sums, ``LayerObserver.add``).
 
 ``engines``: two vLLM engines of the reference model on moetailor's experts kernel in one process, one
 observing, timed alternately (5 rounds, the first a warm-up, the best kept; decode tokens/s from
@@ -55,7 +55,7 @@ def layer_costs() -> None:
     sem = RouterSemantics(E, K, "softmax", True)
     gate_up, down = (kernels.pack_weight(torch.randn(*s) * 0.05) for s in ((E, 2 * I, H), (E, H, I)))
     full = CompiledPolicy.build(FULL, sem, "cpu", None)
-    print("tokens | experts | + observed (op) | + observed (plugin op) | routing op adds   [us per layer]")
+    print("tokens | experts | + observed | routing op adds   [us per layer]")
     for T in (1, 8, 32):
         x, logits = torch.randn(T, H), torch.randn(T, E)
         weights, index = logits.softmax(-1).topk(K, -1)
@@ -64,7 +64,6 @@ def layer_costs() -> None:
         armed = torch.ones(1, dtype=torch.long)
         sums = LayerSums(E, K, 64, "cpu", hidden_size=H, native=True)
         obs = vllm_observe.LayerObserver(sem, full, None, sums, armed, 0, kernels.softmax_topk())
-        vllm_observe.OBSERVERS["cost"] = obs
 
         def routing():
             armed.fill_(1)
@@ -74,14 +73,13 @@ def layer_costs() -> None:
         plain = best_us(lambda: torch.ops.moetailor.swiglu_experts(x, gate_up, down, index, weights, read, -1))
         native = best_us(lambda: torch.ops.moetailor.swiglu_experts_observed(
             x, gate_up, down, index, weights, sums.routes[:T], sums.gates[:T], sums.outputs))
-        plugin = best_us(lambda: torch.ops.moetailor.step_experts_observed(x, gate_up, down, index, weights, "cost"))
-        print(f"{T:6d} | {plain:7.1f} | {native - plain:+15.1f} | {plugin - plain:+22.1f} | {best_us(routing):8.1f}")
+        print(f"{T:6d} | {plain:7.1f} | {native - plain:+10.1f} | {best_us(routing):8.1f}")
 
 
 def engines(idle: float, same: bool, processes: bool) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if processes else "0"
     if processes:
-        from moetailor.integrations.vllm.bench import same_cores_for_every_instance
+        from moetailor.bench.vllm import same_cores_for_every_instance
 
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = same_cores_for_every_instance()
     from vllm import LLM, SamplingParams

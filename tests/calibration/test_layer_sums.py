@@ -83,6 +83,29 @@ def test_router_sums_equal_the_collector(native, scoring):
 
 
 @needs_kernels
+@pytest.mark.parametrize("gate", ["renorm", "softmax"])
+def test_softmax_routes_the_native_op_selects_equal_the_collector(gate):
+    """A softmax router's full routes picked inside the op from the logits (``add_logits``, what the vLLM
+    plugin observes with) are the top k of the softmax, and their sums the Collector's."""
+    logits, _, _, live, decode = step(4)
+    weights, index = logits.softmax(-1).topk(K, -1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    sums = LayerSums(E, K, 16, "cpu", gate=gate, native=True)
+    armed = torch.ones(1, dtype=torch.long)
+    sums.add_logits(logits, live, decode, armed, 0)
+    assert armed.tolist() == [0]
+    assert sums.routes[:T].tolist() == torch.where(live[:, None], index, E).tolist()
+    got, counts = sums.take()
+    assert counts == (LIVE, LIVE - 4, 1)
+    lay = layer()
+    c = Collector([lay], gate, outputs=False)
+    c(lay, torch.zeros(LIVE, H), logits[:LIVE], weights[:LIVE], index[:LIVE])
+    assert_sums(got, c.stats[0].tensors(), ("frequency", "mass", "coselect", "beta_hist"))
+    with pytest.raises(RuntimeError, match="softmax"):
+        LayerSums(E, K, 16, "cpu", sigmoid=True, native=True).add_logits(logits, live, decode, armed, 0)
+
+
+@needs_kernels
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("served", ["full", "budget"])
 @pytest.mark.parametrize("dtype,packed", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
@@ -122,6 +145,9 @@ def test_observe_ops_are_torch_ops_with_fake_implementations():
     sums = LayerSums(E, K, 16, "cpu", hidden_size=H, native=True)
     opcheck(torch.ops.moetailor.observe_routes.default,
             (logits, weights, index, live, decode, torch.ones(1, dtype=torch.long), 0, False, True, 1000, sums.sums,
+             sums.routes, sums.gates))
+    opcheck(torch.ops.moetailor.observe_routes.default,                  # the routes selected in the op
+            (logits, *sums._select, live, decode, torch.ones(1, dtype=torch.long), 0, False, True, 1000, sums.sums,
              sums.routes, sums.gates))
     gate_up, down = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
     opcheck(torch.ops.moetailor.swiglu_experts_observed.default,

@@ -15,7 +15,8 @@ How it is timed: one process holds every engine the rows need (stock, the plugin
 the pair's two instances), and each round times every row once, in turn, so that drift of the
 machine hits every row alike; the plugin's rows share one engine, which switches plans between
 rows (``rpc.use_plan``). Every instance's worker is bound to the same CPUs
-(``same_cores_for_every_instance``). Before a row on another engine the run waits ``IDLE_S``: an idle vLLM
+(``same_cores_for_every_instance``), every other process of the run (the engine cores, this one) to
+the rest (``off_the_workers_cores``). Before a row on another engine the run waits ``IDLE_S``: an idle vLLM
 worker busy-polls its queue for 1 s after its last step. The first round warms up; each row keeps
 its fastest of ``--repeats`` timed rounds. (Timing each configuration in its own process, one after
 another, gave stock and the plugin at full k, the same expert work, 0.64x-1.14x of each other.)
@@ -98,7 +99,7 @@ def prepare(args) -> dict:
     if args.plan:
         half = Path(args.plan)
     elif args.model == "reference":
-        half = Path(__file__).resolve().parents[2] / "assets" / "plans" / "reference-reap-50.json"
+        half = Path(__file__).resolve().parents[1] / "assets" / "plans" / "reference-reap-50.json"
     else:
         half = uniform_plan(model, decode=LayerPolicy(keep=tuple(range(E // 2)))).save(args.out / "plan.json")
     base = Plan.load(half)
@@ -325,6 +326,35 @@ def same_cores_for_every_instance() -> str:
     return ",".join(map(str, cpus[:-1] if len(cpus) > 1 else cpus))
 
 
+def cpu_list(bind: str) -> set[int]:
+    """The CPUs a ``VLLM_CPU_OMP_THREADS_BIND`` value names ("0,2-3", ranks split by "|")."""
+    cpus = set()
+    for part in bind.replace("|", ",").split(","):
+        first, _, last = part.strip().partition("-")
+        if first.isdigit():
+            cpus.update(range(int(first), int(last if last.isdigit() else first) + 1))
+    return cpus
+
+
+def off_the_workers_cores(pids: set[int], workers: set[int]) -> None:
+    """Bind every thread of ``pids`` but vLLM's workers to the CPUs the workers are not bound to (on 2
+    cores: the engine cores and this process on the second, the workers alone on the first). Why: vLLM
+    binds only its workers, so an engine core process (which waits on its worker's replies) and this
+    process could be scheduled on the core the worker computes on, for stretches that favour one
+    engine over another."""
+    rest = set(os.sched_getaffinity(0)) - workers
+    if not rest:
+        return
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "VLLM::Worker":
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), rest)
+        except OSError:      # a thread that ended meanwhile
+            continue
+
+
 def start_engines(spec: dict, rows: list[Row]) -> dict:
     """Every engine the rows need, alive together: name -> (LLM that decodes, instances to shut down)."""
     import tempfile
@@ -349,9 +379,12 @@ def start_engines(spec: dict, rows: list[Row]) -> dict:
           flush=True)
     seen = _descendants()
 
+    workers = cpu_list(os.environ["VLLM_CPU_OMP_THREADS_BIND"])
+
     def log_binding(name: str) -> None:
         nonlocal seen
         now = _descendants()
+        off_the_workers_cores(now - seen, workers)
         print(f"[binding] {name}: " + json.dumps(binding(now - seen)), file=sys.stderr, flush=True)
         seen = now
     # the plugin's engines first: vLLM loads plugins once per process, and the stock engine's
@@ -390,6 +423,7 @@ def start_engines(spec: dict, rows: list[Row]) -> dict:
                 os.environ["VLLM_PLUGINS"] = before
         engines["stock"] = (llm, (llm,))
         log_binding("stock")
+    off_the_workers_cores({os.getpid()}, workers)   # last: the engines' processes inherited every CPU from it
     return engines
 
 

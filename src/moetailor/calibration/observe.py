@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..models.adapters import MoeLayer
@@ -95,6 +96,8 @@ class LayerSums:
         self.routes = torch.full((max_tokens, top_k), E, dtype=torch.long, device=device)   # [N, K] counted routes
         self.gates = torch.zeros(max_tokens, top_k, dtype=torch.float32, device=device)      # [N, K] their gates
         self.outputs = torch.zeros(E, hidden_size + 4, **f64) if hidden_size else None        # [E, H + 4]
+        # weights / index [0, 0]: the native op selects a softmax router's routes itself (add_logits)
+        self._select = (torch.empty(0, 0, device=device), torch.empty(0, 0, dtype=torch.long, device=device))
         self._ones = None if native else torch.ones(max_tokens * top_k * top_k, **f64)   # the torch form's counts
 
     def _views(self) -> dict[str, torch.Tensor]:
@@ -140,6 +143,16 @@ class LayerSums:
         armed[slot] = 0
         self.routes[:T] = routes
         self.gates[:T] = g
+
+    def add_logits(self, logits: torch.Tensor, live: torch.Tensor, decode: torch.Tensor, armed: torch.Tensor,
+                   slot: int) -> None:
+        """``add_routes`` of a softmax router's full routes, selected by the native op itself from the
+        logits [T, E] (the top k logits; no softmax over every expert, no routes op before it); live /
+        decode [>=T]."""
+        if not self.native or self.sigmoid:
+            raise RuntimeError("LayerSums.add_logits is the native op's, for softmax routers: call add_routes")
+        torch.ops.moetailor.observe_routes(logits.float().contiguous(), self._select[0], self._select[1], live, decode,
+                                           armed, slot, False, self.renorm, BETA_BINS, self.sums, self.routes, self.gates)
 
     def take(self) -> tuple[dict[str, torch.Tensor], tuple[int, int, int]]:
         """The sums since the last ``take`` as ``LayerStats`` tensors (float64, on the CPU) and (tokens,
@@ -211,7 +224,7 @@ class ObservedStats:
         self.write_lock = threading.Lock()  # one writer at a time: an older snapshot never replaces a newer one
         self._step: Collector | None = None
         self._rows: torch.Tensor | None = None
-        self._ids: list[int] | None = []
+        self._ids: list[int] | np.ndarray | None = []
         self._count = self._decode = 0
         self.on_close: list = []
 
@@ -222,8 +235,8 @@ class ObservedStats:
         return self.save()
 
     # ---- one step ------------------------------------------------------------------------------
-    def begin(self, rows: list[int] | None, ids: list[int] | None, is_prefill: bool, count: int | None = None,
-              decode_tokens: int | None = None) -> None:
+    def begin(self, rows: list[int] | None, ids: list[int] | np.ndarray | None, is_prefill: bool,
+              count: int | None = None, decode_tokens: int | None = None) -> None:
         """A step starts: ``count`` tokens to count (default ``len(ids)``), counted as prefill tokens when
         ``is_prefill``, else as decode tokens, or ``decode_tokens`` of them as decode tokens where a step
         mixes the phases (vLLM)."""
@@ -258,7 +271,7 @@ class ObservedStats:
             if self._ids is None:
                 self.hashed = False
             else:
-                self.digest.update(torch.tensor(self._ids, dtype=torch.long).numpy().astype("<i8").tobytes())
+                self.digest.update(np.asarray(self._ids, dtype="<i8").tobytes())
             self.steps += 1
             due = self.every and self.steps % self.every == 0
         if due:

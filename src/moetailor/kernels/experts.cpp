@@ -385,16 +385,20 @@ struct Observe {
 };
 constexpr int kOutSq = 0, kOutMax = 1, kEan = 2, kWeightedEan = 3;   // columns after the H of out_sum
 
-// One observed expert output y [hidden] (a multiple of 16) of expert e, gate g, added to the layer's
-// sums (row e: only the thread that runs expert e writes it). The squares and the peak go 16 lanes
-// at a time (a scalar double reduction is one dependent add per value: at 32 tokens x 8 routes of
-// 256 values that made the observed kernel 1.28x the plain one; the fp32 lanes are summed in double).
-inline void add_observed(double* row, int64_t hidden, const float* y, float g) {
-  for (int64_t c = 0; c < hidden; ++c) row[c] += (double)y[c];
+// One observed expert output y [hidden] (a multiple of 16) of expert e, gate g: its squared norm,
+// peak, norm and gated norm added to the layer's sums (row e: only the thread that runs expert e
+// writes it), y itself to `ysum`, the expert's fp32 partial sum that `flush_observed` adds to the
+// row's sum y every kFlushRows rows and at the expert's end (one float64 pass per 16 rows instead of
+// one per row: a decode step at 32 tokens x 8 routes of 256 values spent more in the float64 sums
+// than in the rest of the side output). The squares and the peak go 16 lanes at a time (a scalar
+// double reduction is one dependent add per value); the fp32 lanes are summed in double.
+constexpr int64_t kFlushRows = 16;
+inline void add_observed(double* row, float* ysum, int64_t hidden, const float* y, float g) {
   v16 sq16 = {}, peak16 = {};
   for (int64_t c = 0; c < hidden; c += 16) {
     const v16 v = load16(y + c);
     const v16 a = v < 0.f ? -v : v;
+    store16(ysum + c, load16(ysum + c) + v);
     sq16 += v * v;
     peak16 = a > peak16 ? a : peak16;
   }
@@ -408,6 +412,11 @@ inline void add_observed(double* row, int64_t hidden, const float* y, float g) {
   row[hidden + kOutMax] = peak;
   row[hidden + kEan] += norm;
   row[hidden + kWeightedEan] += g * norm;
+}
+
+inline void flush_observed(double* row, float* ysum, int64_t hidden) {
+  for (int64_t c = 0; c < hidden; ++c) row[c] += (double)ysum[c];
+  std::fill(ysum, ysum + hidden, 0.f);
 }
 
 // The weights row-major ([E, 2I, H] / [E, H, I]) or packed (rows_times_packed's panels, `packed`).
@@ -470,7 +479,7 @@ void run_experts(const float* x, const W* gate_up, const W* down, bool packed, c
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), (int64_t)active.size());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Floats h, act, y;
+    Floats h, act, y, ysum(obs == nullptr ? 0 : hidden, 0.f);
     std::vector<const float*> rows;
     for (int64_t i = next++; i < (int64_t)active.size(); i = next++) {
       const int64_t e = active[i], first = count[e], n = count[e + 1] - first;
@@ -491,6 +500,7 @@ void run_experts(const float* x, const W* gate_up, const W* down, bool packed, c
       for (int64_t r = 0; r < n; ++r) rows[r] = act.data() + r * inter;
       times_weight(rows.data(), n, down + e * hidden * inter, hidden, inter, y.data(), hidden);
       // each route's expert output goes to its own row of `routed`, so threads never write the same row
+      int64_t pending = 0;                                      // observed rows in ysum
       for (int64_t r = 0; r < n; ++r) {
         const int64_t s = order[first + r];
         const float* yr = y.data() + r * hidden;
@@ -500,8 +510,14 @@ void run_experts(const float* x, const W* gate_up, const W* down, bool packed, c
           for (int64_t c = 0; c < hidden; ++c) dst[c] = w * yr[c];
         }
         const int64_t o = obs == nullptr ? -1 : s < routes ? observed_of[s] : s - routes;
-        if (o >= 0) add_observed(obs->sums + e * (hidden + 4), hidden, yr, obs->gate[o]);
+        if (o < 0) continue;
+        add_observed(obs->sums + e * (hidden + 4), ysum.data(), hidden, yr, obs->gate[o]);
+        if (++pending == kFlushRows) {
+          flush_observed(obs->sums + e * (hidden + 4), ysum.data(), hidden);
+          pending = 0;
+        }
       }
+      if (pending) flush_observed(obs->sums + e * (hidden + 4), ysum.data(), hidden);
     }
   });
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {   // out[t] = sum of its live routes

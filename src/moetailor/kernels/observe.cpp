@@ -25,16 +25,21 @@
 // only while armed[slot] != 0, which the call clears (a layer counts once per step, and a forward
 // the engine did not report adds nothing). Writes routes [>=T, K] int64 (the counted routes, E
 // elsewhere) and gates [>=T, K] fp32 (their gate weights): what the experts kernel observes.
+// weights / index [*, 0] (softmax routers): the op selects the full router's routes itself, the K
+// largest logits of a token (softmax is monotone; the lower expert first on a tie, as softmax_topk),
+// so a decode step computes no softmax over every expert twice (the selection and these gates).
 void observe_routes(const at::Tensor& logits, const at::Tensor& weights, const at::Tensor& index,
                     const at::Tensor& live, const at::Tensor& decode, at::Tensor& armed, int64_t slot, bool sigmoid,
                     bool renorm, int64_t beta_bins, at::Tensor& sums, at::Tensor& routes, at::Tensor& gates) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "logits: contiguous fp32 [T, E]");
-  const int64_t T = logits.size(0), E = logits.size(1), K = index.size(1);
-  TORCH_CHECK(index.dim() == 2 && index.size(0) == T && index.scalar_type() == at::kLong && index.is_contiguous(),
-              "index: contiguous int64 [T, K]");
+  const int64_t T = logits.size(0), E = logits.size(1), K = routes.size(1);
+  const bool select = index.dim() == 2 && index.size(1) == 0;
+  TORCH_CHECK(!select || (!sigmoid && K <= E), "selecting the routes here (index [T, 0]) is for softmax routers, k <= E");
+  TORCH_CHECK(index.dim() == 2 && (select || (index.size(0) == T && index.size(1) == K)) &&
+                  index.scalar_type() == at::kLong && index.is_contiguous(), "index: contiguous int64 [T, K] or [*, 0]");
   TORCH_CHECK(weights.sizes() == index.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
-              "weights: contiguous fp32 [T, K]");
+              "weights: contiguous fp32, index's shape");
   TORCH_CHECK(live.numel() >= T && decode.numel() >= T && live.scalar_type() == at::kBool &&
                   decode.scalar_type() == at::kBool && live.is_contiguous() && decode.is_contiguous(),
               "live, decode: contiguous bool [T]");
@@ -42,8 +47,8 @@ void observe_routes(const at::Tensor& logits, const at::Tensor& weights, const a
   const int64_t cos0 = 2 * (E + 1), beta0 = cos0 + (E + 1) * (E + 1), count0 = beta0 + beta_bins + 1;
   TORCH_CHECK(sums.scalar_type() == at::kDouble && sums.is_contiguous() && sums.numel() == count0 + 3,
               "sums: contiguous float64, the layout in observe.cpp");
-  TORCH_CHECK(routes.scalar_type() == at::kLong && routes.is_contiguous() && routes.dim() == 2 && routes.size(1) == K &&
-                  routes.size(0) >= T, "routes: contiguous int64 [>=T, K]");
+  TORCH_CHECK(routes.scalar_type() == at::kLong && routes.is_contiguous() && routes.dim() == 2 && routes.size(0) >= T,
+              "routes: contiguous int64 [>=T, K]");
   TORCH_CHECK(gates.scalar_type() == at::kFloat && gates.is_contiguous() && gates.sizes() == routes.sizes(),
               "gates: contiguous fp32, routes' shape");
   int64_t* armed_p = armed.data_ptr<int64_t>() + slot;
@@ -72,29 +77,50 @@ void observe_routes(const at::Tensor& logits, const at::Tensor& weights, const a
     ++tokens;
     decode_tokens += dc[t];
     const float* lt = l + t * E;
-    if (sigmoid) {
-      for (int64_t e = 0; e < E; ++e) scores[e] = 1.f / (1.f + std::exp(-lt[e]));
-    } else {   // softmax, max-subtracted as torch's
-      float top = -INFINITY, total = 0.f;
-      for (int64_t e = 0; e < E; ++e) top = std::max(top, lt[e]);
-      for (int64_t e = 0; e < E; ++e) total += (scores[e] = std::exp(lt[e] - top));
-      for (int64_t e = 0; e < E; ++e) scores[e] /= total;
-    }
     float gsum = 0.f, w1 = 0.f, w2 = 0.f;   // the two largest route weights (dropped routes: 0)
     int64_t n = 0;
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t e = ix[t * K + j];
-      const bool valid = e >= 0 && e < E;
-      rt[j] = valid ? e : E;
-      g[j] = valid ? scores[e] : 0.f;
-      gsum += g[j];
-      if (valid) kept[n++] = e;
-      const float wj = valid ? w[t * K + j] : 0.f;
-      if (wj > w1) {
-        w2 = w1;
-        w1 = wj;
-      } else if (wj > w2) {
-        w2 = wj;
+    if (select) {
+      for (int64_t e = 0; e < E; ++e) {      // insertion into the K largest so far, in order
+        const float v = lt[e];
+        if (n == K && !(v > lt[kept[K - 1]])) continue;
+        int64_t p = n < K ? n++ : K - 1;
+        for (; p > 0 && v > lt[kept[p - 1]]; --p) kept[p] = kept[p - 1];
+        kept[p] = e;
+      }
+      const float top = lt[kept[0]];
+      float total = 0.f;                     // the softmax's denominator (renorm: the kept routes' sum cancels it)
+      if (!renorm)
+        for (int64_t e = 0; e < E; ++e) total += std::exp(lt[e] - top);
+      for (int64_t j = 0; j < K; ++j) {
+        rt[j] = kept[j];
+        gsum += (g[j] = std::exp(lt[kept[j]] - top));
+        if (!renorm) g[j] /= total;
+      }
+      w1 = g[0];
+      w2 = K >= 2 ? g[1] : 0.f;
+    } else {
+      if (sigmoid) {
+        for (int64_t e = 0; e < E; ++e) scores[e] = 1.f / (1.f + std::exp(-lt[e]));
+      } else {   // softmax, max-subtracted as torch's
+        float top = -INFINITY, total = 0.f;
+        for (int64_t e = 0; e < E; ++e) top = std::max(top, lt[e]);
+        for (int64_t e = 0; e < E; ++e) total += (scores[e] = std::exp(lt[e] - top));
+        for (int64_t e = 0; e < E; ++e) scores[e] /= total;
+      }
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t e = ix[t * K + j];
+        const bool valid = e >= 0 && e < E;
+        rt[j] = valid ? e : E;
+        g[j] = valid ? scores[e] : 0.f;
+        gsum += g[j];
+        if (valid) kept[n++] = e;
+        const float wj = valid ? w[t * K + j] : 0.f;
+        if (wj > w1) {
+          w2 = w1;
+          w1 = wj;
+        } else if (wj > w2) {
+          w2 = wj;
+        }
       }
     }
     if (renorm)

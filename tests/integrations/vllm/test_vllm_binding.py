@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 
-from moetailor.bench.vllm import binding, same_cores_for_every_instance
+import subprocess
+import sys
+
+from moetailor.bench.vllm import binding, cpu_list, off_the_workers_cores, same_cores_for_every_instance
 
 
 def test_every_instance_gets_the_colocated_binding_unless_the_caller_set_one(monkeypatch):
@@ -17,6 +20,21 @@ def test_every_instance_gets_the_colocated_binding_unless_the_caller_set_one(mon
     assert same_cores_for_every_instance() == ",".join(map(str, expected))
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|2-3")
     assert same_cores_for_every_instance() == "0-1|2-3"
+
+
+def test_the_runs_other_processes_leave_the_workers_cores():
+    """An engine core (here: any child process) goes to the CPUs no worker is bound to; where there
+    are none it keeps its own."""
+    assert cpu_list("0") == {0} and cpu_list("0-2|5") == {0, 1, 2, 5} and cpu_list("auto") == set()
+    cpus = os.sched_getaffinity(0)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        workers = {min(cpus)}
+        off_the_workers_cores({child.pid}, workers)
+        assert os.sched_getaffinity(child.pid) == (cpus - workers or cpus)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_binding_reads_each_threads_cpus():

@@ -156,11 +156,12 @@ def _wrap_problem_size(problem_size):
 
 def run_experts(output: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map, weight_on_input: bool,
-                observe: str | None = None) -> None:
+                observe=None) -> None:
     """output [T, H] <- sum over each token's routes of weight * expert(hidden), on moetailor's kernel
     (``kernels.swiglu_experts()`` must have loaded it). A route of weight 0 (what the routing hook makes
-    of a dropped one) is skipped: id E. ``observe``: the layer's key in an observing engine
-    (``observe.py``), whose expert outputs also go to the traffic statistics from this pass."""
+    of a dropped one) is skipped: id E. ``observe``: the layer's ``LayerSums`` in an observing engine
+    (``observe.py``): the expert outputs of the routes its routing op left there also go to the traffic
+    statistics from this pass."""
     if expert_map is not None:
         raise ValueError(f"additional_config {KEY} does not support expert parallelism (an expert map); drop the key")
     E = w13.shape[0]
@@ -171,8 +172,10 @@ def run_experts(output: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Te
     # the op by name: vLLM's compiled mode traces this (the kernels' loader, which reads /proc/cpuinfo,
     # ran at load, in ``loading``; the op has a fake implementation)
     x = hidden_states.float().contiguous()                                            # [T, H]
-    if observe is not None:
-        out = torch.ops.moetailor.step_experts_observed(x, w13, w2, ids, weights.contiguous(), observe)
+    if observe is not None:   # the sums are the layer's buffers, allocated once: inputs of the traced graph
+        T = x.shape[0]
+        out = torch.ops.moetailor.swiglu_experts_observed(x, w13, w2, ids, weights.contiguous(), observe.routes[:T],
+                                                          observe.gates[:T], observe.outputs)
     else:
         out = torch.ops.moetailor.swiglu_experts(x, w13, w2, ids, weights.contiguous(), torch.zeros(1, dtype=torch.long),
                                                  -1)

@@ -26,8 +26,8 @@ module only says what a vLLM step is and where its sums are kept:
 
 EAN and REAP need each routed expert's output before its weight: where the layer runs moetailor's
 experts kernel (``moetailor_experts_kernel``, CPU) the experts op of the step
-(``step_experts_observed``) adds the outputs of the routes the routing op left in the layer's sums
-from its one expert pass (a route the step does not serve, under a plan or a budget, is one extra
+(``swiglu_experts_observed``, given the layer's sums) adds the outputs of the routes the routing op
+left there from its one expert pass (a route the step does not serve, under a plan or a budget, is one extra
 row there); vLLM's fused-MoE kernels return only the weighted sum, so there the file holds
 frequency, mass, co-selection and beta, and says so (``observed.expert_outputs``).
 
@@ -104,9 +104,16 @@ class LayerObserver:
 
     def add(self, logits: torch.Tensor, live: torch.Tensor, decode: torch.Tensor) -> None:
         """The step's logits [T, E] and its per-token live / decode flags [T]: tensor ops only."""
+        if self.selects:     # a softmax router's full routes are its top k logits: the native op picks them
+            self.sums.add_logits(logits, live, decode, self.armed, self.slot)
+            return
         weights, index = route(logits.float(), self.semantics, self.full, self.bias, None, graph_safe=True,
                                select_kernel=self.select_kernel)                       # [T, K]
         self.sums.add_routes(logits, weights, index, live, decode, self.armed, self.slot)
+
+    @property
+    def selects(self) -> bool:
+        return self.sums.native and self.semantics.scoring == "softmax" and self.bias is None
 
 
 class StepObserver:
@@ -122,10 +129,11 @@ class StepObserver:
         """A step's T tokens before its forward: decode flags [T], token ids [T] (None: not known)."""
         self.finish()
         n_decode = int(np.count_nonzero(decode))
-        if ids is not None and (np.asarray(ids) < 0).any():   # async scheduling: sampled ids still on the device
-            ids = None
-        self.stats.begin(None, None if ids is None else [int(t) for t in ids], n_decode == 0, count=len(decode),
-                         decode_tokens=n_decode)
+        if ids is not None:
+            ids = np.asarray(ids)
+            if (ids < 0).any():     # async scheduling: sampled ids still on the device
+                ids = None
+        self.stats.begin(None, ids, n_decode == 0, count=len(decode), decode_tokens=n_decode)
         self.armed.fill_(1)
         self.open = True
 
@@ -145,29 +153,12 @@ class StepObserver:
 OBSERVERS: dict[str, LayerObserver] = {}
 
 
-@torch.library.custom_op("moetailor::step_experts_observed", mutates_args=())
-def step_experts_observed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, index: torch.Tensor,
-                          weights: torch.Tensor, key: str) -> torch.Tensor:
-    """moetailor's experts kernel (out [T, H]) that also adds the layer ``key`` names the outputs of the
-    step's observed routes (left by its routing op) from the same expert pass: one opaque op to the
-    compiler, as the routing op is."""
-    sums = OBSERVERS[key].sums
-    T = x.shape[0]
-    return torch.ops.moetailor.swiglu_experts_observed(x, w13, w2, index, weights, sums.routes[:T], sums.gates[:T],
-                                                       sums.outputs)
-
-
-@step_experts_observed.register_fake
-def _(x, w13, w2, index, weights, key):
-    return torch.empty_like(x)                                                          # [T, H] fp32
-
-
 def make_observer(runner, moe_runners: list, tables, keys: dict[int, str], path: str, every: int,
                   experts_kernel: bool) -> StepObserver:
     """The observer of a loaded vLLM model (``patches.setup_model``), after its MoE layers are hooked;
     ``moe_runners``: the model's fused-MoE layer objects (``routing.moe_runners``), ``keys``: the hooked
     layers' op keys (``routing.install``), registered in ``OBSERVERS``. On moetailor's experts kernel
-    each layer's experts also add their outputs (``step_experts_observed``)."""
+    each layer's experts also add their outputs to its sums (``experts.run_experts``)."""
     from ... import kernels
     from ...routing.policy import FULL
     from .plan import checkpoint_fingerprint
@@ -190,7 +181,7 @@ def make_observer(runner, moe_runners: list, tables, keys: dict[int, str], path:
         observers[i] = OBSERVERS[key] = LayerObserver(sem, full, getattr(runners[i].router, "e_score_correction_bias",
                                                                           None), sums, armed, slot, select_kernel)
         if experts_kernel:
-            experts_of(runners[i])._moetailor_observe = key
+            experts_of(runners[i])._moetailor_observe = sums
     dtype = str(config.model_config.dtype).replace("torch.", "")
     note = None if experts_kernel else ("none: vLLM's fused-MoE kernel returns only the weighted sum of a token's "
                                         "experts (observe with moetailor_experts_kernel for EAN and REAP)")
