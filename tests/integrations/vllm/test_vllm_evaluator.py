@@ -188,6 +188,18 @@ def test_tune_scores_candidates_on_vllm(tmp_path):
     assert max(r["kl"] for r in runs["vllm"].values()) > 0.01
 
 
+def tune_on_both(tmp_path, args: list[str]) -> tuple[dict, dict]:
+    """`tune reference ARGS` on the embedded engine and on vLLM: per backend, the candidates' records by
+    key and front.json."""
+    runs, fronts = {}, {}
+    for backend in ("engine", "vllm"):
+        out = tmp_path / backend
+        assert main(["tune", "reference", *args, "--backend", backend, "--out", str(out)]) in (0, 1)
+        runs[backend] = {p.stem: json.loads(p.read_text()) for p in (out / "candidates").glob("*.json")}
+        fronts[backend] = json.loads((out / "front.json").read_text())
+    return runs, fronts
+
+
 def test_tune_scores_novice_and_protected_super_candidates_on_vllm(tmp_path):
     """`tune --backend vllm` searches the candidates that replace dropped experts: novice pools (the
     in-process engine starts with novice constants) and the masked and novice pools with the model's
@@ -199,12 +211,7 @@ def test_tune_scores_novice_and_protected_super_candidates_on_vllm(tmp_path):
             "--no-fold", "--no-allocation", "--no-top-k", "--novice", "--no-merge", "--protect-super", "16",
             "--calib-tokens", "4096", "--kl-tokens", "256", "--kl-window", "64", "--n", "2", "--evaluate", "6",
             "--dtype", "fp32"]
-    runs, fronts = {}, {}
-    for backend in ("engine", "vllm"):
-        out = tmp_path / backend
-        assert main(["tune", "reference", *args, "--backend", backend, "--out", str(out)]) in (0, 1)
-        runs[backend] = {p.stem: json.loads(p.read_text()) for p in (out / "candidates").glob("*.json")}
-        fronts[backend] = json.loads((out / "front.json").read_text())
+    runs, fronts = tune_on_both(tmp_path, args)
     assert runs["vllm"].keys() == runs["engine"].keys()
 
     def kind(r):
@@ -239,12 +246,7 @@ def test_tune_on_vllm_scores_merged_experts_on_the_engine_and_says_so(tmp_path, 
             "--no-fold", "--no-allocation", "--no-top-k", "--no-novice", "--protect-super", "0",
             "--calib-tokens", "4096", "--kl-tokens", "256", "--kl-window", "64", "--n", "2", "--evaluate", "4",
             "--dtype", "fp32"]
-    runs, fronts = {}, {}
-    for backend in ("engine", "vllm"):
-        out = tmp_path / backend
-        assert main(["tune", "reference", *args, "--backend", backend, "--out", str(out)]) in (0, 1)
-        runs[backend] = {p.stem: json.loads(p.read_text()) for p in (out / "candidates").glob("*.json")}
-        fronts[backend] = json.loads((out / "front.json").read_text())
+    runs, fronts = tune_on_both(tmp_path, args)
     printed = capsys.readouterr().out
     assert runs["vllm"].keys() == runs["engine"].keys()
     merged = {k for k, r in runs["vllm"].items() if r["candidate"]["pool_mode"] == "merge"}
