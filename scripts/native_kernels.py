@@ -18,22 +18,11 @@ where it says no).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
-
-def best_us(fn, calls: int = 100, rounds: int = 5) -> float:
-    for _ in range(5):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    return best
+from moetailor.bench.measure import best_us
 
 
 def main() -> None:

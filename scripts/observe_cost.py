@@ -27,16 +27,10 @@ import time
 from pathlib import Path
 
 
-def best_us(fn, calls: int = 200, rounds: int = 5) -> float:
-    for _ in range(10):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    return best
+def best_us(fn) -> float:
+    from moetailor.bench.measure import best_us as best
+
+    return best(fn, calls=200, warmup=10)
 
 
 def layer_costs() -> None:

@@ -151,3 +151,17 @@ def engine_prefill(llm, batch: int, prompt_len: int, repeats: int = 3, seed: int
             if rec.phase == "prefill":
                 best = max(best, rec.num_tokens / rec.seconds)
     return best
+
+
+def best_us(fn, calls: int = 100, rounds: int = 5, warmup: int = 5) -> float:
+    """Microseconds per call of ``fn``: the best of ``rounds`` rounds of ``calls`` calls, after ``warmup``
+    calls (the least disturbed round on a shared machine)."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
