@@ -228,7 +228,7 @@ def test_a_bf16_norm_on_the_native_op_rounds_as_transformers():
     (rare last-bit flips from the variance's order); without the op, transformers' norm bit for bit."""
     from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 
-    from moetailor.runtime.native_layers import rms_norm
+    from moetailor.runtime.decoder import rms_norm
 
     torch.manual_seed(0)
     stock = OlmoeRMSNorm(256, eps=1e-5)
@@ -253,12 +253,12 @@ def test_torch_bf16_gemm_counts_as_fast_only_with_bf16_in_hardware(monkeypatch, 
     """A bf16 layer of more than a few rows leaves the native op for torch's GEMM only where the processor
     multiplies bf16 itself: on an AVX-512 core without it oneDNN claims bf16 support, and ran 2-3x slower
     than the op (2026-12-03)."""
-    from moetailor.runtime import native_layers
+    from moetailor.runtime import decoder
 
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: f"flags\t\t: {flags}\n")
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
-    monkeypatch.setattr(native_layers, "_BF16_GEMM_FAST", [])
-    assert native_layers.bf16_gemm_is_fast() is fast
+    monkeypatch.setattr(decoder, "_BF16_GEMM_FAST", [])
+    assert decoder.bf16_gemm_is_fast() is fast
 
 
 @pytest.mark.parametrize("rows", [3, 32])
@@ -267,7 +267,7 @@ def test_a_bf16_linear_in_a_decode_step_runs_the_native_op_and_rounds_once(rows)
     sums of the bf16 weights are rounded to bf16 once, as torch's bf16 GEMM computes them (in another
     order: equal within bf16 rounding), at any row count where that GEMM has no hardware kernels;
     outside a step torch's own op."""
-    from moetailor.runtime.native_layers import bf16_gemm_is_fast, native_linear
+    from moetailor.runtime.decoder import bf16_gemm_is_fast, native_linear
     from moetailor.runtime.step import Step, running
 
     torch.manual_seed(0)

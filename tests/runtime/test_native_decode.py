@@ -76,15 +76,15 @@ def test_bf16_linears_are_packed_exactly_where_that_pays(one_thread, monkeypatch
     itself (``kernels.experts_round_to_bf16``), which beats oneDNN at a decode step's rows."""
     import torch
 
-    from moetailor.runtime import native_layers
+    from moetailor.runtime import decoder
 
-    monkeypatch.setattr(native_layers, "_BF16_GEMM_FAST", [gemm_hardware])
+    monkeypatch.setattr(decoder, "_BF16_GEMM_FAST", [gemm_hardware])
     llm = LLM("reference", dtype=torch.bfloat16, max_num_seqs=4, pack_weights=True)
     q = llm.model.model.layers[0].self_attn.q_proj
     if llm.runner.native_linear is None:
         pytest.skip("the native linear op does not pay on this processor")
     want = not gemm_hardware or kernels.experts_round_to_bf16()
-    assert native_layers.packed_bf16_linears_pay() == want
+    assert decoder.packed_bf16_linears_pay() == want
     layer = llm.runner.decoder.layers[0]
     assert kernels.is_packed(layer.qkv) == kernels.is_packed(layer.o) == want
     assert not kernels.is_packed(q.weight)                 # copies: transformers' module keeps its layout
@@ -98,9 +98,9 @@ def test_bf16_linears_whose_rows_all_run_the_op_are_packed_too(one_thread, monke
     first tokens, logprobs close."""
     import torch
 
-    from moetailor.runtime import native_layers
+    from moetailor.runtime import decoder as decoder_ops
 
-    monkeypatch.setattr(native_layers, "_BF16_GEMM_FAST", [False])      # as on a CPU without AVX512-BF16 / AMX
+    monkeypatch.setattr(decoder_ops, "_BF16_GEMM_FAST", [False])      # as on a CPU without AVX512-BF16 / AMX
     prompts = random_prompts([5, 17, 9], vocab=8000, seed=4)
     params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
     plain = LLM("reference", dtype=torch.bfloat16, max_num_seqs=8, pack_weights=False)

@@ -221,7 +221,7 @@ def test_the_guard_decides_and_never_calls_the_engine():
     a repeating reduced decoder gets a RunOn to the full pool, and forgetting the request aborts its
     shadow; applying those decisions is the engine's job."""
     from moetailor.serving.guard import FULL_KEY, Abort, Guard, RunOn, shadow_id
-    from moetailor.serving.sequence import Sequence
+    from moetailor.serving.scheduler import Sequence
 
     model = tiny_model("qwen2_moe", seed=0)
     full, reduced = uniform_plan(model), uniform_plan(model, decode=LayerPolicy(keep=HEALTHY))

@@ -227,7 +227,8 @@ class RoutingController:
                 cp = self._full[layer.index] = CompiledPolicy.build(FULL, layer.semantics, logits.device)
         if token_k is not None and token_k.numel() != logits.shape[0]:
             raise RuntimeError(f"token_top_k has {token_k.numel()} entries for {logits.shape[0]} tokens")
-        weights, index = route(logits, layer.semantics, cp, layer.router_bias, token_k, k_max, select_kernel=select_kernel)
+        bias = None if layer.semantics.scoring == "softmax" else layer.router_bias   # only sigmoid routers have one
+        weights, index = route(logits, layer.semantics, cp, bias, token_k, k_max, select_kernel=select_kernel)
         return self._as_stock(weights, logits), index
 
     def _as_stock(self, weights: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

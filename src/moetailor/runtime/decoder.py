@@ -31,6 +31,9 @@ models a batch-1 step is half the Python loop's, on a real-size OLMoE ~4% less. 
 projections are copies of the dense (non-expert) weights (attention and shared expert; packed where the
 engine packs, ``engine_weight``), a few percent of a MoE checkpoint's bytes. A model with forward hooks
 on any module (``hooked``) runs the module path, so the hooks see every step.
+
+The native linear and RMSNorm ops (``native_linear``, ``rms_norm``) live here because only the
+engine's decoders call them; transformers' modules stay stock and keep torch's ops.
 """
 from __future__ import annotations
 
@@ -43,9 +46,8 @@ import torch.nn.functional as F
 from .. import kernels
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from . import attention
-from .experts import experts_forward, layer_of, layer_policy, native_experts_forward, novice_split, runs_natively
-from .native_layers import NATIVE_LINEAR_ROWS, engine_weight, native_linear, rms_norm, runs_native
-from .step import Step
+from .experts import experts_forward, layer_of, native_experts_forward, novice_split, runs_natively
+from .step import Step, current
 
 FAMILIES = ("qwen2_moe", "qwen3_moe", "olmoe", "mixtral")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -53,6 +55,81 @@ DTYPES = (torch.float32, torch.bfloat16)
 # its projections row-major; the others' fp32 projections are packed where the engine packs (real-size
 # 2048-wide layers: the packed op 1.2-4.6x torch's fp32 GEMM at 1-512 rows)
 ROW_MAJOR_FP32 = ("qwen2_moe", "qwen3_moe")
+
+
+NATIVE_LINEAR_ROWS = 8   # up to this many rows a linear layer runs the native op (a decode step's GEMV); else torch's GEMM
+NATIVE_LINEAR_DTYPES = (torch.float32, torch.bfloat16)   # the weights the op reads (activations in fp32)
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: in an engine decode step of at most ``NATIVE_LINEAR_ROWS`` rows,
+    the native op, which streams the [N, H] weight once (2x faster on the reference model's 256-wide
+    projections at batch 1); else torch's. A bf16 layer takes its rows in fp32 and rounds the fp32
+    sums to bf16 once, as torch's bf16 GEMM does; where that GEMM has no hardware kernels (no
+    AVX512-BF16 or AMX: widened in software, 2-3x slower than the op) every decode step's bf16 layer runs the
+    op, whatever its rows."""
+    step = current()
+    rows = x.numel() // x.shape[-1]
+    if step is None or step.linear_kernel is None or x.dtype != weight.dtype or x.dtype not in NATIVE_LINEAR_DTYPES \
+            or (rows > NATIVE_LINEAR_ROWS and not (x.dtype == torch.bfloat16 and not bf16_gemm_is_fast())):
+        return torch.nn.functional.linear(x, weight, bias)
+    if x.dtype == torch.bfloat16:   # the op widens the rows and rounds its fp32 sums (+ bias) to bf16 once, as below
+        return step.linear_kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias).view(*x.shape[:-1], -1)
+    fused = bias is not None and bias.dtype == torch.float32                           # the op adds an fp32 bias
+    y = step.linear_kernel(x.reshape(rows, x.shape[-1]).float().contiguous(), weight,  # [rows, N] fp32
+                           bias if fused else None)
+    if bias is not None and not fused:
+        y = y + bias
+    return y.to(x.dtype).view(*x.shape[:-1], -1)                                        # [..., N]
+
+
+_BF16_GEMM_FAST: list[bool] = []   # asked once (a module global: torch.compile reads it without a graph break)
+
+
+def bf16_gemm_is_fast() -> bool:
+    """Whether torch's bf16 GEMM has bf16 hardware under it (``kernels.cpu_has_bf16_matmul``); without,
+    a bf16 layer's rows stay on the native op, 2-3x faster. The runner asks before any step, so a
+    compiled decode step only reads the answer."""
+    if not _BF16_GEMM_FAST:
+        _BF16_GEMM_FAST.append(kernels.cpu_has_bf16_matmul())
+    return _BF16_GEMM_FAST[0]
+
+
+def packed_bf16_linears_pay() -> bool:
+    """Whether an engine packs its bf16 linear layers for the native op, which then takes every row of
+    them: where torch's bf16 GEMM widens in software (``bf16_gemm_is_fast`` false; the op 2-3x faster),
+    or where the op has the bf16 dot product itself (``kernels.experts_round_to_bf16``). There the packed
+    op beats oneDNN's AVX512-BF16 GEMM at the rows a decode step has (1.3-4.4x at 1-32 rows) and is level
+    at 128 (docs/benchmarks.md, "Linear layers"); only a 512-row LM head is slower, and a prefill takes
+    the head on each sequence's last token only."""
+    return not bf16_gemm_is_fast() or kernels.experts_round_to_bf16()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel) -> torch.Tensor:
+    """transformers' RMSNorm of ``x`` (fp32, or bf16 with fp32 inside): one call of the native
+    ``kernel``, or op for op without one."""
+    if kernel is None:
+        f = x.float()
+        return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+
+
+def runs_native(weight: torch.Tensor) -> bool:
+    """Whether the native linear op takes ``weight``: packed, or a contiguous fp32 / bf16 [N, K] whose
+    input size is whole 16-wide vectors."""
+    return kernels.is_packed(weight) or (weight.dtype in NATIVE_LINEAR_DTYPES and weight.is_contiguous()
+                                         and weight.shape[-1] % 16 == 0)
+
+
+def engine_weight(weight: torch.Tensor, pack: tuple = ()) -> torch.Tensor:
+    """The copy of a dense weight an engine decoder reads: packed for the op's panel tile where its
+    dtype is in ``pack`` and its sizes allow (``kernels.pack_weight``), else the weight itself. The
+    model's own layer keeps its layout, so transformers' modules still run it."""
+    weight = weight.detach()
+    if weight.dtype in pack and not kernels.is_packed(weight) and weight.dim() == 2 and weight.is_contiguous() \
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0:
+        return kernels.pack_weight(weight)
+    return weight
 
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # rope types whose cos/sin depend on the position only
@@ -65,6 +142,15 @@ def module_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if weight.dim() == 4:   # packed (``kernels.pack_weight``: a linear weight is [N, K] else)
         return torch.ops.moetailor.rows_linear(x.to(weight.dtype).contiguous(), weight, bias).to(x.dtype)
     return native_linear(x, weight, bias)
+
+
+def novice_routes(layer: MoeLayer, step: Step, weights: torch.Tensor, index: torch.Tensor):
+    """(constant [T, H] or None, weights, index): ``experts.novice_split`` where the step's plan for the
+    layer replaces dropped experts by their constants; any other layer's routes as they are."""
+    cp = step.routing.policy.get(layer.index)
+    if cp is None or cp.constants is None:
+        return None, weights, index
+    return novice_split(cp, weights, index)
 
 
 def rotary_table(rotary: torch.nn.Module, like: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -395,7 +481,7 @@ class Decoder:
         x, h, moe_in_out = graph.attention(i, x, h, cos, sin, kv.slot_mapping, kv.block_table,
                                            kv.context_lens)                   # [B, H] x2, [B, E (+ 2I + 1)]
         _, weights, index = controller.route_layer(moe, h, logits=moe_in_out[:, :moe.semantics.num_experts])  # [B, K]
-        constant, weights, index = novice_split(layer_policy(moe.experts, step), weights, index)
+        constant, weights, index = novice_routes(moe, step, weights, index)
         if constant is not None:   # novice experts' g * c_e joins the residual the block adds the experts to
             x = x + constant.to(x.dtype)
         return graph.moe(i, x, h, index.long().contiguous(), weights.float().contiguous(), step.experts_read,
@@ -406,7 +492,7 @@ class Decoder:
         """The sparse MoE block: routed experts (+ the sigmoid-gated shared expert). The experts run
         the module path's native call directly (not through the module and transformers' dispatch)."""
         _, weights, index = controller.route_layer(layer.moe, h)                   # [B, K] each
-        constant, weights, index = novice_split(layer_policy(layer.moe.experts, step), weights, index)
+        constant, weights, index = novice_routes(layer.moe, step, weights, index)
         out = native_experts_forward(layer.moe.experts, h, index, weights, step)   # [B, H]
         if constant is not None:
             out = out + constant.to(out.dtype)

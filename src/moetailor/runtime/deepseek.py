@@ -7,7 +7,7 @@ tokens equal the module path's bit for bit. Attention is the engine's own (``att
 / ``decode_attention``, over the expanded per-head k/v the paged pool holds), routing goes through the
 routing controller (DeepSeek's grouped top-k, plans and budgets) and the experts through the step's
 experts path. Each projection and norm runs the native linear and norm ops inside decode steps
-where they take the layer (``native_layers``), else torch's; dense weights are packed copies where
+where they take the layer (``decoder.native_linear``), else torch's; dense weights are packed copies where
 the engine packs.
 """
 from __future__ import annotations
@@ -19,9 +19,8 @@ import torch.nn.functional as F
 
 from ..models.adapters import MoeLayer, decoder_layers, moe_layers
 from . import attention
-from .decoder import Norm, hooked, model_hooks, module_linear, rotary_table
+from .decoder import Norm, engine_weight, hooked, model_hooks, module_linear, rotary_table, runs_native
 from .experts import experts_forward
-from .native_layers import engine_weight, runs_native
 from .step import Step
 
 

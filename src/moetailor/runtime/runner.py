@@ -14,10 +14,10 @@ import torch
 
 from .. import kernels
 from . import attention, experts
+from ..models.adapters import MoeLayer
 from .config import EngineConfig
-from .decoder import Decoder
+from .decoder import Decoder, bf16_gemm_is_fast, packed_bf16_linears_pay
 from .deepseek import MlaDecoder
-from .native_layers import bf16_gemm_is_fast, native_router, packed_bf16_linears_pay
 from .step import PagedKV, Routing, Step, experts_read_buffer, read_experts, running
 
 DEFAULT_KV_CAP_BYTES = 512 * 2**20   # default pool cap when neither num_kv_blocks nor memory_budget is given
@@ -27,6 +27,20 @@ def model_bytes(model) -> int:
     """Bytes of the model's parameters and buffers (what the weights cost in memory)."""
     tensors = list(model.parameters()) + list(model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+NATIVE_ROUTER_DTYPES = (torch.float32, torch.bfloat16)   # bf16 logits are selected over as fp32, as stock routers do
+
+
+def native_router(layer: MoeLayer) -> bool:
+    """Whether engine decode steps route this layer natively (logits through the step's linear op,
+    selection through ``softmax_topk``): softmax scoring (then top-k, renormalised or not) over a
+    plain fp32 or bf16 [E, H] weight with no bias, H in 16-wide vectors. DeepSeek's grouped sigmoid
+    routing keeps torch's ops."""
+    w = getattr(layer.router, "weight", None)
+    return (layer.semantics.scoring == "softmax" and layer.router_bias is None
+            and getattr(layer.router, "bias", None) is None and isinstance(w, torch.Tensor) and w.dim() == 2
+            and w.dtype in NATIVE_ROUTER_DTYPES and w.is_contiguous() and w.shape[1] % 16 == 0)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,6 @@
 per step (prefill or decode), colocated or disaggregated, with an OpenAI-compatible server."""
 from .llm import LLM, StepRecord
 from .sampling import SamplingParams
-from .sequence import RequestOutput, StreamDelta
+from .outputs import RequestOutput, StreamDelta
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "StepRecord", "StreamDelta"]

@@ -30,7 +30,8 @@ import torch
 import torch.multiprocessing as mp
 
 from .sampling import SamplingParams
-from .sequence import RequestOutput, Sequence
+from .outputs import RequestOutput
+from .scheduler import Sequence
 from .validation import check_request, encode_prompt
 from .wire import Abort, Add, Adopt, Delta, Failed, Handoff, Heartbeat, Ready, Stats, Stop
 

@@ -280,7 +280,7 @@ class Guard:
 
     def _shadow(self, seq, key: str):
         """The request's full-pool twin (the engine queues it; ``forget`` it if the engine refuses it)."""
-        from .sequence import Sequence
+        from .scheduler import Sequence
 
         sampling = replace(seq.sampling, logprobs=None, prompt_logprobs=None)   # a shadow returns nothing
         twin = Sequence(seq.token_ids, sampling, request_id=shadow_id(seq.request_id),

@@ -29,14 +29,13 @@ from ..routing.traffic import StepCost
 from ..runtime.config import EngineConfig
 from ..runtime.runner import ModelRunner, StepOutput
 from ..runtime.step import Routing
-from .block_manager import BlockManager
 from .guard import Abort, Action, Guard, GuardConfig, RunOn
 from .load_pools import PoolsByLoad
 from .logprobs import record_logprobs, take_prompt_logprobs
 from .observe import observed_step
 from .sampling import NonFiniteLogits, SamplingParams, sample
-from .scheduler import Scheduler
-from .sequence import RequestOutput, Sequence, StreamDelta, delta
+from .outputs import RequestOutput, StreamDelta, delta
+from .scheduler import BlockManager, Scheduler, Sequence
 from .validation import RequestLimits, check_request, encode_prompt
 
 log = logging.getLogger("moetailor.serving")

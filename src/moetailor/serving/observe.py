@@ -13,7 +13,7 @@ from ..calibration.observe import ObservedStats
 from ..models.adapters import MoeLayer
 from ..runtime.step import current
 from .guard import is_shadow
-from .sequence import Sequence
+from .scheduler import Sequence
 
 
 def step_expert_outputs(layer: MoeLayer, hidden: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

@@ -5,15 +5,207 @@ decode every running sequence, preempting from the back when the pool cannot hol
 Step groups (``seq.plan_key``, ``seq.tier``) never share a step: a step takes the group at the head
 of its queue and a decode step sends it to the back, so groups take turns; the budget policy may
 narrow a decode step to one lane (``budgets.BudgetPolicy.decode_group``).
+
+A request as the engine sees it is a ``Sequence``: token ids, sampling state and its table of KV
+blocks. The ``BlockManager`` hands out the pool's fixed-size blocks: a token at position p lives in
+slot ``block_table[p // block_size] * block_size + p % block_size``; no prefix sharing, a block
+belongs to exactly one sequence.
 """
 from __future__ import annotations
 
+import itertools
+import time
 from collections import deque
+from enum import Enum, auto
+
+import torch
 
 from ..runtime.config import EngineConfig
-from .block_manager import BlockManager
-from .detokenizer import Detokenizer
-from .sequence import Sequence, SequenceStatus
+from .sampling import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    block_size = 16
+
+    def __init__(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+                 prompt: str | None = None, plan=None, plan_key: str | None = None):
+        self.seq_id = next(_ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.prompt = prompt
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.sampling = sampling
+        self.plan = plan                    # a per-request Plan, or None for the engine's plan
+        self.plan_key = plan_key            # sequences with different keys never share a step
+        self.tier: int | None = None        # offline k tier (k_schedule="tiers"): also never shares a step
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.ended_on_eos = False           # finished on an EOS token: its length is the model's choice
+        self.error: str | None = None
+        self._text = ""                     # completion text (stop strings already cut): read it as ``text``
+        self.detokenizer = None             # the scheduler's: ``text`` is decoded when read (each step with stop strings)
+        self.detok_prefix = 0               # incremental detokenization window: completion tokens
+        self.detok_read = 0                 # [prefix, read) are context, [read, ...) not yet in text
+        self.logprobs: list | None = [] if sampling.logprobs is not None else None   # TokenLogprob per completion token
+        self.prompt_logprobs: list | None = None   # TokenLogprob per prompt token (first None), once prefilled
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(int(sampling.seed))
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def step_group(self) -> tuple:
+        """Sequences share a step only within one group: same expert plan, same offline k tier."""
+        return self.plan_key, self.tier
+
+    @property
+    def text(self) -> str:
+        """The completion's text so far. Decoded when read (a stream, a finished request), not at every
+        step: a request without stop strings that nobody streams is decoded once, when it finishes."""
+        if self.detokenizer is not None and self.detok_read < self.num_completion_tokens and not self.is_finished:
+            self.detokenizer.update(self)
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text = value
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold the KV of every token so far."""
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+
+    def append_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.token_ids.append(int(token_id))
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        if self.detokenizer is not None and self.detok_read < self.num_completion_tokens:
+            self.detokenizer.update(self)   # the text of every token so far: a finished text is never decoded again
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.finish_time = time.perf_counter()
+
+    def metrics(self) -> dict:
+        end = self.finish_time or time.perf_counter()
+        ttft = (self.first_token_time - self.arrival) if self.first_token_time else None
+        return {"ttft_s": ttft, "total_s": end - self.arrival, "num_preemptions": self.num_preemptions,
+                "prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_completion_tokens}
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return seq.num_blocks <= self.num_free
+
+    def allocate(self, seq: Sequence) -> None:
+        """Blocks for every token of ``seq`` (its prompt, or prompt + completion after preemption)."""
+        assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
+        seq.block_table = [self.free_blocks.popleft() for _ in range(seq.num_blocks)]
+
+    def can_append(self, seq: Sequence) -> bool:
+        """True when the next decode step can write the KV of ``seq``'s last token."""
+        return len(seq.block_table) >= seq.num_blocks or self.num_free >= 1
+
+    def may_append(self, seq: Sequence) -> None:
+        """Add a block when the last token starts a new one."""
+        if len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self.free_blocks.popleft())
+
+    def deallocate(self, seq: Sequence) -> None:
+        self.free_blocks.extend(seq.block_table)
+        seq.block_table = []
+
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Pool slots of positions [start, end) of ``seq``."""
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+class Detokenizer:
+    """Incremental detokenization and stop strings: each update decodes only the newest tokens, with the
+    token before them (a tokenizer may render a token differently at the start of a string); a
+    window ending inside a multi-byte character waits. A finished sequence is decoded once in full
+    and cut at the first stop string, so the final text never depends on how it was streamed."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def resume(self, seq: Sequence) -> None:
+        """A sequence that arrives with completion tokens (prefilled elsewhere): its text so far,
+        decoded once; the next ``update`` starts after them."""
+        seq.text = self._decode(seq.completion_token_ids)
+        seq.detok_prefix = seq.detok_read = seq.num_completion_tokens
+        seq.detokenizer = self
+
+    def update(self, seq: Sequence) -> bool:
+        """Extend ``seq.text`` by its new tokens; True when a stop string has appeared."""
+        ids, start = seq.token_ids, seq.num_prompt_tokens
+        prefix = self._decode(ids[start + seq.detok_prefix:start + seq.detok_read])
+        window = self._decode(ids[start + seq.detok_prefix:])
+        before, new = len(seq._text), window[len(prefix):]
+        if new.endswith("\ufffd"):   # an incomplete UTF-8 sequence: keep the window open for the next token
+            text = seq._text + new.rstrip("\ufffd")
+        else:
+            text = seq._text = seq._text + new
+            seq.detok_prefix, seq.detok_read = seq.detok_read, len(ids) - start
+        stops = seq.sampling.stop
+        if not stops:
+            return False
+        longest = max(map(len, stops))
+        return any(text.find(s, max(0, before - longest + 1)) >= 0 for s in stops)
+
+    def finalize(self, seq: Sequence) -> None:
+        """The exact text of the completion, cut at the first stop string."""
+        text = self._decode(seq.completion_token_ids)
+        cut = min((i for i in (text.find(s) for s in seq.sampling.stop) if i >= 0), default=-1)
+        seq.text = text[:cut] if cut >= 0 else text
+        seq.detok_prefix = seq.detok_read = seq.num_completion_tokens
 
 
 class Scheduler:

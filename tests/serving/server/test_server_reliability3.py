@@ -86,7 +86,7 @@ def test_a_stream_never_emits_text_that_becomes_part_of_a_stop_string(server):
 
 
 def test_stop_prefix_hold_back():
-    from moetailor.serving.sequence import stop_prefix_len
+    from moetailor.serving.outputs import stop_prefix_len
 
     assert stop_prefix_len("abc-", ("-0",)) == 1
     assert stop_prefix_len("abc-0", ("-0",)) == 0          # complete: the engine finishes on it

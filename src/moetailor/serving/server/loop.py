@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from ..client import EngineClient
 from ..sampling import SamplingParams
-from ..sequence import StreamDelta
-from ..sequence import delta as stream_delta
+from ..outputs import StreamDelta
+from ..outputs import delta as stream_delta
 
 log = logging.getLogger("moetailor.server")
 

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..logprobs import CONTEXT_TOKENS, TokenText, chat_logprobs, completion_logprobs, fit_to_text
-from ..sequence import StreamDelta
+from ..outputs import StreamDelta
 from .loop import AsyncEngine
 from .requests import BodyTimeout, LogprobRequest, ModelNotFound, TooLarge
 
