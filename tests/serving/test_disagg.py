@@ -55,6 +55,8 @@ def test_disaggregated_masked_decode_equals_colocated(checkpoints):
     prompts = random_prompts([6, 11], seed=6)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     with DisaggregatedLLM(str(root / "full"), plan=plan, block_size=4) as dis:
+        with pytest.raises(ValueError, match="1 SamplingParams for 2 prompts"):
+            dis.generate(prompts, [params])            # named before anything reaches the workers
         outs = dis.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in colocated(model, plan, prompts, params)]
     assert [o.token_ids for o in outs] != [o.token_ids for o in colocated(model, None, prompts, params)]

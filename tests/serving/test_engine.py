@@ -185,6 +185,9 @@ def test_bad_requests_name_the_problem():
         llm.add_request([5, 500])
     with pytest.raises(ValueError, match="tokenizer"):
         llm.add_request("text without a tokenizer")
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        llm.generate([[5, 6]], [SamplingParams(), SamplingParams()])
+    assert not llm.has_unfinished()                   # nothing was queued
     with pytest.raises(ValueError, match="KV blocks"):
         LLM(tiny_model("qwen2_moe"), block_size=4, num_kv_blocks=2).add_request([3, 4, 5], SamplingParams(max_tokens=8))
 

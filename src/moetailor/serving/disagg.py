@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from .sampling import SamplingParams
+from .sampling import SamplingParams, per_prompt
 from .outputs import RequestOutput
 from .scheduler import Sequence
 from .validation import check_request, encode_prompt
@@ -600,9 +600,8 @@ class DisaggregatedLLM:
         return {"ok": all(w["state"] == "ready" for w in workers.values()), "workers": workers}
 
     def generate(self, prompts, sampling=None, use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        """Run every prompt to completion on the two workers; outputs in prompt order (as ``LLM.generate``)."""
+        prompts, params = per_prompt(prompts, sampling)
         seqs = [self.add_request(p, s) for p, s in zip(prompts, params)]
         while any(not s.is_finished for s in seqs):
             self.step()

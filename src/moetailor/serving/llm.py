@@ -33,7 +33,7 @@ from .guard import Abort, Action, Guard, GuardConfig, RunOn
 from .load_pools import PoolsByLoad
 from .logprobs import record_logprobs, take_prompt_logprobs
 from .observe import observed_step
-from .sampling import NonFiniteLogits, SamplingParams, sample
+from .sampling import NonFiniteLogits, SamplingParams, per_prompt, sample
 from .outputs import RequestOutput, StreamDelta, delta
 from .scheduler import BlockManager, Scheduler, Sequence
 from .validation import RequestLimits, check_request, encode_prompt
@@ -356,11 +356,7 @@ class LLM:
     def generate(self, prompts: list[str] | list[list[int]] | str, sampling: SamplingParams | list[SamplingParams]
                  | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
+        prompts, params = per_prompt(prompts, sampling)
         if self.config.k_schedule == "tiers":        # each tier is a step group, queued in the plan's order
             seqs: list = [None] * len(prompts)
             for tier, batch in enumerate(self.budgets.tiers(params)):

@@ -72,6 +72,18 @@ class NonFiniteLogits(ValueError):
     """A row of logits with NaN or infinite values: the request it belongs to cannot go on."""
 
 
+def per_prompt(prompts, sampling) -> tuple[list, list[SamplingParams]]:
+    """``generate``'s arguments as one prompt list and one ``SamplingParams`` per prompt: a single prompt
+    (a string or token ids) becomes a list of one; ``sampling`` is one for all (None: the defaults) or a
+    list with one per prompt."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
+    return prompts, params
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of logits [B, V]. Greedy rows take the argmax (ties: lowest id, like
     transformers); others: temperature, top-k, top-p, then a draw from the row's generator."""
