@@ -81,13 +81,14 @@ def vllm_decode(python: Path, model: str, batches: list[int], prompt_len: int, n
 
     model_dir = str(resolve_model_path(model))
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [str(python), "-m", "moetailor.bench.vllm", "stock", model_dir, "-", "-",
-           ",".join(map(str, batches)), str(prompt_len), str(new_tokens), dtype, str(repeats), str(out)]
+    spec = {"groups": ["stock"], "model": model_dir, "plans": {}, "pruned": "", "batches": ",".join(map(str, batches)),
+            "prompt_tokens": prompt_len, "new_tokens": new_tokens, "dtype": dtype, "repeats": repeats, "out": str(out)}
+    cmd = [str(python), "-m", "moetailor.bench.vllm", json.dumps(spec)]   # `moetailor bench vllm`'s worker, stock row
     run = subprocess.run(cmd, env={**os.environ, "VLLM_PLUGINS": ""}, capture_output=True, text=True)
     line = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
     if run.returncode != 0 or not line:
         raise SystemExit(f"vLLM run failed (exit {run.returncode}): {run.stderr[-2000:]}")
-    return {int(b): r["decode_tok_s"] for b, r in json.loads(line[-1][len("RESULT "):]).items()}
+    return {int(b): r["decode_tok_s"] for b, r in json.loads(line[-1][len("RESULT "):])["stock"].items()}
 
 
 def main() -> None:
