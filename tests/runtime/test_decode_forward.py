@@ -133,7 +133,7 @@ def test_decode_layers_run_in_one_native_call_under_the_full_router(one_thread, 
 
 @pytest.mark.parametrize("arch,masked", [("qwen2_moe", False), ("qwen3_moe", False), ("olmoe", False),
                                          ("mixtral", False), ("qwen2_moe", True)])
-def test_decode_steps_run_the_native_router_with_the_stock_routes(one_thread, arch, masked):
+def test_decode_steps_run_the_native_router_with_the_stock_routes(one_thread, monkeypatch, arch, masked):
     """Decode steps route through the native ``softmax_topk`` op (logits through the step's linear
     op): the outputs equal the stock router's (torch's linear, softmax and top-k) up to float
     rounding."""
@@ -143,12 +143,12 @@ def test_decode_steps_run_the_native_router_with_the_stock_routes(one_thread, ar
     params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
     native = LLM(model, plan, own_decoder=False)
     calls = []
-    op = native.runner.native_router
-    native.runner.native_router = lambda *args: calls.append(args[0].shape[0]) or op(*args)
+    op = torch.ops.moetailor.softmax_topk
+    monkeypatch.setattr(torch.ops.moetailor, "softmax_topk", lambda *args: calls.append(args[0].shape[0]) or op(*args))
     got = [(o.token_ids, o.logprobs) for o in native.generate(prompts, params)]
     assert len(calls) == 9 * len(model.model.layers)          # every decode step's every layer; no prefill
     stock = LLM(model, plan)
-    stock.runner.native_router = None
+    stock.runner.decode_ops = dataclasses.replace(stock.runner.decode_ops, router=False)   # torch's routing
     want = [(o.token_ids, o.logprobs) for o in stock.generate(prompts, params)]
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, a), (_, b) in zip(got, want):
@@ -165,7 +165,7 @@ def test_the_bundled_model_decodes_through_the_lean_forward():
 
 
 @pytest.mark.parametrize("arch,masked", [("olmoe", False), ("mixtral", False), ("qwen2_moe", True)])
-def test_bf16_decode_steps_route_natively_with_the_stock_routes(one_thread, arch, masked):
+def test_bf16_decode_steps_route_natively_with_the_stock_routes(one_thread, monkeypatch, arch, masked):
     """A bf16 model's decode steps route through the native selection too (the bf16 logits widened,
     as the stock router widens them; the weights cast back to bf16 where it casts them, Mixtral's
     kept in fp32): the lean loop (bf16) and the module path both, and the routes are the stock
@@ -177,15 +177,15 @@ def test_bf16_decode_steps_route_natively_with_the_stock_routes(one_thread, arch
     native = LLM(model, plan)
     assert native.runner.native_router is not None
     calls, routed = [], []
-    op = native.runner.native_router
-    native.runner.native_router = lambda *args: calls.append(args[0].dtype) or op(*args)
+    op = torch.ops.moetailor.softmax_topk
+    monkeypatch.setattr(torch.ops.moetailor, "softmax_topk", lambda *args: calls.append(args[0].dtype) or op(*args))
     observe = native.controller.observing(lambda layer, hidden, logits, weights, index: routed.append(weights.dtype))
     with observe:
         got = native.generate(prompts, params)
     assert calls == [torch.float32] * (3 * len(model.model.layers))   # every decode step's layers, fp32 logits
     assert set(routed) == {torch.float32 if arch == "mixtral" else torch.bfloat16}
     stock = LLM(model, plan)
-    stock.runner.native_router = None
+    stock.runner.decode_ops = dataclasses.replace(stock.runner.decode_ops, router=False)   # torch's routing
     for a, b in zip(got, stock.generate(prompts, params)):
         assert a.token_ids[:2] == b.token_ids[:2]
         torch.testing.assert_close(torch.tensor([e.logprob for e in a.logprobs[:2]]),
@@ -262,24 +262,27 @@ def test_torch_bf16_gemm_counts_as_fast_only_with_bf16_in_hardware(monkeypatch, 
 
 
 @pytest.mark.parametrize("rows", [3, 32])
-def test_a_bf16_linear_in_a_decode_step_runs_the_native_op_and_rounds_once(rows):
+def test_a_bf16_linear_in_a_decode_step_runs_the_native_op_and_rounds_once(monkeypatch, rows):
     """A bf16 checkpoint's projections in a decoder's decode step: the bf16 rows go to the op, whose fp32
     sums of the bf16 weights are rounded to bf16 once, as torch's bf16 GEMM computes them (in another
     order: equal within bf16 rounding), at any row count where that GEMM has no hardware kernels;
     outside a step torch's own op."""
     from moetailor.runtime.decoder import bf16_gemm_is_fast, native_linear
-    from moetailor.runtime.step import Step, running
+    from moetailor.runtime.step import NativeOps, Step, running
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 40).bfloat16()
     x = torch.randn(rows, 64).bfloat16()
     calls = []
 
+    op = kernels.rows_linear()
+
     def kernel(rows, weight, bias=None):
         calls.append((rows.dtype, weight.dtype))
-        return kernels.rows_linear()(rows, weight, bias)
+        return op(rows, weight, bias)
 
-    with running(Step(is_prefill=False, linear_kernel=kernel)):
+    monkeypatch.setattr(torch.ops.moetailor, "rows_linear", kernel)
+    with running(Step(is_prefill=False, native=NativeOps(linear=True))):
         y = native_linear(x, layer.weight, layer.bias)
     native = rows <= 8 or not bf16_gemm_is_fast()
     assert calls == ([(torch.bfloat16, torch.bfloat16)] if native else []) and y.dtype is torch.bfloat16

@@ -172,14 +172,14 @@ class RoutingController:
     def selects_natively(self, layer: MoeLayer, step: Step | None) -> bool:
         """Whether ``step`` routes ``layer`` with the full router through the native selection op alone
         (an engine decode step, no plan for the layer, one budget for every token: ``native_top_k``)."""
-        return (step is not None and step.router_kernel is not None and layer.index in self.native_routers
+        return (step is not None and step.native.router and layer.index in self.native_routers
                 and self.one_budget(step) and layer.index not in step.routing.policy)
 
     @classmethod
     def routes_every_layer_in_full(cls, step: Step | None) -> bool:
         """Whether ``step`` is an engine decode step with native selection, no plan and one budget for
         every token: every natively routed layer then selects as ``selects_natively`` says."""
-        return (step is not None and step.router_kernel is not None and cls.one_budget(step)
+        return (step is not None and step.native.router and cls.one_budget(step)
                 and not step.routing.policy)
 
     def route_layer(self, layer: MoeLayer, hidden_states: torch.Tensor, logits: torch.Tensor | None = None,
@@ -193,7 +193,7 @@ class RoutingController:
         routing = step.routing if step is not None else None
         cp = routing.policy.get(layer.index) if routing is not None else None
         token_k, k_max = (routing.token_top_k, routing.k_max) if routing is not None else (None, None)
-        native = step is not None and step.router_kernel is not None and layer.index in self.native_routers \
+        native = step is not None and step.native.router and layer.index in self.native_routers \
             and hidden_states.dtype == router.weight.dtype                   # an engine decode step: native routing
         if cp is None and token_k is None and not native:
             logits, weights, index = stock if stock is not None else type(router).forward(router, hidden_states)
@@ -201,17 +201,17 @@ class RoutingController:
             hidden = hidden_states.reshape(-1, hidden_states.shape[-1])       # [T, H]
             if native and logits is not None:
                 logits = logits.contiguous()                                  # [T, E]
-            elif native and step.linear_kernel is not None and (hidden.dtype == torch.float32
+            elif native and step.native.linear and (hidden.dtype == torch.float32
                                                                  or hidden.shape[0] <= BF16_ROUTER_OP_ROWS):
-                logits = step.linear_kernel(hidden.contiguous(), router.weight)  # [T, E] (fp32: any rows, E is small)
+                logits = torch.ops.moetailor.rows_linear(hidden.contiguous(), router.weight)  # [T, E] (fp32: any rows, E is small)
             else:
                 logits = layer.router_logits(hidden)                          # [T, E]
             if native and cp is None and self.one_budget(step):               # full routing (at one k): the selection is all
-                weights, index = step.router_kernel(logits.float().contiguous(), self.native_top_k(layer, step),
+                weights, index = torch.ops.moetailor.softmax_topk(logits.float().contiguous(), self.native_top_k(layer, step),
                                                     layer.semantics.normalise, None)
                 weights = self._as_stock(weights, logits)
             else:
-                weights, index = self.apply_policy(layer, logits, cp, token_k, k_max, step.router_kernel if native else None)
+                weights, index = self.apply_policy(layer, logits, cp, token_k, k_max, torch.ops.moetailor.softmax_topk if native else None)
         if self.observers:
             hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
             for observer in self.observers:

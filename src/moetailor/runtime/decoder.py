@@ -70,13 +70,13 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     op, whatever its rows."""
     step = current()
     rows = x.numel() // x.shape[-1]
-    if step is None or step.linear_kernel is None or x.dtype != weight.dtype or x.dtype not in NATIVE_LINEAR_DTYPES \
+    if step is None or not step.native.linear or x.dtype != weight.dtype or x.dtype not in NATIVE_LINEAR_DTYPES \
             or (rows > NATIVE_LINEAR_ROWS and not (x.dtype == torch.bfloat16 and not bf16_gemm_is_fast())):
         return torch.nn.functional.linear(x, weight, bias)
     if x.dtype == torch.bfloat16:   # the op widens the rows and rounds its fp32 sums (+ bias) to bf16 once, as below
-        return step.linear_kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias).view(*x.shape[:-1], -1)
+        return torch.ops.moetailor.rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias).view(*x.shape[:-1], -1)
     fused = bias is not None and bias.dtype == torch.float32                           # the op adds an fp32 bias
-    y = step.linear_kernel(x.reshape(rows, x.shape[-1]).float().contiguous(), weight,  # [rows, N] fp32
+    y = torch.ops.moetailor.rows_linear(x.reshape(rows, x.shape[-1]).float().contiguous(), weight,  # [rows, N] fp32
                            bias if fused else None)
     if bias is not None and not fused:
         y = y + bias
@@ -383,8 +383,8 @@ class Decoder:
         Each projection runs ``module_linear`` (up to ``NATIVE_LINEAR_ROWS`` rows or packed the native
         op, else torch's GEMM; stacking rows of a weight changes no column of either). Each residual add is fused with the norm after it (the
         next layer's, or the final one)."""
-        kernel, norm, kv = step.linear_kernel, step.norm_kernel, step.kv
-        native_rows = kernel is not None and ids.shape[0] <= NATIVE_LINEAR_ROWS   # the native layer ops' condition
+        norm, kv = torch.ops.moetailor.rms_norm if step.native.norm else None, step.kv   # the norm op the Norms run
+        native_rows = step.native.linear and ids.shape[0] <= NATIVE_LINEAR_ROWS   # the native layer ops' condition
         if self.graph is not None and native_rows and norm is not None and self.graph.runs(step, controller):
             budget = step.routing.k_max if step.routing.token_top_k is not None else 0   # 0: each layer's own k
             return self.graph.op.forward(ids, positions, kv.slot_mapping, kv.block_table, kv.context_lens,
@@ -414,7 +414,7 @@ class Decoder:
                 k_cache.index_copy_(0, kv.slot_mapping, k[0].transpose(0, 1).to(k_cache.dtype))
                 v_cache.index_copy_(0, kv.slot_mapping, v.to(v_cache.dtype))
                 q = q[0].transpose(0, 1).contiguous()                         # [B, nH, D]
-            o = kv.native(q.float(), k_cache, v_cache, kv.block_table, kv.context_lens, kv.block_size,
+            o = torch.ops.moetailor.paged_decode_attention(q.float(), k_cache, v_cache, kv.block_table, kv.context_lens, kv.block_size,
                           self.scaling).to(x.dtype)                          # [B, nH, D]: fp32 inside, as the module path
             x, h = layer.post_norm.after_add(x, module_linear(o.reshape(B, nH * D), layer.o), norm,
                                              self.add_norm)                         # [B, H] each

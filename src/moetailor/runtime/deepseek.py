@@ -141,7 +141,7 @@ class MlaDecoder:
             cos, sin = (t[positions][None] for t in self.rotary_table)        # [1, T, Dr] each
         else:
             cos, sin = self.rotary(x, positions[None])                        # [1, T, Dr] each
-        kernel = step.norm_kernel
+        kernel = torch.ops.moetailor.rms_norm if step.native.norm else None
         for layer in self.layers:
             h = self.norm(layer.input_norm, x, kernel)                        # [T, H]
             x = x + layer.o(self.attention(layer, h, cos, sin, step, kernel))  # [T, H]

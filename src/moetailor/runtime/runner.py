@@ -18,7 +18,7 @@ from ..models.adapters import MoeLayer
 from .config import EngineConfig
 from .decoder import Decoder, bf16_gemm_is_fast, packed_bf16_linears_pay
 from .deepseek import MlaDecoder
-from .step import PagedKV, Routing, Step, experts_read_buffer, read_experts, running
+from .step import TORCH_OPS, NativeOps, PagedKV, Routing, Step, experts_read_buffer, read_experts, running
 
 DEFAULT_KV_CAP_BYTES = 512 * 2**20   # default pool cap when neither num_kv_blocks nor memory_budget is given
 
@@ -80,6 +80,8 @@ class ModelRunner:
         self.native_linear = kernels.rows_linear() if native and kernels.rows_linear_pays() else None
         bf16_gemm_is_fast()   # asked now, so that a decode step only reads the answer
         self.native_norm = kernels.rms_norm() if native else None
+        self.decode_ops = NativeOps(router=self.native_router is not None, norm=self.native_norm is not None,
+                                    linear=self.native_linear is not None)   # what decode steps run natively
         self.packs = False    # whether the engine packs weights for the native ops (``_expert_weights``)
         # a 4-D attention mask tells transformers the mask is built (engine steps need none: paged
         # attention reads the step context), so it skips mask preparation in every step
@@ -192,7 +194,7 @@ class ModelRunner:
         probe: dict = {}
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         native = self.native_experts is not None   # a model an earlier engine packed runs only there
-        step = Step(is_prefill=True, probe=probe, experts="native" if native else "loop", experts_kernel=self.native_experts,
+        step = Step(is_prefill=True, probe=probe, experts="native" if native else "loop",
                     experts_read=experts_read_buffer(self.num_layers, self.device) if native else None,
                     expert_weights=self.padded or None)
         with torch.inference_mode(), running(step):
@@ -281,18 +283,15 @@ class ModelRunner:
             gather = dict(kv_slots=kv_slots, kv_mask=kv_mask,
                           gather=attention.gather_buffers(self.kv_cache, num, self._kv_buffers) if num else None)
         kv = PagedKV(self.kv_cache, packed[2], bs, block_table=table, context_lens=packed[3], kv_len=max(lens),
-                     native=self.native_attention, **gather)
+                     native=self.native_attention is not None, **gather)
         return packed[:3], self._step(False, routing, kv)
 
     def _step(self, is_prefill: bool, routing: Routing, kv: PagedKV) -> Step:
         native = self.native_experts is not None
         return Step(is_prefill, routing, kv,
                     experts="native" if native else "grouped" if self.grouped_experts else "loop",
-                    experts_kernel=self.native_experts,
                     expert_weights=self.expert_weights[is_prefill],
-                    linear_kernel=None if is_prefill else self.native_linear,
-                    norm_kernel=None if is_prefill else self.native_norm,
-                    router_kernel=None if is_prefill else self.native_router,
+                    native=TORCH_OPS if is_prefill else self.decode_ops,
                     experts_read=experts_read_buffer(self.num_layers, self.device))
 
     def _tensor(self, values: list) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -46,7 +46,7 @@ class PagedKV:
     block_table: torch.Tensor | None = None   # decode: [B, nb] pool block ids of each sequence (0-padded)
     context_lens: torch.Tensor | None = None  # decode: [B] cached positions (new token included)
     kv_len: int = 0                           # decode: S, cached positions per sequence (padded)
-    native: Callable | None = None            # decode: the paged attention kernel (moetailor/kernels)
+    native: bool = False                      # decode: attention through the native ``paged_decode_attention``
     # decode without the kernel: pool slot of every cached position, as a slice of the pool (a lone
     # sequence with contiguous blocks) or [B*S]; kv_mask [B, 1, 1, S] (None = attend to all); the
     # gather buffers [B*S, nKV, D] by (k|v, (nKV, D), dtype), reused across steps (the runner's)
@@ -56,16 +56,26 @@ class PagedKV:
 
 
 @dataclass(frozen=True)
+class NativeOps:
+    """Which native ops (``moetailor/kernels``) an engine's decode steps run, decided once when the engine
+    loads; the ops are called by name (``torch.ops.moetailor.*``) where they run. Prefill steps and
+    routing-only steps run torch's ops (``TORCH_OPS``)."""
+    router: bool = False   # softmax routers select through ``softmax_topk``
+    norm: bool = False     # the decoders' RMSNorms run ``rms_norm``
+    linear: bool = False   # the decoders' linear layers of a few rows run ``rows_linear`` (where it pays)
+
+
+TORCH_OPS = NativeOps()
+
+
+@dataclass(frozen=True)
 class Step:
     is_prefill: bool
     routing: Routing = FULL_ROUTING
     kv: PagedKV | None = None                 # None: plain SDPA over the call's own k/v (no engine cache)
-    experts: str = "loop"                     # "native" | "grouped" | "loop" (runtime/experts.py)
-    experts_kernel: Callable | None = None    # the native experts kernel, for experts == "native"
+    experts: str = "loop"                     # "native" (the native experts op) | "grouped" | "loop" (runtime/experts.py)
     expert_weights: Mapping[int, tuple] | None = None  # MoE layer -> (gate_up, down) instead of the model's (a decode dtype, packed)
-    linear_kernel: Callable | None = None     # a native op for linear layers of a few rows (engine decode steps)
-    norm_kernel: Callable | None = None       # a native op for RMSNorm (engine decode steps)
-    router_kernel: Callable | None = None     # a native op for a softmax router's top-k selection (engine decode steps)
+    native: NativeOps = TORCH_OPS             # which native ops the step runs (an engine's decode steps)
     # outputs, written in place by the forward
     experts_read: torch.Tensor | None = None  # [num layers] int64: distinct experts read (-1 = not a MoE layer)
     probe: dict | None = None                 # shape probe: attention layer -> (k shape, v shape, dtype)
