@@ -97,12 +97,11 @@ def select_tasks(spec: str | list[str]) -> list:
             tasks += load_user_tasks(entry)
         else:
             get_task(entry)   # raises, listing the valid names
-    seen: set[str] = set()
-    for task in tasks:
-        if task.name in seen:
-            raise ValueError(f"task {task.name!r} is selected twice (a user file's 'task' names must differ from "
-                             "each other's and from the built-in tasks')")
-        seen.add(task.name)
+    names = [task.name for task in tasks]
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise ValueError(f"task {twice!r} is selected twice (a user file's 'task' names must differ from "
+                         "each other's and from the built-in tasks')")
     return tasks
 
 
