@@ -241,8 +241,7 @@ def _goals(name: str, measured: list[Measured], hf: dict[int, float], read_bw: f
             rows.append((f"50% pool ({kind}) speedup >= 0.95x ideal traffic ratio", name,
                          ", ".join(f"B={b}: {r:.2f}" for b, r in ratios) + (" (noisy)" if noisy else ""),
                          "n/a" if noisy else "yes" if worst >= 0.95 else "no"))
-    batches = [b for b in hf if isinstance(b, int)]
-    if name != "synthetic" and batches:
+    if name != "synthetic" and any(isinstance(b, int) for b in hf):
         rows.append(hf_goal(name, hf, by))
     return rows
 

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -293,10 +294,8 @@ def binding(pids: set[int]) -> list[dict]:
     for pid in sorted(pids):
         try:
             name = Path(f"/proc/{pid}/comm").read_text().strip()
-            cpus = {}
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                key = ",".join(map(str, sorted(os.sched_getaffinity(int(tid)))))
-                cpus[key] = cpus.get(key, 0) + 1
+            cpus = dict(Counter(",".join(map(str, sorted(os.sched_getaffinity(int(tid)))))
+                                for tid in os.listdir(f"/proc/{pid}/task")))
         except OSError:
             continue
         out.append({"pid": pid, "name": name, "threads_by_cpus": cpus})
