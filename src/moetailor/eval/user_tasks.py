@@ -165,7 +165,7 @@ def _example(path: Path, number: int, record: dict, default_task: str) -> UserEx
     kind = record.get("match", "exact")
     if kind not in MATCH_RULES:
         raise ValueError(f"{where}: unknown match rule {kind!r}; valid: {', '.join(MATCH_RULES)}")
-    pattern = record.get("pattern")
+    pattern, compiled = record.get("pattern"), None
     if kind == "regex":
         if not isinstance(pattern, str):
             raise ValueError(f"{where}: match 'regex' needs 'pattern', a regular expression with one capture group "
@@ -179,8 +179,6 @@ def _example(path: Path, number: int, record: dict, default_task: str) -> UserEx
                              "exactly one, around the answer")
     elif pattern is not None:
         raise ValueError(f"{where}: 'pattern' is only read with \"match\": \"regex\" (this line matches {kind!r})")
-    else:
-        compiled = None
     if kind == "number" and parse_number(answer) is None:
         raise ValueError(f"{where}: match 'number' needs a numeric 'answer', got {answer!r}")
     task = record.get("task", default_task)
