@@ -6,10 +6,10 @@ decode kernel's own ceiling: one token through every expert of a layer).
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
+
+from .measure import best_us
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -17,13 +17,7 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     if nbytes < 4:
         raise ValueError(f"nbytes={nbytes} is too small to measure")
     x = torch.ones(nbytes // 4, dtype=torch.float32)                       # [N], touched once so pages exist
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.sum(x)
-        best = min(best, time.perf_counter() - start)
-    del x
-    return nbytes / best
+    return nbytes / (best_us(lambda: torch.sum(x), calls=1, rounds=repeats, warmup=0) / 1e6)
 
 
 def gemv_bandwidth(gate_up: torch.Tensor | None = None, down: torch.Tensor | None = None, repeats: int = 3,
@@ -35,12 +29,11 @@ def gemv_bandwidth(gate_up: torch.Tensor | None = None, down: torch.Tensor | Non
         down = torch.randn(experts, hidden, width) * 0.02
     x = torch.randn(1, gate_up.shape[-1], dtype=gate_up.dtype)             # [1, H]
     nbytes = (gate_up.numel() + down.numel()) * gate_up.element_size()
-    best = float("inf")
+
+    def every_expert() -> None:
+        for e in range(gate_up.shape[0]):
+            g, u = F.linear(x, gate_up[e]).chunk(2, dim=-1)                # [1, I]
+            F.linear(F.silu(g) * u, down[e])                               # [1, H]
+
     with torch.inference_mode():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for e in range(gate_up.shape[0]):
-                g, u = F.linear(x, gate_up[e]).chunk(2, dim=-1)            # [1, I]
-                F.linear(F.silu(g) * u, down[e])                           # [1, H]
-            best = min(best, time.perf_counter() - start)
-    return nbytes / best
+        return nbytes / (best_us(every_expert, calls=1, rounds=repeats, warmup=0) / 1e6)

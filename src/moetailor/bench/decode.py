@@ -7,7 +7,7 @@ beside the measured read bandwidth, speedup beside the ideal traffic ratio, and 
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -31,19 +31,16 @@ class DecodeConfig:
     synthetic_layers: int = 2
     hf: bool = True
     pruned: bool = True
-
-    def resolved(self) -> "DecodeConfig":
-        if self.quick:
-            batches = [b for b in self.batches if b in (1, 8, 64)] or self.batches[:3]
-            keeps = [0.5] if 0.5 in self.keeps or not self.keeps else self.keeps[:1]
-            return DecodeConfig(self.model, batches, keeps, self.top_ks, self.steps or QUICK_STEPS, True,
-                                self.synthetic_layers, self.hf, self.pruned, self.plans, self.prompt_len, self.dtype)
-        return DecodeConfig(self.model, self.batches, self.keeps, self.top_ks, self.steps or 12, False,
-                            self.synthetic_layers, self.hf, self.pruned, self.plans, self.prompt_len, self.dtype)
-
     plans: list[str] = field(default_factory=list)   # extra decode pools from plan files (e.g. folding)
     prompt_len: int = 16
     dtype: str = "float32"   # the weights as measured: float32, or bfloat16 (what real checkpoints ship)
+
+    def resolved(self) -> "DecodeConfig":
+        if not self.quick:
+            return replace(self, steps=self.steps or 12)
+        return replace(self, batches=[b for b in self.batches if b in (1, 8, 64)] or self.batches[:3],
+                       keeps=[0.5] if 0.5 in self.keeps or not self.keeps else self.keeps[:1],
+                       steps=self.steps or QUICK_STEPS)
 
 
 HF_STEP_LIMIT_S = 3.0   # transformers steps slower than this end the transformers sweep
@@ -193,34 +190,32 @@ def _tables(rep: Report, name: str, measured: list[Measured], hf: dict[int, floa
 
 
 def _plots(rep: Report, name: str, measured: list[Measured], read_bw: float, gemv_bw: float) -> None:
-    labels = list(dict.fromkeys(m.pool.label for m in measured))
-    series = {l: [m for m in measured if m.pool.label == l] for l in labels}
-    fig, ax = figure("batch", "decode tokens/s", f"{name}: tokens/s vs batch per pool", logx=True)
-    for l, ms in series.items():
-        ax.plot([m.result.batch for m in ms], [m.result.tokens_per_s for m in ms], marker="o", ms=3, label=l)
-    ax.legend(fontsize=8)
-    rep.plot(f"{name}_tokens_per_s.png", fig)
-    close(fig)
+    series = {}
+    for m in measured:
+        series.setdefault(m.pool.label, []).append(m)
 
-    fig, ax = figure("batch", "GB/s", f"{name}: achieved bandwidth vs the measured floor", logx=True)
-    for l, ms in series.items():
-        ax.plot([m.result.batch for m in ms], [m.result.bandwidth / 1e9 for m in ms], marker="o", ms=3, label=l)
-    ax.axhline(read_bw / 1e9, color="black", ls="--", lw=1, label="read bandwidth (torch.sum)")
-    ax.axhline(0.5 * read_bw / 1e9, color="grey", ls=":", lw=1, label="50% of read bandwidth")
-    ax.axhline(gemv_bw / 1e9, color="brown", ls="-.", lw=1, label="fp32 GEMV probe")
-    ax.legend(fontsize=8)
-    rep.plot(f"{name}_bandwidth.png", fig)
-    close(fig)
+    def plot(file: str, ylabel: str, heading: str, value, formula=None, lines=(), **legend) -> None:
+        """A line per pool: ``value`` of each measurement against the batch (``formula`` dashed beside it)."""
+        fig, ax = figure("batch", ylabel, f"{name}: {heading}", logx=True)
+        for i, (label, ms) in enumerate(series.items()):
+            batches = [m.result.batch for m in ms]
+            ax.plot(batches, [value(m) for m in ms], marker="o", ms=3, color=f"C{i}", label=label)
+            if formula is not None:
+                ax.plot(batches, [formula(m) for m in ms], ls="--", color=f"C{i}", lw=1)
+        for y, color, ls, label in lines:
+            ax.axhline(y, color=color, ls=ls, lw=1, label=label)
+        ax.legend(fontsize=8, **legend)
+        rep.plot(f"{name}_{file}.png", fig)
+        close(fig)
 
-    fig, ax = figure("batch", "distinct experts per layer per step", f"{name}: measured vs m'(1-(1-k/m')^B)", logx=True)
-    for i, (l, ms) in enumerate(series.items()):
-        color = f"C{i}"
-        ax.plot([m.result.batch for m in ms], [m.result.distinct for m in ms], marker="o", ms=3, color=color, label=l)
-        ax.plot([m.result.batch for m in ms], [expected_distinct(m.pool.experts, m.pool.top_k, m.result.batch)
-                                               for m in ms], ls="--", color=color, lw=1)
-    ax.legend(fontsize=8, title="solid: measured, dashed: formula")
-    rep.plot(f"{name}_distinct_experts.png", fig)
-    close(fig)
+    plot("tokens_per_s", "decode tokens/s", "tokens/s vs batch per pool", lambda m: m.result.tokens_per_s)
+    plot("bandwidth", "GB/s", "achieved bandwidth vs the measured floor", lambda m: m.result.bandwidth / 1e9,
+         lines=((read_bw / 1e9, "black", "--", "read bandwidth (torch.sum)"),
+                (0.5 * read_bw / 1e9, "grey", ":", "50% of read bandwidth"),
+                (gemv_bw / 1e9, "brown", "-.", "fp32 GEMV probe")))
+    plot("distinct_experts", "distinct experts per layer per step", "measured vs m'(1-(1-k/m')^B)",
+         lambda m: m.result.distinct, lambda m: expected_distinct(m.pool.experts, m.pool.top_k, m.result.batch),
+         title="solid: measured, dashed: formula")
 
 
 def _goals(name: str, measured: list[Measured], hf: dict[int, float], read_bw: float) -> list[tuple]:
@@ -246,8 +241,7 @@ def _goals(name: str, measured: list[Measured], hf: dict[int, float], read_bw: f
             rows.append((f"50% pool ({kind}) speedup >= 0.95x ideal traffic ratio", name,
                          ", ".join(f"B={b}: {r:.2f}" for b, r in ratios) + (" (noisy)" if noisy else ""),
                          "n/a" if noisy else "yes" if worst >= 0.95 else "no"))
-    batches = [b for b in hf if isinstance(b, int)]
-    if name != "synthetic" and batches:
+    if name != "synthetic" and any(isinstance(b, int) for b in hf):
         rows.append(hf_goal(name, hf, by))
     return rows
 

@@ -7,10 +7,10 @@ weights with one fp32 scale per output row (``aten._weight_int8pack_mm``, activa
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
+
+from .measure import best_us
 
 FORMATS = ("fp32", "bf16", "int8")
 
@@ -61,12 +61,8 @@ def probe(formats=FORMATS, rows=(1, 2, 4, 8), experts: int = 24, hidden: int = 2
                 x = torch.randn(m, hidden)                                         # [M, H]
                 x = x.bfloat16() if fmt == "bf16" else x
                 _expert_forward(fmt, x, *pool[0])                                  # warm-up (kernel selection)
-                best = float("inf")
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    for gu, dn in pool:
-                        _expert_forward(fmt, x, gu, dn)
-                    best = min(best, time.perf_counter() - start)
+                every = lambda pool=pool, x=x: [_expert_forward(fmt, x, gu, dn) for gu, dn in pool]  # noqa: E731
+                best = best_us(every, calls=1, rounds=repeats, warmup=0) / 1e6
                 results.append({"format": fmt, "rows": m, "ms_per_expert": 1e3 * best / experts,
                                 "weight_gb_s": per_expert * experts / best / 1e9})
         del pool

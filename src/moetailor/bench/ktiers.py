@@ -94,17 +94,13 @@ def run_ktiers(model: str, mix_text: str, requests: int, prompt_len: int, max_to
     vocab = base.get_output_embeddings().out_features
     prompts, ks = workload(mix, requests, prompt_len, vocab)
     blocks = max_num_seqs * ((prompt_len + max_tokens) // 16 + 2)
-
-    def engine(schedule: str, cost=None):
-        return LLM(base, max_num_seqs=max_num_seqs, num_kv_blocks=blocks, k_schedule=schedule, k_cost=cost)
-
     # the cost grid also pays the first-call costs before anything is timed
     cost = measure_step_cost(base, sorted({k for k, _ in mix} | {full_k}), max_num_seqs, prompts, blocks)
     results: dict[str, list[dict]] = {s: [] for s in SCHEDULES}
     bar = tqdm(total=repeats * len(SCHEDULES), desc="bench ktiers", unit="run")
     for _ in range(repeats):
         for schedule in SCHEDULES:
-            llm = engine(schedule, cost)
+            llm = LLM(base, max_num_seqs=max_num_seqs, num_kv_blocks=blocks, k_schedule=schedule, k_cost=cost)
             results[schedule].append(serve(llm, prompts, ks, max_tokens))
             bar.update()
             del llm
@@ -133,4 +129,3 @@ def run_ktiers(model: str, mix_text: str, requests: int, prompt_len: int, max_to
     rep.plot(f"{Path(model).name}_ktiers.png", fig)
     close(fig)
     return rep
-

@@ -147,9 +147,7 @@ def engine_prefill(llm, batch: int, prompt_len: int, repeats: int = 3, seed: int
     for r in range(repeats):
         llm.step_log.clear()
         llm.generate(prompts(batch, prompt_len, llm.vocab_size, seed + r), SamplingParams(max_tokens=1, ignore_eos=True))
-        for rec in llm.step_log:
-            if rec.phase == "prefill":
-                best = max(best, rec.num_tokens / rec.seconds)
+        best = max([best] + [rec.num_tokens / rec.seconds for rec in llm.step_log if rec.phase == "prefill"])
     return best
 
 

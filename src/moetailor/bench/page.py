@@ -88,16 +88,10 @@ def machine() -> dict:
 
 
 def machine_line(m: dict) -> str:
-    parts = [m.get("cpu") or "unknown CPU", f"{m.get('cores')} cores"]
-    if m.get("l3"):
-        parts.append(f"{m['l3']} L3")
-    if m.get("flags"):
-        parts.append(" ".join(m["flags"]))
-    if m.get("torch"):
-        parts.append(f"torch {m['torch']}")
-    if m.get("commit"):
-        parts.append(f"moetailor {m['commit']}")
-    return ", ".join(parts)
+    parts = [m.get("cpu") or "unknown CPU", f"{m.get('cores')} cores", m.get("l3") and f"{m['l3']} L3",
+             " ".join(m.get("flags") or ()), m.get("torch") and f"torch {m['torch']}",
+             m.get("commit") and f"moetailor {m['commit']}"]
+    return ", ".join(p for p in parts if p)
 
 
 def _report_sections(report_md: str) -> str:

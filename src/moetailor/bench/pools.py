@@ -72,8 +72,7 @@ def pruned_model(model, keep: float):
         if buf.is_meta:
             owner, _, attr = name.rpartition(".")
             pruned.get_submodule(owner).register_buffer(attr, originals[name], persistent=False)
-    for attr in ("generation_config",):
-        setattr(pruned, attr, copy.deepcopy(getattr(model, attr, None)))
+    pruned.generation_config = copy.deepcopy(getattr(model, "generation_config", None))
     pruned.eval()
     pruned.moetailor_source = f"{getattr(model, 'moetailor_source', 'model')} pruned to {m} experts"
     return pruned

@@ -51,11 +51,8 @@ def run_prefill(model: str, keeps: list[float], prompt_len: int, batches: list[i
         rep.data["models"][name] = {l: [{"batch": b, "tokens_per_s": t} for b, t in pts] for l, pts in series.items()}
         fig, ax = figure("pool kept (fraction of experts)", "prefill tok/s", f"{name}: prefill throughput per pool")
         for b in batches:
-            xs, ys = [1.0], [full[b]]
-            for keep in keeps:
-                xs.append(keep)
-                ys.append(dict(series[f"pruned {keep:.0%}"])[b])
-            ax.plot(xs, ys, marker="o", label=f"batch {b} (pruned)")
+            ax.plot([1.0, *keeps], [full[b], *(dict(series[f"pruned {keep:.0%}"])[b] for keep in keeps)], marker="o",
+                    label=f"batch {b} (pruned)")
         ax.legend(fontsize=8)
         rep.plot(f"{name}_prefill.png", fig)
         close(fig)

@@ -39,8 +39,7 @@ def run_project(shape_name: str, gpu_name: str, keeps: list[float], slo: float, 
     # 2. Speedup at the SLO, ideal and derated, next to SlimWise.
     results = {}
     for label, eff in (("ideal", IDEAL), ("derated", REALISTIC)):
-        proj = project(shape, gpu, keeps, slo, context, max_context, num_gpus, eff)
-        results[label] = proj
+        results[label] = proj = project(shape, gpu, keeps, slo, context, max_context, num_gpus, eff)
         rows = []
         for p in proj:
             a = p.at_slo

@@ -130,8 +130,7 @@ class RooflineStep:
 
 
 def kept_experts(shape: ModelShape, keep: float) -> int:
-    m = max(shape.top_k, round(shape.experts * keep))
-    return min(m, shape.experts)
+    return min(max(shape.top_k, round(shape.experts * keep)), shape.experts)
 
 
 @dataclass(frozen=True)

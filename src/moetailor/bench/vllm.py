@@ -1,42 +1,24 @@
 """`moetailor bench vllm`: decode throughput of stock vLLM and of every moetailor technique inside vLLM
-(its default compiled mode), in one run.
+(its default compiled mode), in one run; docs/vllm.md describes the rows and the method.
 
-Rows: stock (plugin off: ``VLLM_PLUGINS=""``); the plugin at full k (the same batch with the hooks);
-per-request ``expert_top_k=4`` and a mixed-budget batch; masked decode pools of 50% and 25% (and the
-50% pool in eager mode, the mode of the pair's decode instance); a folding decode pool (ExFold, 50%,
-tables calibrated once on the model); dynamic skipping (NAEE threshold); the disaggregated pair
-(pruned 50% decode instance); and on moetailor's experts kernel (``--only experts-kernel``,
-``disaggregated-kernel``) the same budgets, pools and pair, so that colocated and disaggregated
-can be compared on one kernel; the cost of observing the traffic (``observe``: an engine started with
-``moetailor_observe`` beside the plugin at full k; ``observe-kernel``: the same on moetailor's experts
-kernel, where observing also computes EAN and REAP).
-
-How it is timed: one process holds every engine the rows need (stock, the plugin, the plugin eager,
-the pair's two instances), and each round times every row once, in turn, so that drift of the
-machine hits every row alike; the plugin's rows share one engine, which switches plans between
-rows (``rpc.use_plan``). Every instance's worker is bound to the same CPUs
-(``same_cores_for_every_instance``), every other process of the run (the engine cores, this one) to
-the rest (``off_the_workers_cores``). Before a row on another engine the run waits ``IDLE_S``: an idle vLLM
-worker busy-polls its queue for 1 s after its last step. The first round warms up; each row keeps
-its fastest of ``--repeats`` timed rounds. (Timing each configuration in its own process, one after
-another, gave stock and the plugin at full k, the same expert work, 0.64x-1.14x of each other.)
-
-Per batch size B: ``t1`` = time to generate 1 token for B prompts, ``tN`` = time to generate N;
-decode tokens/s = B * (N - 1) / (tN - t1), per-user tokens/s = (N - 1) / (tN - t1). The pair's
-decode instance is timed the same way on its own requests (prompt + first token, the prompt's KV
-loaded through the connector) while the prefill instance is idle. Distinct experts per decode step
-are counted from the routes vLLM's kernel receives (the plugin's route recorder, mean over MoE
-layers); the ideal speed-up is full k's distinct experts over the row's, what a purely
-weight-bandwidth-bound decode would gain. KV capacity: blocks a fixed memory budget holds after the
-weights, from the checkpoint sizes and vLLM's block shape.
+Timed interleaved, in one process: every engine the rows need is alive at once and each round times
+every row once, in turn, so that drift of the machine hits every row alike (each configuration in its
+own process, one after another, gave stock and the plugin at full k, the same expert work, 0.64x-1.14x
+of each other). The plugin's rows share one engine, which switches plans between rows
+(``rpc.use_plan``); every worker is bound to the same CPUs (``same_cores_for_every_instance``) and
+every other process to the rest (``off_the_workers_cores``); before a row on another engine the run
+waits ``IDLE_S``. Per batch B: decode tokens/s = B * (N - 1) / (tN - t1), the fastest of ``--repeats``
+rounds after a warm-up round.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -71,30 +53,53 @@ def register_bench(bsub, common) -> None:
     q.set_defaults(func=run)
 
 
+def check_vllm_args(args, verb: str, why: str) -> None:
+    """What a vLLM bench checks first: vLLM is here, and two new tokens at least (``why`` needs them)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"`moetailor bench {verb}` needs vLLM in this environment: run `make setup-vllm` and use "
+                         f".venv-vllm/bin/moetailor bench {verb}")
+    if args.new_tokens < 2:
+        raise ValueError(f"--new-tokens must be at least 2 ({why} tokens after the first)")
+
+
+def model_dir(args) -> Path:
+    """--model as a checkpoint folder; 'synthetic' (the bandwidth-bound model) is written once under --out."""
+    from ..models.loading import resolve_model_path
+
+    if args.model != "synthetic":
+        return resolve_model_path(args.model)
+    out = args.out / "synthetic"
+    if not (out / "config.json").exists():
+        import torch
+
+        from ..models.tiny import char_tokenizer
+        from .synthetic import synthetic_model
+
+        synthetic_model(layers=2).to(getattr(torch, args.dtype)).save_pretrained(out)
+        char_tokenizer(1024).save_pretrained(out)
+    return out
+
+
+def run_worker(module: str, spec: dict) -> tuple[int, dict | None]:
+    """``module``'s worker on ``spec`` in its own process (its progress and vLLM's log on stderr, as it
+    happens): the exit status and the last results it printed (a ``RESULT {...}`` line per batch), or None."""
+    out = subprocess.run([sys.executable, "-m", module, json.dumps(spec)], stdout=subprocess.PIPE, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    return out.returncode, json.loads(lines[-1][len("RESULT "):]) if lines else None
+
+
 def prepare(args) -> dict:
     """Model dir, the decode plans of every row and the pruned checkpoint, inside args.out."""
-    from ..models.loading import resolve_model_path
+    from ..models import load_model, load_tokenizer
     from ..plans import Plan, uniform_plan
     from ..routing import LayerPolicy
     from ..transforms import prune_checkpoint
 
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.model == "synthetic":
-        model_dir = args.out / "synthetic"
-        if not (model_dir / "config.json").exists():
-            import torch
-
-            from ..models.tiny import char_tokenizer
-            from .synthetic import synthetic_model
-
-            model = synthetic_model(layers=2).to(getattr(torch, args.dtype))
-            model.save_pretrained(model_dir)
-            char_tokenizer(1024).save_pretrained(model_dir)
-    else:
-        model_dir = resolve_model_path(args.model)
-    from ..models import load_model, load_tokenizer
-
-    model = load_model(model_dir)
+    path = model_dir(args)
+    model = load_model(path)
     E = model.config.num_experts if hasattr(model.config, "num_experts") else model.config.num_local_experts
     if args.plan:
         half = Path(args.plan)
@@ -111,7 +116,7 @@ def prepare(args) -> dict:
     if not stats.exists():
         from ..calibration import calibrate
 
-        calibrate(model.float(), load_tokenizer(model_dir), "tasks", 2048, batch_tokens=512, seq_len=128, fold=True,
+        calibrate(model.float(), load_tokenizer(path), "tasks", 2048, batch_tokens=512, seq_len=128, fold=True,
                   progress=False).save(stats)
     fold = base.with_phases(decode=type(base.decode)({i: LayerPolicy(keep=k, pool_mode="fold") for i, k in keep.items()}))
     plans["fold-50"] = replace(fold, fold_stats=str(stats.resolve())).save(args.out / "plan-fold-50.json")
@@ -120,38 +125,30 @@ def prepare(args) -> dict:
     del model
     pruned = args.out / "pruned"
     if not (pruned / "config.json").exists():
-        prune_checkpoint(model_dir, base, pruned, overwrite=True)
-    return {"model": Path(model_dir), "plans": {k: str(v) for k, v in plans.items()}, "pruned": pruned}
+        prune_checkpoint(path, base, pruned, overwrite=True)
+    return {"model": Path(path), "plans": {k: str(v) for k, v in plans.items()}, "pruned": pruned}
 
 
 def run(args) -> int:
-    import importlib.util
+    from ..outputs import check_output
 
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError("`moetailor bench vllm` needs vLLM in this environment: run `make setup-vllm` and use "
-                         ".venv-vllm/bin/moetailor bench vllm")
-    if args.new_tokens < 2:
-        raise ValueError("--new-tokens must be at least 2 (decode throughput needs tokens after the first)")
+    check_vllm_args(args, "vllm", "decode throughput needs")
     only = args.only.split(",") if args.only else list(PROCESSES)
     unknown = sorted(set(only) - set(PROCESSES))
     if unknown:
         raise ValueError(f"--only names unknown processes {unknown}; choose from {', '.join(PROCESSES)}")
-    from ..outputs import check_output
     check_output(args.out, overwrite=True, directory=True, replaces=False)   # one run per --out at a time (it caches there)
     setup = prepare(args)
     spec = {"groups": only, "model": str(setup["model"]), "plans": setup["plans"], "pruned": str(setup["pruned"]),
             "batches": args.batches, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
             "dtype": args.dtype, "repeats": args.repeats, "out": str(args.out)}
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-m", "moetailor.bench.vllm", json.dumps(spec)],
-                         stdout=subprocess.PIPE, text=True)   # progress and vLLM's log on stderr, as it happens
-    line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]   # one per finished batch size
-    if not line:
-        raise RuntimeError(f"the benchmark process failed (exit {out.returncode}) before any batch size "
+    code, results = run_worker("moetailor.bench.vllm", spec)
+    if results is None:
+        raise RuntimeError(f"the benchmark process failed (exit {code}) before any batch size "
                            f"finished; its log is above")
-    results = json.loads(line[-1][len("RESULT "):])
-    if out.returncode != 0:
-        print(f"the benchmark process stopped (exit {out.returncode}) after batch sizes "
+    if code != 0:
+        print(f"the benchmark process stopped (exit {code}) after batch sizes "
               f"{sorted({b for r in results.values() for b in r}, key=int)}: reporting those", flush=True)
     print(f"measured in {time.time() - t0:.0f} s", flush=True)
     capacity = kv_capacity(setup["model"], setup["pruned"], args.dtype, args.budget_gib)
@@ -217,12 +214,7 @@ def kv_capacity(model_dir: Path, pruned: Path, dtype: str, budget_gib: float, bl
         numel = 0
         for f in Path(path).glob("*.safetensors"):
             with safe_open(f, "pt") as st:
-                for key in st.keys():
-                    shape = st.get_slice(key).get_shape()
-                    n = 1
-                    for s in shape:
-                        n *= s
-                    numel += n
+                numel += sum(math.prod(st.get_slice(key).get_shape()) for key in st.keys())
         weights = numel * nbytes
         instances[name] = {"weights_mib": weights / 2**20, "blocks": max(0, (budget - weights) // block_bytes)}
     return {"budget_gib": budget_gib, "block_tokens": block_tokens, "block_bytes": block_bytes, "instances": instances}
@@ -302,10 +294,8 @@ def binding(pids: set[int]) -> list[dict]:
     for pid in sorted(pids):
         try:
             name = Path(f"/proc/{pid}/comm").read_text().strip()
-            cpus = {}
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                key = ",".join(map(str, sorted(os.sched_getaffinity(int(tid)))))
-                cpus[key] = cpus.get(key, 0) + 1
+            cpus = dict(Counter(",".join(map(str, sorted(os.sched_getaffinity(int(tid)))))
+                                for tid in os.listdir(f"/proc/{pid}/task")))
         except OSError:
             continue
         out.append({"pid": pid, "name": name, "threads_by_cpus": cpus})

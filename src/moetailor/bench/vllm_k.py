@@ -1,23 +1,15 @@
 """`moetailor bench vllm-k`: a `moetailor split` checkpoint served by vLLM on a mixed-budget trace,
-vLLM's FIFO scheduler against the k-aware one (``scheduler.KAwareScheduler``), in one run.
+vLLM's FIFO scheduler against the k-aware one (``scheduler.KAwareScheduler``), in one run; docs/vllm.md
+describes the trace and the method.
 
-The trace: N requests submitted at once, budgets cycling through ``--budgets`` in arrival order (so
-FIFO mixes them in every step), at most ``--max-num-seqs`` running at once (a longer trace queues,
-and the order of admission is what the k-aware scheduler's tiers change), ``--new-tokens`` each,
-greedy, random prompts. Both engines are alive in one process and timed in turn, the order swapping
-every round (the first round warms up), so that drift of the machine hits both alike (timing each in its own process one after the other moved FIFO
-by 19-23% between runs). Per N and scheduler, the fastest of ``--repeats`` timed rounds: machine
-tokens/s = N * new tokens / wall seconds of the whole trace (prefill included); per-user decode
-tokens/s = (new tokens - 1) / (last token - first token) of each request, reported as the median and
-the 10th percentile (the slowest users). The SLO table gives the best machine tokens/s among the N
-whose 10th-percentile user still meets ``--slo``. ``--experts-kernel`` runs both engines on
-moetailor's experts kernel, which skips the routes a budget drops (vLLM's multiplies them at weight 0).
+Both engines are alive in one process and timed in turn, the order swapping every round, so that drift
+of the machine hits both alike (each in its own process, one after the other, moved FIFO by 19-23%
+between runs). Machine tokens/s = N * new tokens / wall seconds of the whole trace; per-user decode
+tokens/s = (new tokens - 1) / (last token - first token) of each request, median and 10th percentile.
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,8 +39,8 @@ def register_bench(bsub, common) -> None:
 
 
 def prepare_split(args) -> Path:
-    from ..models.loading import resolve_model_path
     from ..transforms.split import split_checkpoint
+    from .vllm import model_dir
 
     if args.split:
         if not (Path(args.split) / "config.json").exists():
@@ -59,36 +51,20 @@ def prepare_split(args) -> Path:
     out = args.out / f"split-{args.parts}"
     if (out / "config.json").exists():
         return out
-    if args.model == "synthetic":   # the bandwidth-bound model of `bench vllm`, written under --out
-        import torch
-
-        from ..models.tiny import char_tokenizer
-        from .synthetic import synthetic_model
-
-        model_dir = args.out / "synthetic"
-        if not (model_dir / "config.json").exists():
-            synthetic_model(layers=2).to(getattr(torch, args.dtype)).save_pretrained(model_dir)
-            char_tokenizer(1024).save_pretrained(model_dir)
-    else:
-        model_dir = resolve_model_path(args.model)
-    split_checkpoint(model_dir, "tasks", args.parts, out, method="random", gate="proxy", tokens=4096, seq_len=128,
+    split_checkpoint(model_dir(args), "tasks", args.parts, out, method="random", gate="proxy", tokens=4096, seq_len=128,
                      progress=False, overwrite=True, command="moetailor " + " ".join(sys.argv[1:]))
     return out
 
 
 def run(args) -> int:
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError("`moetailor bench vllm-k` needs vLLM in this environment: run `make setup-vllm` and use "
-                         ".venv-vllm/bin/moetailor bench vllm-k")
-    if args.new_tokens < 2:
-        raise ValueError("--new-tokens must be at least 2 (decode rates need tokens after the first)")
-    from ..outputs import check_output
-    check_output(args.out, overwrite=True, directory=True, replaces=False)   # one run per --out at a time (it caches there)
-    split = prepare_split(args)
     from transformers import AutoConfig
 
+    from ..outputs import check_output
+    from .vllm import check_vllm_args, run_worker
+
+    check_vllm_args(args, "vllm-k", "decode rates need")
+    check_output(args.out, overwrite=True, directory=True, replaces=False)   # one run per --out at a time (it caches there)
+    split = prepare_split(args)
     full = int(AutoConfig.from_pretrained(split, local_files_only=True).num_experts_per_tok)
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [max(1, full // 4), full]
     if any(not 1 <= b <= full for b in budgets):
@@ -96,12 +72,9 @@ def run(args) -> int:
     spec = {"split": str(split), "requests": args.requests, "budgets": budgets, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "dtype": args.dtype, "schedule": args.schedule, "repeats": args.repeats,
             "experts_kernel": bool(args.experts_kernel), "max_num_seqs": args.max_num_seqs}
-    cmd = [sys.executable, "-m", "moetailor.bench.vllm_k", json.dumps(spec)]
-    out = subprocess.run(cmd, env=dict(os.environ), stdout=subprocess.PIPE, text=True)  # progress on stderr
-    line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-    if out.returncode != 0 or not line:
-        raise RuntimeError(f"the benchmark's worker failed (exit {out.returncode}); its log is above")
-    results = json.loads(line[-1][len("RESULT "):])
+    code, results = run_worker("moetailor.bench.vllm_k", spec)
+    if code != 0 or results is None:
+        raise RuntimeError(f"the benchmark's worker failed (exit {code}); its log is above")
     report = {"split": str(split), "budgets": budgets, "full_budget": full, "schedule": args.schedule,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "dtype": args.dtype,
               "experts_kernel": bool(args.experts_kernel), "max_num_seqs": args.max_num_seqs,

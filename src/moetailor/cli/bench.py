@@ -2,29 +2,17 @@
 expert traffic, throughput at a per-user SLO, and a GPU roofline projection."""
 from __future__ import annotations
 
-import shlex
-import sys
 from pathlib import Path
 
-from .options import add_dtype_option, add_overwrite_option, torch_name
+from .options import add_dtype_option, add_overwrite_option, invocation, torch_name
 
 
-def _floats(text: str) -> list[float]:
+def _numbers(text: str, kind=float) -> list:
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        return [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"expected comma-separated numbers like 0.75,0.5,0.25, got {text!r}") from None
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers like 1,8,64, got {text!r}") from None
-
-
-def _command() -> str:
-    return "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        example = "numbers like 0.75,0.5,0.25" if kind is float else "integers like 1,8,64"
+        raise ValueError(f"expected comma-separated {example}, got {text!r}") from None
 
 
 def register(sub) -> None:
@@ -130,8 +118,8 @@ def run_project(args) -> int:
     if args.num_gpus < 1 or args.batch < 1 or args.context < 0 or args.slo <= 0:
         raise ValueError("--num-gpus and --batch must be >= 1, --context >= 0 and --slo > 0")
     check_bench_outputs(args)
-    project(args.model_shape, args.gpu, _floats(args.keep), args.slo, args.context, args.max_context, args.num_gpus,
-            args.batch, args.out, _command()).write()
+    project(args.model_shape, args.gpu, _numbers(args.keep), args.slo, args.context, args.max_context, args.num_gpus,
+            args.batch, args.out, invocation()).write()
     return 0
 
 
@@ -140,11 +128,11 @@ def run_decode(args) -> int:
     from ..bench.decode import run_decode as decode
 
     check_bench_outputs(args, _local(args.model) + list(args.plan))
-    cfg = DecodeConfig(model=args.model, batches=_ints(args.batches), keeps=_floats(args.keep),
-                       top_ks=_ints(args.top_k) if args.top_k else [], steps=args.steps, quick=args.quick,
+    cfg = DecodeConfig(model=args.model, batches=_numbers(args.batches, int), keeps=_numbers(args.keep),
+                       top_ks=_numbers(args.top_k, int) if args.top_k else [], steps=args.steps, quick=args.quick,
                        synthetic_layers=args.synthetic_layers, hf=not args.no_hf, pruned=not args.no_pruned,
                        plans=args.plan, dtype=torch_name(args.dtype))
-    decode(cfg, args.out, _command()).write()
+    decode(cfg, args.out, invocation()).write()
     return 0
 
 
@@ -152,8 +140,8 @@ def run_slo(args) -> int:
     from ..bench.slo import run_slo as slo
 
     check_bench_outputs(args, _local(args.model))
-    slo(args.model, _ints(args.batches), _floats(args.keep), args.slo, args.steps, args.quick, args.synthetic_layers,
-        not args.no_pruned, args.out, _command()).write()
+    slo(args.model, _numbers(args.batches, int), _numbers(args.keep), args.slo, args.steps, args.quick,
+        args.synthetic_layers, not args.no_pruned, args.out, invocation()).write()
     return 0
 
 
@@ -161,8 +149,8 @@ def run_prefill(args) -> int:
     from ..bench.prefill import run_prefill as prefill
 
     check_bench_outputs(args, _local(args.model))
-    prefill(args.model, _floats(args.keep), args.prompt_len, _ints(args.batches), args.quick, args.synthetic_layers,
-            args.out, _command()).write()
+    prefill(args.model, _numbers(args.keep), args.prompt_len, _numbers(args.batches, int), args.quick,
+            args.synthetic_layers, args.out, invocation()).write()
     return 0
 
 
@@ -173,5 +161,5 @@ def run_ktiers(args) -> int:
         raise ValueError("--requests, --prompt-len, --max-tokens, --max-num-seqs and --repeats must be >= 1")
     check_bench_outputs(args, _local(args.model))
     ktiers(args.model, args.mix, args.requests, args.prompt_len, args.max_tokens, args.max_num_seqs, args.repeats,
-           args.quick, args.synthetic_layers, args.out, _command()).write()
+           args.quick, args.synthetic_layers, args.out, invocation()).write()
     return 0

@@ -76,9 +76,9 @@ def run(args) -> int:
     rows = []
     for i, layer in stats.layers.items():
         used = int((layer.frequency > 0).sum())
-        beta = layer.beta
         rows.append((i, f"{used}/{layer.num_experts}", int(layer.frequency.max()), int(layer.frequency.min()),
-                     f"{float(layer.mean_norm[layer.frequency > 0].mean()):.3f}", "-" if beta is None else f"{beta:.3f}"))
+                     f"{float(layer.mean_norm[layer.frequency > 0].mean()):.3f}",
+                     "-" if layer.beta is None else f"{layer.beta:.3f}"))
     if stats.meta["tokens"] < args.tokens:
         print(f"note: {args.data} held {stats.meta['tokens']:,} tokens, fewer than --tokens {args.tokens:,}; "
               "calibrated on each once (more traffic gives steadier statistics)")
@@ -133,4 +133,3 @@ def command_line(args, positional: tuple[str, ...]) -> str:
         else:
             parts += [flag, shlex.quote(str(value))]
     return " ".join(parts)
-

@@ -72,12 +72,10 @@ def run(args) -> int:
         outputs = llm.generate([ex.prompt for ex in examples], sampling)
         results[name] = (outputs, _decode_summary(llm))
 
+    by_task = {task: [i for i, ex in enumerate(examples) if ex.task == task] for task in TASKS}
     rows = []
-    shown = set()
-    for i, ex in enumerate(examples):   # the first two prompts of each task, as examples
-        if sum(1 for t in shown if t[0] == ex.task) >= 2:
-            continue
-        shown.add((ex.task, i))
+    for i in (i for idx in by_task.values() for i in idx[:2]):   # the first two prompts of each task, as examples
+        ex = examples[i]
         row = [ex.task, ex.prompt.strip().replace("\n", " ")[:34]]
         for name in results:
             out = results[name][0][i]
@@ -87,8 +85,7 @@ def run(args) -> int:
     print_table(f"sample prompts: full model vs phase-aware (full prefill; decode {what})",
                 ["task", "prompt", "full answer", "ok", "len", "phase-aware answer", "ok", "len"], rows)
     per_task = []
-    for task in TASKS:
-        idx = [i for i, ex in enumerate(examples) if ex.task == task]
+    for task, idx in by_task.items():
         row = [task, len(idx)]
         for name, (outputs, _) in results.items():
             ok = sum(score(examples[i], outputs[i].text) for i in idx)

@@ -3,11 +3,8 @@ distillation from the full model's KV cache (SlimWise). Writes a stock checkpoin
 twice as wide) plus the plan to decode it with."""
 from __future__ import annotations
 
-import shlex
-import sys
-
 from ..tables import print_table
-from .options import add_device_option, add_overwrite_option
+from .options import add_device_option, add_overwrite_option, invocation
 
 
 def register(sub) -> None:
@@ -52,7 +49,7 @@ def run(args) -> int:
                         experts=args.train_experts,
                         bf16=args.bf16)
     cfg.validate()
-    command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    command = invocation()
     from ..calibration.data import default_data_spec
     out, result = distill_checkpoint(args.model, args.plan, default_data_spec(args.model, args.data), cfg, args.out, overwrite=args.overwrite,
                                      resume=args.resume, command=command, device=args.device)

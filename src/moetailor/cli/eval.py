@@ -2,13 +2,13 @@
 expert budgets, per task and configuration (baseline, pruned, reverse, phase-aware, ...)."""
 from __future__ import annotations
 
-import shlex
 import sys
 import time
 from pathlib import Path
 
 from ..tables import print_table
-from .options import add_backend_options, add_device_option, add_dtype_option, add_overwrite_option
+from .calibrate import command_line
+from .options import add_backend_options, add_device_option, add_dtype_option, add_overwrite_option, invocation
 
 
 def register(sub) -> None:
@@ -69,7 +69,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..eval.configurations import parse_configs
-    from ..eval.report import write_docs
+    from ..eval.report import accuracy_spread, write_docs
     from ..eval.runner import EvalSettings, Sweep
     t0 = time.time()
     if args.backend != "engine" and (args.metric == "kl" or args.budgets):
@@ -91,17 +91,11 @@ def run(args) -> int:
         settings.validate()
         check_eval_outputs(args, (args.model, args.original))
         return run_budgets(args, settings, t0)
-    settings.validate()  # bad input fails before the model loads
-    if args.sweep:
-        from ..eval.runner import parse_sweep
-        parse_sweep(args.sweep)
+    settings.validate()  # bad input (a --sweep spec too) fails before the model loads
     check_eval_outputs(args, (args.model, args.plan))
-    command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["eval"] else \
-        "moetailor eval " + " ".join(shlex.quote(a) for a in _argv(args))
+    command = invocation("eval") or command_line(args, positional=("model",))   # called from Python: rebuilt
     results = Sweep(settings, args.out, command=command, log=lambda m: print(m, file=sys.stderr),
                     overwrite=args.overwrite).run()
-    from ..eval.report import accuracy_spread
-
     rows = [r for r in results["rows"] if r["task"] == "all"]
     scope = "all tasks" if settings.tasks == ["all"] else "tasks: " + ", ".join(settings.tasks)
     print_table(f"moetailor eval {args.model} ({scope})",
@@ -171,16 +165,6 @@ def check_eval_outputs(args, inputs) -> None:
         check_output(args.write_docs, overwrite=args.overwrite, inputs=inputs, flag="--write-docs")
 
 
-def _argv(args) -> list[str]:
-    """The command line reconstructed from parsed arguments (when called from Python, not a shell)."""
-    out = [args.model]
-    for key, value in sorted(vars(args).items()):
-        if key in ("model", "func", "command") or value is None or value is False:
-            continue
-        out += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
-    return out
-
-
 def run_budgets(args, settings, t0: float) -> int:
     from ..eval.budgets import budget_rows, compare_budgets
 
@@ -199,31 +183,27 @@ def run_budgets(args, settings, t0: float) -> int:
 def run_kl(args) -> int:
     """``--metric kl``: held-out KL of a plan or a pruned checkpoint from the full model, layer-streamed."""
     from ..data.corpus import bundled_documents
+    from ..device import Placement
     from ..eval.metrics import heldout_windows
     from ..eval.streamed_kl import heldout_kl_streamed
     from ..models import load_tokenizer, resolve_model_path
     from ..models.checkpoint import working_dtype
+    from ..outputs import check_output, write_json
 
     if args.sweep or args.budgets:
         raise ValueError("--metric kl compares one candidate; pass --plan PLAN or --pruned DIR (not --sweep/--budgets)")
     if args.kl_window < 4:
         raise ValueError(f"--kl-window must be at least 4 tokens, got {args.kl_window}")
-    from ..outputs import check_output, write_json
-
     path = resolve_model_path(args.model)
     inputs = [path] + ([resolve_model_path(args.pruned)] if args.pruned else []) + ([args.plan] if args.plan else [])
     out = check_output(args.out, overwrite=True, inputs=inputs, directory=True, replaces=False)
     check_output(out / "kl.json", overwrite=args.overwrite, inputs=inputs)
     windows = heldout_windows(load_tokenizer(args.model), bundled_documents("heldout"), args.kl_docs, args.kl_window)
-    from ..device import Placement
-
-    placement = Placement.of(args.device)
     result = heldout_kl_streamed(path, windows, plan=args.plan, pruned=args.pruned,
-                                 dtype=working_dtype(args.dtype, path), placement=placement)
+                                 dtype=working_dtype(args.dtype, path), placement=Placement.of(args.device))
     out.mkdir(parents=True, exist_ok=True)
-    record = {"model": str(path), "plan": args.plan, "pruned": args.pruned, "dtype": args.dtype,
-              "windows": len(windows), "window": args.kl_window, **result.to_json()}
-    write_json(out / "kl.json", record)
+    write_json(out / "kl.json", {"model": str(path), "plan": args.plan, "pruned": args.pruned, "dtype": args.dtype,
+                                 "windows": len(windows), "window": args.kl_window, **result.to_json()})
     print_table(f"held-out KL vs the full {args.model} ({len(windows)} windows x {args.kl_window} tokens, layer-streamed)",
                 ["candidate", "KL nats/token", "ppl full", "ppl candidate", "tokens", "seconds", "peak RSS GiB"],
                 [(result.candidate, f"{result.kl:.4f}", f"{result.perplexity_full:.2f}", f"{result.perplexity:.2f}",

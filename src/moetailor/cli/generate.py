@@ -89,11 +89,14 @@ def build_engine(args):
     resolve_model_path(args.model)
     if args.decode_model:
         resolve_model_path(args.decode_model)   # a clear error here, not a worker that dies while loading
+    def torch_dtype(name: str | None):
+        return getattr(torch, DTYPES[name]) if name else None
+
     if args.dtype == "auto":
         from ..models.checkpoint import stored_dtype
         dtype = stored_dtype(resolve_model_path(args.model))
     else:
-        dtype = getattr(torch, DTYPES[args.dtype])
+        dtype = torch_dtype(args.dtype)
     kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, dtype=dtype, device=args.device,
                   max_model_len=args.max_model_len, experts_impl=args.experts_impl,
@@ -101,19 +104,14 @@ def build_engine(args):
                   compile_decode=getattr(args, "compile_decode", False),
                   k_schedule=getattr(args, "k_schedule", "mixed"),
                   memory_budget=int(args.memory_budget_mb * 2**20) if args.memory_budget_mb else None,
-                  prefill_dtype=getattr(torch, DTYPES[args.prefill_dtype]) if args.prefill_dtype else None,
-                  decode_expert_dtype=getattr(torch, DTYPES[args.decode_expert_dtype])
-                  if getattr(args, "decode_expert_dtype", None) else None)
+                  prefill_dtype=torch_dtype(args.prefill_dtype),
+                  decode_expert_dtype=torch_dtype(getattr(args, "decode_expert_dtype", None)))
     if args.decode_model:
         from ..serving.disagg import DisaggregatedLLM
         return DisaggregatedLLM(args.model, decode_model=args.decode_model, threads=args.threads,
                                 heartbeat_timeout=getattr(args, "heartbeat_timeout", 10.0), **kwargs)
-    plan = None
-    if args.decode_plan:
-        plan = Plan.load(args.decode_plan)
-        plan = plan.phase_aware()
-    elif args.plan:
-        plan = Plan.load(args.plan)
+    plan = (Plan.load(args.decode_plan).phase_aware() if args.decode_plan
+            else Plan.load(args.plan) if args.plan else None)
     llm = LLM(args.model, plan, **kwargs)
     from .techniques import apply_policy_arguments
     apply_policy_arguments(llm, args)

@@ -7,6 +7,8 @@ bfloat16 and float16 are accepted as the same values); ``--overwrite`` replaces 
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 
 DTYPE_SPELLINGS = {"auto": "auto", "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16",
                    "fp16": "fp16", "float16": "fp16"}
@@ -39,6 +41,14 @@ def add_dtype_option(parser, what: str, default: str, flag: str = "--dtype",
 def torch_name(name: str | None) -> str | None:
     """The torch spelling of a short dtype name ('bf16' -> 'bfloat16'); 'auto' and None unchanged."""
     return TORCH_NAMES.get(name, name) if name is not None else None
+
+
+def invocation(verb: str | None = None) -> str | None:
+    """This process's command line (``moetailor ...``, shell-quoted) for an output's record; None when
+    ``verb`` is given and the process is not `moetailor VERB` (a verb called from Python)."""
+    if verb is not None and sys.argv[1:2] != [verb]:
+        return None
+    return "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
 def add_overwrite_option(parser, help: str = "replace --out if it exists") -> None:

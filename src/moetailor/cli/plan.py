@@ -116,7 +116,6 @@ def run(args) -> int:
     return 0
 
 
-
 def run_search(args, stats, model, command: str) -> int:
     from ..calibration.data import default_data_spec
     from ..eval.search_k import search_pool

@@ -25,12 +25,11 @@ def _size(path) -> int:
 def run(args) -> int:
     from ..memory import peak_rss_gib
     from ..models import resolve_model_path
+    from ..models.loading import read_config
     from ..transforms import read_sidecar
     from ..transforms.streaming import prune_checkpoint_streamed
 
     command = command_line(args, positional=("model", "plan"))
-    from ..models.loading import read_config
-
     source = resolve_model_path(args.model)
     read_config(source)   # a malformed config.json: one line naming the file, before any work
     out = prune_checkpoint_streamed(source, args.plan, args.out, overwrite=args.overwrite, phase=args.phase,
@@ -44,4 +43,3 @@ def run(args) -> int:
         ("peak RSS", f"{peak_rss_gib():.2f} GiB (streamed: one tensor at a time)"),
     ])
     return 0
-

@@ -3,11 +3,9 @@ next-token KL to the full model low under a total budget (coordinate descent; se
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 
 from ..tables import print_table
-from .options import add_device_option, add_overwrite_option
+from .options import add_device_option, add_overwrite_option, invocation
 
 
 def register(sub) -> None:
@@ -53,7 +51,7 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.model)
     shape = Shape.of(model)
     budget = args.budget if args.budget is not None else int(round(args.mean_k * len(shape.layers)))
-    command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["search-k"] else None
+    command = invocation("search-k")
     plan, summary = search_plan(model, tokenizer, budget, data=data, tokens=args.tokens, window=args.window,
                                 phase=args.phase, max_rounds=args.max_rounds, tol=args.tol,
                                 heldout_docs=args.heldout_docs, accuracy_n=args.accuracy_n, tasks=args.tasks,

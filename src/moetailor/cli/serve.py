@@ -98,15 +98,11 @@ def run(args) -> int:
     if args.backend == "vllm":
         from ..integrations.vllm.serve import run as run_vllm
         return run_vllm(args)
-    if args.vllm_experts_kernel:
-        raise ValueError("--vllm-experts-kernel is for --backend vllm; moetailor's engine always runs its own experts "
-                         "kernel")
-    if args.vllm_no_prefix_caching:
-        raise ValueError("--vllm-no-prefix-caching is for --backend vllm; moetailor's engine switches plans per "
-                         "request and keeps its prefix cache per plan")
-    if args.vllm_novice:
-        raise ValueError("--vllm-novice is for --backend vllm; moetailor's engine adds novice constants for any plan")
-
+    for flag, why in (("vllm_experts_kernel", "always runs its own experts kernel"),
+                      ("vllm_no_prefix_caching", "switches plans per request and keeps its prefix cache per plan"),
+                      ("vllm_novice", "adds novice constants for any plan")):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} is for --backend vllm; moetailor's engine {why}")
     if args.k_schedule == "tiers":
         raise ValueError("--k-schedule tiers plans a known set of requests offline (`moetailor generate`); a server "
                          "sees requests arrive one by one: use --k-schedule lanes")

@@ -5,11 +5,8 @@ N x the top-k; requests then choose 1..N*k sub-experts per token (``expert_top_k
 """
 from __future__ import annotations
 
-import shlex
-import sys
-
 from ..tables import print_table
-from .options import add_device_option, add_overwrite_option
+from .options import add_device_option, add_overwrite_option, invocation
 
 
 def register(sub) -> None:
@@ -40,7 +37,7 @@ def run(args) -> int:
 
     if args.tokens < 1:
         raise ValueError(f"--tokens must be at least 1 (got {args.tokens})")
-    command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    command = invocation()
     from ..calibration.data import default_data_spec
     from ..training.split_finetune import finetune_router
 

@@ -2,12 +2,10 @@
 for the user's traffic, the Pareto front it was chosen from, and the evidence per point."""
 from __future__ import annotations
 
-import shlex
-import sys
 from pathlib import Path
 
 from ..tables import print_table
-from .options import add_backend_options, add_device_option, add_dtype_option, add_overwrite_option
+from .options import add_backend_options, add_device_option, add_dtype_option, add_overwrite_option, invocation
 
 
 def register(sub) -> None:
@@ -88,7 +86,7 @@ def run(args) -> int:
     from ..tuning.search import Tuner, TuneSettings
 
     data = default_data_spec(args.model, args.data)
-    command = "moetailor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["tune"] else ""
+    command = invocation("tune") or ""
     settings = TuneSettings(
         model=args.model, data=data, out=Path(args.out), tasks=args.tasks, min_quality=args.min_quality,
         max_kl=args.max_kl, budget=args.budget, min_tok_s=args.min_tok_s, gpu=args.gpu, model_shape=args.model_shape,
@@ -124,11 +122,14 @@ def run(args) -> int:
             return FloorVerdict.from_json(r["floor"]).describe(per_task)
         return f"KL {r['kl']:.4f}"
 
+    def where(r: dict, plan: str) -> str:
+        """How a point is served: a distilled or merged decoder is a checkpoint, else its plan file."""
+        return f"--decode-model {r.get('distilled') or r['merged']}" if r.get("distilled") or r.get("merged") else plan
+
     if c.met:
         r = c.chosen
-        where = r["distilled"] if r.get("distilled") else result.plan_path
         print(f"chosen: {r['label']} (budget {r['budget']:.3f}) meets {floor} at {target} "
-              f"({evidence(r)}) -> {where}")
+              f"({evidence(r)}) -> {r['distilled'] if r.get('distilled') else result.plan_path}")
         if r.get("distilled"):    # a distilled decoder is a checkpoint that carries its plan
             print(f"serve it: moetailor serve {args.model} --decode-model {r['distilled']}   |   vLLM: a distilled "
                   "decoder, which vLLM's plugin does not serve; rerun with --servable vllm")
@@ -147,22 +148,15 @@ def run(args) -> int:
     best = c.best_at_target
     if best is not None:
         from ..eval.metrics import UNDECIDED
-        where = (f"--decode-model {best['distilled']}" if best.get("distilled") else
-                 f"--decode-model {best['merged']}" if best.get("merged") else str(out / "best-at-target.json"))
-        if tuner.floor_verdict(best) == UNDECIDED:
-            print(f"  pick, with that caveat: {best['label']} (budget {best['budget']:.3f}): {evidence(best)} "
-                  f"-> {where}")
-        else:
-            print(f"  best quality at the target: {best['label']} (budget {best['budget']:.3f}): {evidence(best)} "
-                  f"-> {where}")
+        what = "pick, with that caveat" if tuner.floor_verdict(best) == UNDECIDED else "best quality at the target"
+        print(f"  {what}: {best['label']} (budget {best['budget']:.3f}): {evidence(best)} "
+              f"-> {where(best, str(out / 'best-at-target.json'))}")
     else:
         print("  no evaluated plan reaches the target")
     if c.cheapest_meeting_floor is not None:
         r = c.cheapest_meeting_floor
-        where = (f"--decode-model {r['distilled']}" if r.get("distilled") else
-                 f"--decode-model {r['merged']}" if r.get("merged") else
-                 "the full model" if r["label"] == "full model" else str(out / "cheapest-meeting-floor.json"))
-        print(f"  cheapest plan meeting the floor: {r['label']} (budget {r['budget']:.3f}) -> {where}")
+        plan = "the full model" if r["label"] == "full model" else str(out / "cheapest-meeting-floor.json")
+        print(f"  cheapest plan meeting the floor: {r['label']} (budget {r['budget']:.3f}) -> {where(r, plan)}")
     else:
         print("  no evaluated plan meets the floor")
     return 1

@@ -55,19 +55,17 @@ def compare_budgets(settings, split_dir: str, original: str, budgets_spec: str, 
         results = Sweep(cfg, out / name, log=log, overwrite=overwrite).run()
         runs[name] = {int(r["variant"].split(":")[1]): r for r in results["rows"]
                       if r["task"] == "all" and r["sampling"] == cfg.sampling[0]}
+    prompts = settings.n * len(settings.tasks) * settings.seeds                     # per budget
+    tell = can_tell(prompts, tolerance)
     points = []
     for name, scale in (("split", split_k), ("original", original_k)):
         full = runs[name][scale]["accuracy"]
         for k, r in sorted(runs[name].items()):
             points.append({"model": name, "k": k, "active_fraction": k / scale, "accuracy": r["accuracy"],
                            "accuracy_std": r["accuracy_std"], "p50": r["p50"], "p90": r["p90"],
-                           "budget_hit": r["budget_hit"], "usable": r["accuracy"] >= full - tolerance})
-    prompts = settings.n * len(settings.tasks) * settings.seeds                     # per budget
-    if not can_tell(prompts, tolerance):
-        for p in points:
-            p["usable"] = None
-    usable = {name: sum(bool(p["usable"]) for p in points if p["model"] == name) if can_tell(prompts, tolerance)
-              else None for name in runs}
+                           "budget_hit": r["budget_hit"],
+                           "usable": r["accuracy"] >= full - tolerance if tell else None})
+    usable = {name: sum(bool(p["usable"]) for p in points if p["model"] == name) if tell else None for name in runs}
     result = {"split": split_dir, "original": original, "parts": parts, "tolerance": tolerance, "prompts": prompts,
               "points": points, "usable_points": usable}
     write_json(out / "budgets.json", result, indent=1)

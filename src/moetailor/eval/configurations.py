@@ -78,42 +78,44 @@ def _merged(model, plan: Plan, name: str) -> Serving:
     return Serving(_tagged(plan.with_phases(None, None), name), decode_model=str(path))
 
 
+def _served(model, plan: Plan, name: str) -> Plan | Serving:
+    """``plan`` tagged ``name``; a plan that merges experts is served on its merged checkpoint."""
+    return _merged(model, plan, name) if plan.merges else _tagged(plan, name)
+
+
 @configuration("pruned", uses_plan=True, help="the plan's pruning in both phases (a pruned checkpoint)")
 def _pruned(model, plan, arg):
     p = plan.pruning_policy()
-    if p.merges:
-        return _merged(model, plan.with_phases(prefill=p, decode=p), "pruned")
-    return _tagged(plan.with_phases(prefill=p, decode=p), "pruned")
+    return _served(model, plan.with_phases(prefill=p, decode=p), "pruned")
 
 
 @configuration("reverse", uses_plan=True, help="pruned prefill, full decode")
 def _reverse(model, plan, arg):
-    if plan.pruning_policy().merges:
-        return _merged(model, plan.with_phases(prefill=plan.pruning_policy(), decode=None), "reverse")
-    return _tagged(plan.with_phases(prefill=plan.pruning_policy(), decode=None), "reverse")
+    return _served(model, plan.with_phases(prefill=plan.pruning_policy(), decode=None), "reverse")
 
 
 @configuration("phase-aware", uses_plan=True, help="full prefill, pruned decode (SlimWise; a merged plan decodes "
                "on its merged checkpoint)")
 def _phase_aware(model, plan, arg):
-    if plan.pruning_policy().merges:
-        return _merged(model, plan.phase_aware(), "phase-aware")
-    return _tagged(plan.phase_aware(), "phase-aware")
+    return _served(model, plan.phase_aware(), "phase-aware")
 
 
 @configuration("plan", uses_plan=True, help="the plan exactly as written (its own prefill and decode policies)")
 def _as_written(model, plan, arg):
-    if plan.merges:
-        return _merged(model, plan, "plan")
-    return _tagged(plan, "plan")
+    return _served(model, plan, "plan")
+
+
+def int_argument(value: str, name: str) -> int:
+    """A configuration's integer argument (``topk:4``), or a ValueError saying how to write it."""
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} needs an integer argument ({name}:4), got {value!r}") from None
 
 
 @configuration("topk", uses_plan=False, takes_arg=True, help="topk:K — every token uses K experts in both phases")
 def _topk(model, plan, arg):
-    try:
-        k = int(arg)
-    except ValueError:
-        raise ValueError(f"topk needs an integer argument (topk:4), got {arg!r}") from None
+    k = int_argument(arg, "topk")
     return _tagged(uniform_plan(model, decode=LayerPolicy(top_k=k), prefill=LayerPolicy(top_k=k)), f"topk:{k}")
 
 

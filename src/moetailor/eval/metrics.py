@@ -9,6 +9,7 @@ Reverse and Phase-aware get different numbers and the full model scores KL 0.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
@@ -243,14 +244,9 @@ def heldout_windows(tokenizer, documents: dict[str, list[str]], docs_per_domain:
     (documents shorter than a window are skipped)."""
     out = []
     for docs in documents.values():
-        taken = 0
-        for doc in docs:
-            if taken >= docs_per_domain:
-                break
-            ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
-            if len(ids) >= window:
-                out.append(ids[:window])
-                taken += 1
+        long_enough = (ids for ids in (tokenizer(d, add_special_tokens=False)["input_ids"] for d in docs)
+                       if len(ids) >= window)
+        out += [ids[:window] for ids in itertools.islice(long_enough, docs_per_domain)]
     if not out:
         raise ValueError(f"no held-out document has {window} tokens; use a shorter --kl-window")
     return out

@@ -65,11 +65,9 @@ def per_task_table(results: dict, sampling: str) -> str:
     """Per task: accuracy %, and p90 length / budget-hit % (the two ways pruning fails)."""
     tasks = results["settings"]["tasks"]
     by = {(r["variant"], r["task"]): r for r in results["rows"] if r["sampling"] == sampling}
-    out = []
-    for r in _rows(results, sampling):
-        cells = [f"{_pct(by[r['variant'], t]['accuracy'])} · {_num(by[r['variant'], t]['p90'], 0)}/"
-                 f"{_pct(by[r['variant'], t]['budget_hit'])}" for t in tasks]
-        out.append((r["variant"], *cells))
+    out = [(r["variant"], *[f"{_pct(by[r['variant'], t]['accuracy'])} · {_num(by[r['variant'], t]['p90'], 0)}/"
+                            f"{_pct(by[r['variant'], t]['budget_hit'])}" for t in tasks])
+           for r in _rows(results, sampling)]
     budgets = results["settings"]["max_tokens"]
     return markdown_table(["variant", *[f"{t} (max {budgets[t]})" for t in tasks]], out)
 
@@ -171,7 +169,26 @@ def plot(results: dict, out: Path, sampling: str) -> list[Path]:
     criteria = sorted({c for c, _ in plans}, key=str) or [None]
     keeps = sorted({k for _, k in plans if k is not None}, reverse=True) or [None]
     configs = [c for c in dict.fromkeys(r["configuration"] for r in rows) if c != "baseline"]
-    written = []
+
+    def save(fig, axes, title: str, name: str) -> Path:
+        axes[0][-1].legend(fontsize=7)
+        fig.suptitle(title, fontsize=10)
+        fig.tight_layout()
+        save_figure(fig, out / name, dpi=100)
+        plt.close(fig)
+        return out / name
+
+    def panels(shown, **share):
+        """A panel per (criterion, keep), each with Baseline and its plan's rows of ``shown``."""
+        fig, axes = plt.subplots(len(criteria), len(keeps), figsize=(3.4 * len(keeps), 2.6 * len(criteria)),
+                                 squeeze=False, **share)
+        cells = []
+        for i, crit in enumerate(criteria):
+            for j, keep in enumerate(keeps):
+                axes[i][j].set_title(f"{crit} keep {keep:.0%}" if keep is not None else str(crit), fontsize=9)
+                mine = [r for r in rows if r["criterion"] == crit and r["keep"] == keep]
+                cells.append((axes[i][j], ([base] if base else []) + [r for r in mine if r["configuration"] in shown]))
+        return fig, axes, cells
 
     # 1. accuracy vs keep ratio, one panel per criterion
     fig, axes = plt.subplots(1, len(criteria), figsize=(3.6 * len(criteria), 3.2), squeeze=False, sharey=True)
@@ -191,59 +208,31 @@ def plot(results: dict, out: Path, sampling: str) -> list[Path]:
         ax.set_xlim(1.05, 0.0)
         ax.set_ylim(-3, 103)
     axes[0][0].set_ylabel("exact-match accuracy %")
-    axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"accuracy vs keep ratio ({sampling})", fontsize=10)
-    fig.tight_layout()
-    written.append(_save(fig, out / PLOTS[0]))
+    written = [save(fig, axes, f"accuracy vs keep ratio ({sampling})", PLOTS[0])]
 
     # 2. p50 / p90 length per configuration, a panel per (criterion, keep)
-    fig, axes = plt.subplots(len(criteria), len(keeps), figsize=(3.4 * len(keeps), 2.6 * len(criteria)),
-                             squeeze=False, sharey=True)
-    for i, crit in enumerate(criteria):
-        for j, keep in enumerate(keeps):
-            ax = axes[i][j]
-            shown = ([base] if base else []) + [r for r in rows if r["criterion"] == crit and r["keep"] == keep
-                                                and r["configuration"] != "baseline"]
-            x = np.arange(len(shown))
-            ax.bar(x - 0.2, [r["p50"] for r in shown], 0.4, label="p50")
-            ax.bar(x + 0.2, [r["p90"] for r in shown], 0.4, label="p90")
-            ax.set_xticks(x, [r["configuration"] for r in shown], rotation=30, fontsize=7)
-            ax.set_title(f"{crit} keep {keep:.0%}" if keep is not None else str(crit), fontsize=9)
+    fig, axes, cells = panels(configs, sharey=True)
+    for ax, shown in cells:
+        x = np.arange(len(shown))
+        ax.bar(x - 0.2, [r["p50"] for r in shown], 0.4, label="p50")
+        ax.bar(x + 0.2, [r["p90"] for r in shown], 0.4, label="p90")
+        ax.set_xticks(x, [r["configuration"] for r in shown], rotation=30, fontsize=7)
     for row in axes:
         row[0].set_ylabel("tokens")
-    axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"output length, all tasks ({sampling})", fontsize=10)
-    fig.tight_layout()
-    written.append(_save(fig, out / PLOTS[1]))
+    written.append(save(fig, axes, f"output length, all tasks ({sampling})", PLOTS[1]))
 
     # 3. length distribution (as a share of each task's budget): Baseline vs Phase-aware vs Reverse
     hist = results.get("histograms", {})
     edges = np.linspace(0, 1, HIST_BINS + 1)
-    fig, axes = plt.subplots(len(criteria), len(keeps), figsize=(3.4 * len(keeps), 2.6 * len(criteria)),
-                             squeeze=False, sharex=True)
-    for i, crit in enumerate(criteria):
-        for j, keep in enumerate(keeps):
-            ax = axes[i][j]
-            shown = ([base] if base else []) + [r for r in rows if r["criterion"] == crit and r["keep"] == keep
-                                                and r["configuration"] in ("phase-aware", "reverse")]
-            for r in shown:
-                counts = np.asarray(hist.get(r["variant"], {}).get(sampling, [0] * HIST_BINS), dtype=float)
-                if counts.sum():
-                    ax.stairs(counts / counts.sum(), edges, label=r["configuration"], lw=1.4)
-            ax.set_title(f"{crit} keep {keep:.0%}" if keep is not None else str(crit), fontsize=9)
-            ax.set_xlabel("length / max new tokens", fontsize=8)
-    axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"length distribution ({sampling})\nlast bin = budget hits", fontsize=10)
-    fig.tight_layout()
-    written.append(_save(fig, out / PLOTS[2]))
+    fig, axes, cells = panels(("phase-aware", "reverse"), sharex=True)
+    for ax, shown in cells:
+        for r in shown:
+            counts = np.asarray(hist.get(r["variant"], {}).get(sampling, [0] * HIST_BINS), dtype=float)
+            if counts.sum():
+                ax.stairs(counts / counts.sum(), edges, label=r["configuration"], lw=1.4)
+        ax.set_xlabel("length / max new tokens", fontsize=8)
+    written.append(save(fig, axes, f"length distribution ({sampling})\nlast bin = budget hits", PLOTS[2]))
     return written
-
-
-def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-    save_figure(fig, path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def markdown(results: dict, plot_dir: str = ".") -> str:

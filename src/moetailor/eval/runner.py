@@ -46,11 +46,6 @@ BUDGET_FACTOR = 2.0     # max new tokens = 2x the longest reference completion a
 BUDGET_SAMPLES = 64     # reference completions measured per difficulty to set the budget
 
 
-def available_criteria() -> tuple[str, ...]:
-    from ..plans.criteria import CRITERIA
-    return tuple(CRITERIA)
-
-
 DOMAINS_SHORTHAND = "domains"   # data=domains: the whole task suite, each task alone, the bundled text, mix
 
 
@@ -74,7 +69,9 @@ def sweep_data(spec: str) -> tuple[str, ...] | None:
 def parse_sweep(spec: str) -> tuple[tuple[str, ...], tuple[float, ...]]:
     """A named sweep ('paper', 'full') or 'criteria=frequency,reap;keep=0.5,0.25' -> (criteria, keeps).
     An optional ``data=...`` part (see ``sweep_data``) adds calibration domains as a third axis."""
-    valid = available_criteria()
+    from ..plans.criteria import CRITERIA
+
+    valid = tuple(CRITERIA)
     if spec in SWEEPS:
         criteria, keeps = SWEEPS[spec]
         criteria = criteria or valid
@@ -142,8 +139,8 @@ class EvalSettings:
             raise ValueError("pass either --plan or --sweep, not both")
         if not self.configs:
             raise ValueError("no configurations to evaluate (--configs)")
-        if not (self.plan or self.sweep) and any(c.definition.uses_plan for c in self.configs):
-            needing = [c.label for c in self.configs if c.definition.uses_plan]
+        needing = [c.label for c in self.configs if c.definition.uses_plan]
+        if not (self.plan or self.sweep) and needing:
             raise ValueError(f"configurations {needing} need a plan; pass --plan PLAN or --sweep SPEC "
                              "(or --configs baseline)")
         if self.sweep and parse_sweep(self.sweep) and sweep_data(self.sweep) is None:
@@ -161,11 +158,8 @@ def task_budget(task: Task, tokenizer, factor: float = BUDGET_FACTOR) -> int:
     if not isinstance(task, Task):
         return DEFAULT_BUDGET
     rng = eval_rng(task.name, 10**6)  # a stream no evaluation seed uses
-    longest = 0
-    for level in task.difficulties:
-        for _ in range(BUDGET_SAMPLES):
-            ex = task.generate(rng, level)
-            longest = max(longest, len(tokenizer(ex.completion, add_special_tokens=False)["input_ids"]) + 1)
+    longest = max((len(tokenizer(task.generate(rng, level).completion, add_special_tokens=False)["input_ids"]) + 1
+                   for level in task.difficulties for _ in range(BUDGET_SAMPLES)), default=0)
     return int(math.ceil(factor * longest))
 
 
@@ -189,7 +183,10 @@ def _versions(backend: str = "engine") -> dict:
 
 
 CELL_IDENTITY_VERSION = 1
-def _digest(data) -> str:
+
+
+def content_digest(data) -> str:
+    """16 hex digits of the sha256 of ``data`` as canonical JSON: what cached results are keyed by."""
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -197,7 +194,7 @@ def tokenizer_hash(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         return hashlib.sha256(backend.to_str().encode()).hexdigest()[:16]
-    return _digest(sorted(tokenizer.get_vocab().items()))
+    return content_digest(sorted(tokenizer.get_vocab().items()))
 
 
 class CellMismatch(ValueError):
@@ -320,20 +317,18 @@ def calibrated_stats(model, tokenizer, path: Path, data: str, tokens: int, log, 
 
 
 def variants(settings: EvalSettings, sources: list[PlanSource], model) -> list[Variant]:
-    out, seen = [], set()
+    """One variant per base plan of each configuration that uses it, one of each other configuration."""
+    out = {}
     for src in sources:
         calibration = src.plan.meta.get("calibration") if src.plan is not None else None
         for spec in settings.configs:
-            if spec.definition.uses_plan:
-                key = f"{src.label}/{spec.label}"
-                v = Variant(key, spec.label, src.criterion, src.keep, spec.build(model, src.plan), calibration)
-            else:
-                key = spec.label
-                v = Variant(key, spec.label, None, None, spec.build(model, src.plan))
-            if key not in seen:
-                seen.add(key)
-                out.append(v)
-    return out
+            if not spec.definition.uses_plan:
+                if spec.label not in out:
+                    out[spec.label] = Variant(spec.label, spec.label, None, None, spec.build(model, src.plan))
+                continue
+            key = f"{src.label}/{spec.label}"
+            out[key] = Variant(key, spec.label, src.criterion, src.keep, spec.build(model, src.plan), calibration)
+    return list(out.values())
 
 
 def _guard_summary(snapshots: list[dict | None]) -> dict | None:
@@ -421,12 +416,12 @@ class Sweep:
                  "serving": {"guard": variant.serving.guard, "decode_model": variant.serving.decode_model}}
         if mode == "heldout":
             return {**ident, "heldout": [self.settings.kl_docs, self.settings.kl_window],
-                    "data": _digest(self.windows)}
+                    "data": content_digest(self.windows)}
         sampling = "greedy" if mode == "greedy" else {"temperature": self.settings.temperature,
                                                       "top_p": self.settings.top_p}
         examples = [(ex.task, ex.prompt, ex.completion) for task in self.tasks
                     for ex in task_examples(task, self.settings.n, seed, self.tokenizer)]
-        return {**ident, "sampling": sampling, "seed": seed, "data": _digest(examples)}
+        return {**ident, "sampling": sampling, "seed": seed, "data": content_digest(examples)}
 
     def _load_cell(self, key: str, identity: dict):
         """The stored cell when it has this identity; None when there is none (or it is unreadable:
@@ -469,16 +464,11 @@ class Sweep:
                 "tokens": sum(g.length for g in gens), "prompts": len(examples), **extra}
 
     def _generate(self, variant: Variant, prompts: list[str], params) -> tuple[list, dict]:
-        guarded = variant.serving.guard   # the guarded:CONFIG configurations (engine only)
-        if not guarded:
+        if not variant.serving.guard:   # the guarded:CONFIG configurations run on the engine only
             return self.backend.generate(variant.plan, prompts, params), {}
-        self.llm.guard = None
-        if guarded:
-            self.llm.enable_guard()
+        self.llm.enable_guard()
         self.llm.set_plan(variant.plan)
         outputs = self.llm.generate(prompts, params)
-        if not guarded:
-            return outputs, {}
         while self.llm.has_unfinished():   # the last shadows: their cost belongs to this cell
             self.llm.step()
         snapshot = self.llm.guard.snapshot()
@@ -508,7 +498,6 @@ class Sweep:
         return {**s.to_json(), "seconds": time.time() - t0}
 
     def run(self) -> dict:
-
         try:
             return self._run()
         finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..plans.plan import Plan
 from ..plans.techniques import Shape, layer_k_policy, technique_plan
@@ -34,8 +34,7 @@ class SearchResult:
     history: list[dict] = field(default_factory=list)   # one entry per accepted move
 
     def to_json(self) -> dict:
-        return {"ks": self.ks, "kl": self.kl, "uniform": self.uniform, "uniform_kl": self.uniform_kl,
-                "rounds": self.rounds, "evaluations": self.evaluations, "history": self.history}
+        return asdict(self)
 
 
 def uniform_allocation(shape: Shape, budget: int) -> list[int]:
@@ -161,18 +160,15 @@ def search_plan(model, tokenizer, budget: int, *, data: str = "mix", tokens: int
     summary = {"budget": budget, "mean_k": budget / len(shape.layers), "phase": phase, "method": METHOD,
                "data": data, "tokens": len(windows) * window, "window": window, "tol": tol,
                "max_rounds": max_rounds, "search": result.to_json()}
+    uniform, searched = (phase_policies(layer_k_policy(shape, ks), phase) for ks in (result.uniform, result.ks))
     if heldout_docs > 0:
         held = heldout_windows(tokenizer, bundled_documents("heldout"), heldout_docs, window)
         scorer = HeldoutScorer(model, held)
-        summary["heldout"] = {
-            "tokens": len(held) * (window - window // 2),
-            "uniform_kl": scorer.score(*phase_policies(layer_k_policy(shape, result.uniform), phase)).kl,
-            "searched_kl": scorer.score(*phase_policies(layer_k_policy(shape, result.ks), phase)).kl}
-    policy = layer_k_policy(shape, result.ks)
-    prefill, decode = phase_policies(policy, phase)
-    plan = technique_plan(model, prefill, decode, None, technique="layer-k", search=summary, command=command)
+        summary["heldout"] = {"tokens": len(held) * (window - window // 2), "uniform_kl": scorer.score(*uniform).kl,
+                              "searched_kl": scorer.score(*searched).kl}
+    plan = technique_plan(model, *searched, None, technique="layer-k", search=summary, command=command)
     if accuracy_n > 0:
-        uniform_plan = technique_plan(model, *phase_policies(layer_k_policy(shape, result.uniform), phase))
+        uniform_plan = technique_plan(model, *uniform)
         summary["accuracy"] = task_accuracy(model, tokenizer, {"full": None, "uniform": uniform_plan,
                                                                "searched": plan}, accuracy_n, tasks, seed)
         summary["accuracy_n"] = accuracy_n

@@ -50,13 +50,9 @@ def heldout_kl_streamed(model: str | Path, windows: list[list[int]], *, plan=Non
     full = LayerStream(model, dtype, placement)
     batches = [torch.tensor(windows[i:i + batch_size], dtype=torch.long) for i in range(0, len(windows), batch_size)]
     shapes = [tuple(b.shape) for b in batches]
-    policy = None
     if plan is not None:
         plan = load_checked(plan, Plan, full.model)
-        policy = plan.decode
-        other = full
-    else:
-        other = LayerStream(pruned, full.dtype, full.placement)
+    other = full if plan is not None else LayerStream(pruned, full.dtype, full.placement)
     ctl = RoutingController.of(other.model)
     # the full model's experts run through the same code in both modes (the controller, full router): a
     # --plan run and a --pruned run report the same full-model perplexity, bit for bit
@@ -69,7 +65,7 @@ def heldout_kl_streamed(model: str | Path, windows: list[list[int]], *, plan=Non
         if other is full:   # one load per layer: full router, then the plan's mask
             for i in range(len(full.layers)):
                 full.load_layer(i)
-                for acts, pol in ((a, None), (b, policy)):
+                for acts, pol in ((a, None), (b, plan.decode)):
                     with ctl.policy(pol):
                         full.forward_layer(i, acts, shapes, on_batch=tick)
                 full.free_layer(i)

@@ -25,7 +25,7 @@ from ..plans.techniques import (
     technique_plan,
     top_k_policy,
 )
-from .configurations import configuration
+from .configurations import configuration, int_argument
 
 
 def _split(arg: str | None, example: str) -> tuple[str, str | None]:
@@ -34,13 +34,6 @@ def _split(arg: str | None, example: str) -> tuple[str, str | None]:
         raise ValueError(f"this configuration needs an argument, e.g. {example}")
     value, _, path = arg.partition("@")
     return value.strip(), (path.strip() or None)
-
-
-def _int(value: str, name: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name} needs an integer argument ({name}:4), got {value!r}") from None
 
 
 def _stats(model, plan, explicit: str | None, for_skip: bool = False) -> Path:
@@ -65,12 +58,11 @@ def _fold_config(kind: str, fold: bool):
 
     def build(model, plan, arg):
         value, path = _split(arg, example)
-        n = _int(value, name)
+        n = int_argument(value, name)
         shape = Shape.of(model)
         policy = fold_prefill(shape, n, fold) if kind == "prefill" else fold_decode(shape, n, fold)
         stats = _stats(model, plan, path) if (fold or kind == "decode") else None
-        label = f"{name}:{n}"
-        return _plan(model, plan, label, **{kind: policy}, stats=stats)
+        return _plan(model, plan, f"{name}:{n}", **{kind: policy}, stats=stats)
 
     what = "each prefill token keeps K_pre of its k routes" if kind == "prefill" else "each decode step keeps D experts"
     configuration(name, uses_plan=False, takes_arg=True,
@@ -102,7 +94,7 @@ _pool(False)
 
 def _topk(phase: str):
     def build(model, plan, arg):
-        k = _int(arg, f"topk-{phase}")
+        k = int_argument(arg, f"topk-{phase}")
         return _plan(model, plan, f"topk-{phase}:{k}", **{phase: top_k_policy(Shape.of(model), k)})
 
     configuration(f"topk-{phase}", uses_plan=False, takes_arg=True,

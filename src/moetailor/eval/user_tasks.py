@@ -97,12 +97,11 @@ def select_tasks(spec: str | list[str]) -> list:
             tasks += load_user_tasks(entry)
         else:
             get_task(entry)   # raises, listing the valid names
-    seen: set[str] = set()
-    for task in tasks:
-        if task.name in seen:
-            raise ValueError(f"task {task.name!r} is selected twice (a user file's 'task' names must differ from "
-                             "each other's and from the built-in tasks')")
-        seen.add(task.name)
+    names = [task.name for task in tasks]
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise ValueError(f"task {twice!r} is selected twice (a user file's 'task' names must differ from "
+                         "each other's and from the built-in tasks')")
     return tasks
 
 
@@ -166,7 +165,7 @@ def _example(path: Path, number: int, record: dict, default_task: str) -> UserEx
     kind = record.get("match", "exact")
     if kind not in MATCH_RULES:
         raise ValueError(f"{where}: unknown match rule {kind!r}; valid: {', '.join(MATCH_RULES)}")
-    pattern = record.get("pattern")
+    pattern, compiled = record.get("pattern"), None
     if kind == "regex":
         if not isinstance(pattern, str):
             raise ValueError(f"{where}: match 'regex' needs 'pattern', a regular expression with one capture group "
@@ -180,8 +179,6 @@ def _example(path: Path, number: int, record: dict, default_task: str) -> UserEx
                              "exactly one, around the answer")
     elif pattern is not None:
         raise ValueError(f"{where}: 'pattern' is only read with \"match\": \"regex\" (this line matches {kind!r})")
-    else:
-        compiled = None
     if kind == "number" and parse_number(answer) is None:
         raise ValueError(f"{where}: match 'number' needs a numeric 'answer', got {answer!r}")
     task = record.get("task", default_task)

@@ -47,11 +47,9 @@ def rows(tuner, result, points: list[dict]) -> tuple[list[str], list[tuple]]:
                f"{r['tasks']['p90']:.0f}" if r.get("tasks") else "-"]
         if speed:
             row.append(f"{r['tok_s']:.0f}" if r.get("tok_s") is not None else "-")
-        if where:
-            row.append({"vllm": "vLLM"}.get(r.get("scored_by"), r.get("scored_by") or "-"))
-        else:
-            row.append("yes" if r.get("vllm") else "no")
-        row += [tuner.floor_verdict(r), "yes" if tuner.at_target(r) else "no"]
+        scored_on = {"vllm": "vLLM"}.get(r.get("scored_by"), r.get("scored_by") or "-")
+        row += [scored_on if where else "yes" if r.get("vllm") else "no", tuner.floor_verdict(r),
+                "yes" if tuner.at_target(r) else "no"]
         out.append(tuple(row))
     return cols, out
 

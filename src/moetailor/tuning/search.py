@@ -26,13 +26,13 @@ Stages (each candidate's evidence is cached in ``OUT/candidates/KEY.json``, so a
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..eval.runner import content_digest
 from ..models.paths import is_bundled
 from ..outputs import write_json
 from .candidates import Candidate, candidate_plan
@@ -154,10 +154,6 @@ class TuneResult:
     summary: dict = field(default_factory=dict)
 
 
-def _digest(data) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def is_task_traffic(spec) -> bool:
     """Whether a traffic file holds prompt/answer lines (the ``eval --tasks`` format) rather than text."""
     from ..calibration.data import parse_data_spec
@@ -234,9 +230,8 @@ class Tuner:
         if self.streamed and s.min_tok_s is not None and s.gpu is None:
             raise ValueError("a layer-streamed checkpoint cannot be timed by the engine; project the speed with "
                              "--gpu and --model-shape, or use --budget")
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "candidates").mkdir(exist_ok=True)
-        (self.out / "plans").mkdir(exist_ok=True)
+        for sub in ("candidates", "plans"):
+            (self.out / sub).mkdir(parents=True, exist_ok=True)
         if self.streamed:
             from ..models.streamed import LayerStream
             self.model = LayerStream(self.path, self.dtype, self.placement).model   # meta skeleton: fingerprint, routers
@@ -252,7 +247,7 @@ class Tuner:
         step = max(1, self.E // 16)
         self.step = -(-step // n_group) * n_group     # grouped routers: the same count in every group
         self.min_pool = max(self.k, n_group * min_per_group(sem)) if sem is not None else self.k
-        self.weights = weights_hash(self.model) if not self.streamed else _digest(
+        self.weights = weights_hash(self.model) if not self.streamed else content_digest(
             [self.fp, sorted((p.name, p.stat().st_size) for p in self.path.glob("*.safetensors"))])
         if not self.streamed:
             from ..eval.backends import make_backend
@@ -307,7 +302,7 @@ class Tuner:
 
         path = self.out / "traces.jsonl"
         tasks = load_user_tasks(self.s.data)
-        ident = _digest([self.weights, [t.digest for t in tasks]])
+        ident = content_digest([self.weights, [t.digest for t in tasks]])
         marker = self.out / "traces.identity"
         if path.is_file() and marker.is_file() and marker.read_text().strip() == ident:
             return str(path)
@@ -356,7 +351,7 @@ class Tuner:
     # ---- scoring ---------------------------------------------------------------------------------
     def _identity(self) -> dict:
         ident = {"version": CACHE_VERSION, "weights": self.weights, "stats": self.stats.meta.get("data_sha256"),
-                 "windows": _digest(self.windows), "kind": "streamed" if self.streamed else "phase-aware"}
+                 "windows": content_digest(self.windows), "kind": "streamed" if self.streamed else "phase-aware"}
         if self.s.backend != "engine":   # the engine's caches keep their identity (no backend field)
             ident["backend"] = self.s.backend
         return ident
@@ -444,10 +439,8 @@ class Tuner:
     def _score_all(self, cands: list[Candidate], desc: str) -> list[dict]:
         from tqdm import tqdm
 
-        out = []
-        for c in tqdm(cands, desc=desc, unit="plan", disable=not self.progress, file=sys.stderr, leave=False):
-            out.append(self.score(c))
-        return out
+        return [self.score(c) for c in tqdm(cands, desc=desc, unit="plan", disable=not self.progress,
+                                            file=sys.stderr, leave=False)]
 
     # ---- stages 2-3: the proxy search -----------------------------------------------------------
     def _allowed(self, c: Candidate) -> bool:
@@ -460,25 +453,22 @@ class Tuner:
         """The budget the proxy search centres on: --budget, or the full pool for a speed target."""
         return self.s.budget if self.s.budget is not None else 0.5
 
-    def search(self) -> list[dict]:
+    def search(self) -> None:
         from .sensitivity import allocate, grid, measure_curves, measured_sizes
 
         fine = [m for m in grid(self.E, self.min_pool, self.step) if m < self.E]
         coarse_step = max(self.step, -(-self.E // 8 // self.step) * self.step)
         coarse = [m for m in grid(self.E, self.min_pool, coarse_step) if m < self.E] or fine
         # stage 2: criteria at coarse sizes
-        by_criterion = {}
-        for crit in self.s.criteria:
-            by_criterion[crit] = self._score_all([self._uniform(crit, m) for m in coarse], f"criterion {crit}")
-        target = self._proxy_target()
-        nearest = min(coarse, key=lambda m: abs(m / self.E - target))
-        best = min(self.s.criteria, key=lambda c: (next(r["kl"] for r in by_criterion[c]
-                                                        if r["candidate"]["sizes"][0] == nearest),
-                                                   sum(r["kl"] for r in by_criterion[c])))
+        by_criterion = {crit: self._score_all([self._uniform(crit, m) for m in coarse], f"criterion {crit}")
+                        for crit in self.s.criteria}
+        nearest = min(coarse, key=lambda m: abs(m / self.E - self._proxy_target()))
+        at_nearest = {c: next(r["kl"] for r in rs if r["candidate"]["sizes"][0] == nearest)
+                      for c, rs in by_criterion.items()}
+        best = min(self.s.criteria, key=lambda c: (at_nearest[c], sum(r["kl"] for r in by_criterion[c])))
         self.best_criterion = best
         self.log(f"best criterion on the traffic: {best} (KL at {nearest}/{self.E}: "
-                 + ", ".join(f"{c} {next(r['kl'] for r in by_criterion[c] if r['candidate']['sizes'][0] == nearest):.4f}"
-                             for c in self.s.criteria) + ")")
+                 + ", ".join(f"{c} {at_nearest[c]:.4f}" for c in self.s.criteria) + ")")
         modes = ["mask"] + (["fold"] if self.s.fold and not self.streamed else [])
         cands = [self._uniform(best, m, mode) for m in fine for mode in modes]
         self._score_all(cands, f"{best} pools")
@@ -516,7 +506,6 @@ class Tuner:
                     if c.read_share(self.E, self.k, self.s.batch) - c2.read_share(self.E, self.k, self.s.batch) >= 0.01:
                         extra.append(c2)
             self._score_all(extra, "top-k reduction")
-        return list(self.scored.values())
 
     def _replacements(self, best: str, fine: list[int]) -> list[Candidate]:
         """The candidates that replace dropped experts instead of masking them, at the fine sizes nearest
@@ -618,7 +607,7 @@ class Tuner:
             budgets = {t.name: task_budget(t, self.tokenizer) for t in self.tasks}
             self._ex = [(ex, budgets[t.name]) for t in self.tasks
                         for ex in task_examples(t, self.s.n, self.s.seed, self.tokenizer)]
-            self._task_identity = _digest([[(ex.task, ex.prompt, ex.answer) for ex, _ in self._ex], budgets])
+            self._task_identity = content_digest([[(ex.task, ex.prompt, ex.answer) for ex, _ in self._ex], budgets])
         return self._ex
 
     def evaluate(self, r: dict, decode_model: str | None = None) -> dict:
@@ -642,10 +631,7 @@ class Tuner:
                 outs = self._generate(None if c.is_full(self.E) else self.plan(c), prompts, budgets)
             gens = [score_output(ex, o, b) for (ex, b), o in zip(examples, outs)]
             lengths = length_stats(gens)
-            per_task = {}
-            for t in self.tasks:
-                mine = [g for g in gens if g.task == t.name]
-                per_task[t.name] = round(accuracy(mine), 4)
+            per_task = {t.name: round(accuracy([g for g in gens if g.task == t.name]), 4) for t in self.tasks}
             cached = {"identity": self._task_identity, "accuracy": accuracy(gens), "correct": [g.correct for g in gens],
                       "per_task": per_task, "p50": lengths.p50, "p90": lengths.p90, "budget_hit": lengths.budget_hit,
                       "prompts": len(gens), "seconds": round(time.time() - t0, 1)}
@@ -682,15 +668,12 @@ class Tuner:
             verdicts.append(MEETS if r["kl"] <= self.s.max_kl + 1e-12 else MISSES)
         return MISSES if MISSES in verdicts else UNDECIDED if UNDECIDED in verdicts else MEETS
 
-    def meets_floor(self, r: dict) -> bool:
-        """Proven to meet every floor on this evidence (an undecided point does not)."""
-        from ..eval.metrics import MEETS
-        return self.floor_verdict(r) == MEETS
-
     def _walk(self, front: list[dict]) -> list[dict]:
         """Evaluate the proxy-front points nearest the target until the floor is bracketed: the best at
         the target first; if it meets the floor, cheaper points until one fails; else dearer ones until
         one passes; a second candidate at the target where the proxy ranks closely."""
+        from ..eval.metrics import MEETS
+
         done: list[dict] = []
         left = self.s.evaluate
 
@@ -699,20 +682,15 @@ class Tuner:
             left -= 1
             self._with_full(self.evaluate(r))
             done.append(r)
-            return self.meets_floor(r)
+            return self.floor_verdict(r) == MEETS   # proven: an undecided point does not meet it
 
         cands = [r for r in front if not Candidate.from_json(r["candidate"]).is_full(self.E)]
         inside = [r for r in cands if self.at_target(r)]
         above = [r for r in cands if not self.at_target(r)]
-        if inside and left > 0:
-            if run(inside[-1]):
-                for r in reversed(inside[:-1]):
-                    if left <= 0 or not run(r):
-                        break
-            else:
-                for r in above:
-                    if left <= 0 or run(r):
-                        break
+        if inside and left > 0 and run(inside[-1]):
+            for r in reversed(inside[:-1]):
+                if left <= 0 or not run(r):
+                    break
         else:
             for r in above:
                 if left <= 0 or run(r):
@@ -727,11 +705,7 @@ class Tuner:
         kind = lambda r: (r["candidate"]["pool_mode"], r["candidate"]["allocation"], r["candidate"]["top_k"],  # noqa
                           r["candidate"].get("merge"), bool(r["candidate"].get("protect_super")))
         seen = {kind(r) for r in done}
-        firsts = []
-        for r in pool:
-            if kind(r) not in seen:
-                seen.add(kind(r))
-                firsts.append(r)
+        firsts = [r for i, r in enumerate(pool) if kind(r) not in seen | {kind(q) for q in pool[:i]}]
         for r in (firsts + [r for r in pool if r not in firsts])[:max(0, left)]:
             run(r)
         return done
@@ -817,17 +791,15 @@ class Tuner:
                     base = min(masked, key=lambda r: r["kl"]) if masked else None
                 if base is not None:
                     points.append(self.distill(base))
-            for r in points:
-                self.speed(r)
             qf = lambda r: r["accuracy"]  # noqa: E731
             shown = pareto(points, cost=lambda r: r["budget"], quality=qf)
         else:
             self.full = full
             points = [full] + [r for r in front if r is not full]
-            for r in points:
-                self.speed(r)
             qf = lambda r: -r["kl"]  # noqa: E731
             shown = list(front)
+        for r in points:
+            self.speed(r)
         if self.full not in shown:
             shown.append(self.full)      # the reference row, even where a cheaper plan ties it
         choice = choose(points, self.floor_verdict, self.at_target, qf, quality)
@@ -835,12 +807,10 @@ class Tuner:
         for name, r in (("plan.json", choice.chosen), ("cheapest-meeting-floor.json", choice.cheapest_meeting_floor),
                         ("best-at-target.json", choice.best_at_target)):
             target = self.out / name
-            if target.exists():
-                target.unlink()
-            if r is None or Candidate.from_json(r["candidate"]).is_full(self.E):
+            target.unlink(missing_ok=True)
+            # a distilled point is served as a checkpoint: --decode-model DIR
+            if r is None or r.get("distilled") or Candidate.from_json(r["candidate"]).is_full(self.E):
                 continue
-            if r.get("distilled"):
-                continue    # a distilled point is served as a checkpoint: --decode-model DIR
             c = Candidate.from_json(r["candidate"])
             plan = self.plan(c)
             plan.meta["tune_evidence"] = {k: v for k, v in r.items() if k not in ("identity", "tasks", "candidate")}
@@ -865,4 +835,3 @@ class Tuner:
         from .report import write_report
         write_report(self, result)
         return result
-
