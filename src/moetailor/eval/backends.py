@@ -43,10 +43,12 @@ class Completion:
     finish_reason: str | None
 
 
-def check_backend(backend: str, vllm_url: str | None, model: str | Path | None = None) -> dict | None:
-    """Refuse, before any model loads, a backend this environment cannot run, or a server that does not
-    answer or serves another model than ``model`` (one line each). Answers the server's record
-    (``server_info``) for a ``vllm_url``, else None."""
+def check_backend(backend: str, vllm_url: str | None, model: str | Path | None = None,
+                  plan: str | Path | None = None) -> dict | None:
+    """Refuse, before any model loads, a backend this environment cannot run, a server that does not
+    answer or serves another model than ``model``, or a ``plan`` file with novice experts that the server
+    cannot switch in (one line each). Answers the server's record (``server_info``) for a ``vllm_url``,
+    else None."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown --backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if vllm_url and backend != "vllm":
@@ -55,8 +57,22 @@ def check_backend(backend: str, vllm_url: str | None, model: str | Path | None =
         raise ValueError(f"--backend vllm needs vLLM in this environment: {VLLM_SETUP} (or pass --vllm-url URL of a "
                          "running `moetailor serve MODEL --backend vllm`)")
     if backend == "vllm" and vllm_url:
-        return server_info(vllm_url, model)
+        served = server_info(vllm_url, model)
+        if plan is not None and Path(plan).is_file():
+            from ..plans import Plan
+            if Plan.load(plan).needs_constants:
+                require_novice(served, vllm_url, model, f"--plan {plan}")
+        return served
     return None
+
+
+def require_novice(served: dict, url: str, model: str | Path | None, what: str) -> None:
+    """Refuse ``what``, which replaces dropped experts by their constants, on a server (``served``: its
+    ``server_info``) whose engine adds none: its plan switch would be answered 400 mid-run."""
+    if not served.get("novice"):
+        raise ValueError(f"{what} replaces dropped experts by constants (novice experts), which the vLLM server at "
+                         f"{url} does not add; restart it with `moetailor serve {model or 'MODEL'} --backend vllm "
+                         "--vllm-no-prefix-caching --vllm-novice`")
 
 
 def eos_ids(model, tokenizer) -> list[int]:
