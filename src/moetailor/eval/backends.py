@@ -43,10 +43,12 @@ class Completion:
     finish_reason: str | None
 
 
-def check_backend(backend: str, vllm_url: str | None, model: str | Path | None = None) -> dict | None:
-    """Refuse, before any model loads, a backend this environment cannot run, or a server that does not
-    answer or serves another model than ``model`` (one line each). Answers the server's record
-    (``server_info``) for a ``vllm_url``, else None."""
+def check_backend(backend: str, vllm_url: str | None, model: str | Path | None = None,
+                  plan: str | Path | None = None) -> dict | None:
+    """Refuse, before any model loads, a backend this environment cannot run, a server that does not
+    answer or serves another model than ``model``, or a ``plan`` file with novice experts that the server
+    cannot switch in (one line each). Answers the server's record (``server_info``) for a ``vllm_url``,
+    else None."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown --backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if vllm_url and backend != "vllm":
@@ -55,8 +57,22 @@ def check_backend(backend: str, vllm_url: str | None, model: str | Path | None =
         raise ValueError(f"--backend vllm needs vLLM in this environment: {VLLM_SETUP} (or pass --vllm-url URL of a "
                          "running `moetailor serve MODEL --backend vllm`)")
     if backend == "vllm" and vllm_url:
-        return server_info(vllm_url, model)
+        served = server_info(vllm_url, model)
+        if plan is not None and Path(plan).is_file():
+            from ..plans import Plan
+            if Plan.load(plan).needs_constants:
+                require_novice(served, vllm_url, model, f"--plan {plan}")
+        return served
     return None
+
+
+def require_novice(served: dict, url: str, model: str | Path | None, what: str) -> None:
+    """Refuse ``what``, which replaces dropped experts by their constants, on a server (``served``: its
+    ``server_info``) whose engine adds none: its plan switch would be answered 400 mid-run."""
+    if not served.get("novice"):
+        raise ValueError(f"{what} replaces dropped experts by constants (novice experts), which the vLLM server at "
+                         f"{url} does not add; restart it with `moetailor serve {model or 'MODEL'} --backend vllm "
+                         "--vllm-no-prefix-caching --vllm-novice`")
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -68,10 +84,6 @@ def eos_ids(model, tokenizer) -> list[int]:
             ids.update([value] if isinstance(value, int) else value)
     return sorted(ids)
 
-
-# ---------------------------------------------------------------------------------------------------
-# the embedded engine
-# ---------------------------------------------------------------------------------------------------
 
 class EngineBackend:
     """moetailor's engine (generation) and the in-memory model's forward (held-out KL)."""
@@ -121,10 +133,6 @@ class EngineBackend:
         self._llm = None
 
 
-# ---------------------------------------------------------------------------------------------------
-# vLLM
-# ---------------------------------------------------------------------------------------------------
-
 class VLLMBackend:
     """One vLLM engine with moetailor's plugin, in this process or at ``url``; plans are switched on
     it between calls. ``model`` is the model in memory (its fingerprint and EOS ids), ``path`` its
@@ -133,29 +141,24 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, model, tokenizer, path: str | Path, *, url: str | None = None, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, kv_cache_mib: int = 512, enforce_eager: bool = False,
                  novice: bool = True):
         from ..models.paths import resolve_model_path
         from ..runtime.runner import default_max_model_len
 
         self.model, self.tokenizer, self.path, self.url = model, tokenizer, resolve_model_path(path), url
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len or default_max_model_len(model.config)
+        self.max_num_seqs, self.max_model_len = max_num_seqs, default_max_model_len(model.config)
         self.vocab = int(model.config.vocab_size)
         self.stop_ids = eos_ids(model, tokenizer)
-        self.kv_cache_mib, self.enforce_eager = kv_cache_mib, enforce_eager
         # vLLM computes in the dtype of the model in memory, the one the engine would score in (tune's --dtype)
         self.dtype = str(next(model.parameters()).dtype).replace("torch.", "")
         self._tmp = tempfile.TemporaryDirectory(prefix="moetailor-vllm-plans-")
         self._plan_key: str | None = "unset"
         self._llm = None
         self._references: dict[int, list[torch.Tensor]] = {}
+        self.client = RemoteVLLM(url, path) if url else None   # checks the server (one line when it does not answer)
         # whether novice plans switch in: the in-process engine adds novice constants on every MoE layer
         # when asked (``novice``), a server when it was started with --vllm-novice
-        self.novice = novice
-        if url:
-            self.client = RemoteVLLM(url, path)   # checks the server (one line when it does not answer)
-            self.novice = self.client.novice
+        self.novice = self.client.novice if url else novice
 
     # -- the engine --------------------------------------------------------------------------------
     @property
@@ -166,11 +169,9 @@ class VLLMBackend:
 
             os.environ.setdefault(SERIALIZATION_ENV, "1")   # plan switches reach the workers as functions
             from vllm import LLM
-            kwargs = engine_kwargs(self.path, dtype=self.dtype, kv_cache_mib=self.kv_cache_mib,
-                                   enforce_eager=self.enforce_eager, novice=self.novice,
-                                   enable_prefix_caching=False, max_num_seqs=self.max_num_seqs,
-                                   max_model_len=self.max_model_len, max_logprobs=self.vocab, seed=0,
-                                   disable_log_stats=True)
+            kwargs = engine_kwargs(self.path, dtype=self.dtype, novice=self.novice, enable_prefix_caching=False,
+                                   max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                                   max_logprobs=self.vocab, seed=0, disable_log_stats=True)
             self._llm = LLM(**kwargs)
         return self._llm
 
@@ -292,22 +293,18 @@ def dense_flat_logprobs(flat, start: int, vocab: int) -> torch.Tensor:
     return out
 
 
-def probe_server(url: str, model: str | Path | None = None) -> str:
-    """The served model name of the moetailor-plugin vLLM server at ``url``, checked to serve ``model``
-    (a bundled name or checkpoint directory; its router weights are compared, no model is loaded).
-    One line when it does not answer, is not such a server, or serves another model."""
-    return server_info(url, model)["name"]
-
-
 def server_info(url: str, model: str | Path | None = None) -> dict:
-    """``probe_server``'s checks, answering the server's fingerprint record with its served model
-    ``name`` added (``novice``: whether novice plans switch in, ``--vllm-novice``)."""
+    """The fingerprint record of the moetailor-plugin vLLM server at ``url`` with its served model
+    ``name`` added (``novice``: whether novice plans switch in, ``--vllm-novice``), checked to serve
+    ``model`` (a bundled name or checkpoint directory; its router weights are compared, no model is
+    loaded). One line when it does not answer, is not such a server, or serves another model."""
     import httpx
 
     from ..integrations.vllm.plan import checkpoint_fingerprint
     from ..models.loading import fingerprint_mismatch, resolve_model_path
 
-    start = f"start it with `moetailor serve {model or 'MODEL'} --backend vllm --vllm-no-prefix-caching` and pass its address"
+    start = (f"start it with `moetailor serve {model or 'MODEL'} --backend vllm --vllm-no-prefix-caching` and pass "
+             "its address")
     try:
         r = httpx.get(url.rstrip("/") + "/moetailor/fingerprint", timeout=10)
         names = httpx.get(url.rstrip("/") + "/v1/models", timeout=10)

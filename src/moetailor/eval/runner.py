@@ -120,7 +120,8 @@ class EvalSettings:
 
     def validate(self) -> list[Task]:
         from .backends import check_backend
-        check_backend(self.backend, self.vllm_url, self.model)
+        check_backend(self.backend, self.vllm_url, self.model,
+                      self.plan if any(c.definition.uses_plan for c in self.configs) else None)
         engine_only = [c.label for c in self.configs if c.name in ENGINE_ONLY_CONFIGURATIONS]
         if self.backend != "engine" and engine_only:
             raise ValueError(f"configurations {engine_only} run on moetailor's engine only (the collapse guard, a "

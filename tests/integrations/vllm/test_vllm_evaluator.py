@@ -137,6 +137,32 @@ def test_tune_novice_needs_a_server_started_with_vllm_novice(server, tmp_path, c
     assert not out.exists()
 
 
+def test_eval_of_a_novice_plan_needs_a_server_started_with_vllm_novice(server, tmp_path, capsys, monkeypatch):
+    """A plan that replaces dropped experts by their constants, evaluated on the server above (started
+    without --vllm-novice): refused in one line naming the flag, before any model loads or prompt runs,
+    with nothing written (the plan switch would otherwise be answered 400 after the baseline's cells)."""
+    import moetailor.models as models
+    from moetailor.calibration import calibrate
+    from moetailor.models import load_model, load_tokenizer
+    from moetailor.plans.criteria import make_plan
+
+    model = load_model("reference")
+    stats = calibrate(model, load_tokenizer("reference"), "tasks", 512, batch_tokens=512, seq_len=128, progress=False)
+    stats_path = str(stats.save(tmp_path / "stats.safetensors"))
+    plan = make_plan(stats, model, "mone", keep=0.5, novice=True, stats_path=stats_path).save(tmp_path / "novice.json")
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the plan was refused")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    out = tmp_path / "eval"
+    assert main(["eval", "reference", "--plan", str(plan), *ARGS, "--backend", "vllm", "--vllm-url", server,
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "novice experts" in err and server in err and "--vllm-novice" in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
 def test_a_server_started_with_vllm_novice_says_so():
     from moetailor.eval.backends import server_info
 

@@ -29,9 +29,7 @@ def load(path: str | Path, *, n_ctx: int = 512, n_threads: int = 1, top_k: int |
     """A llama.cpp model and context; ``top_k`` routes that many experts per token
     (``kv_overrides={"<arch>.expert_used_count": top_k}``, llama-cli's --override-kv). The KV cache is
     f32 unless ``kv_cache="f16"`` (llama.cpp's default, which moves logits by ~2e-3 against fp32)."""
-    overrides = None
-    if top_k is not None:
-        overrides = {f"{arch or architecture(path)}.expert_used_count": int(top_k)}
+    overrides = None if top_k is None else {f"{arch or architecture(path)}.expert_used_count": int(top_k)}
     return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=n_threads,
                            n_threads_batch=n_threads, kv_overrides=overrides, verbose=False, seed=0,
                            type_k=KV_TYPES[kv_cache], type_v=KV_TYPES[kv_cache])
@@ -53,22 +51,22 @@ def tokenize(llm, text: str) -> list[int]:
     return llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
 
 
-def _logits(llm, row: int = -1) -> np.ndarray:
-    pointer = llama_cpp.llama_get_logits_ith(llm.ctx, row)
-    return np.ctypeslib.as_array(pointer, shape=(llm.n_vocab(),)).copy()     # [V]
+def _logits(ctx, vocab: int, row: int = -1) -> np.ndarray:
+    pointer = llama_cpp.llama_get_logits_ith(ctx, row)
+    return np.ctypeslib.as_array(pointer, shape=(vocab,)).copy()     # [V]
 
 
 def last_logits(llm, tokens: list[int]) -> np.ndarray:
     """The logits [V] after the prompt ``tokens`` (one prefill from an empty cache)."""
     llm.reset()
     llm.eval(tokens)
-    return _logits(llm)
+    return _logits(llm.ctx, llm.n_vocab())
 
 
 def _continue(llm, token: int, max_tokens: int, eos: set[int], out: list[int]) -> list[int]:
     while len(out) < max_tokens and token not in eos:
         llm.eval([token])
-        token = int(np.argmax(_logits(llm)))
+        token = int(np.argmax(_logits(llm.ctx, llm.n_vocab())))
         out.append(token)
     return out
 
@@ -94,9 +92,7 @@ class BatchedDecoder:
 
     def __init__(self, llm, max_seqs: int, n_ctx: int, n_threads: int = 1, kv_cache: str = "f32"):
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = n_ctx
-        params.n_batch = n_ctx
-        params.n_ubatch = n_ctx
+        params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
         params.n_seq_max = max_seqs
         params.kv_unified = True
         params.type_k = params.type_v = KV_TYPES[kv_cache]
@@ -133,8 +129,7 @@ class BatchedDecoder:
             raise RuntimeError(f"llama_decode returned {rc}")
 
     def _argmax(self, row: int) -> int:
-        pointer = llama_cpp.llama_get_logits_ith(self.ctx, row)
-        return int(np.argmax(np.ctypeslib.as_array(pointer, shape=(self.vocab,))))
+        return int(np.argmax(_logits(self.ctx, self.vocab, row)))
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Greedy ``max_tokens`` ids per prompt (EOS not special: every sequence runs the full length)."""

@@ -148,10 +148,7 @@ class MoetailorConnector(KVConnectorBase_V1):
             prompt = list(req.prompt_token_ids or [])
             blocks = list(req.block_ids[0])
             if req.req_id in self._to_load:
-                request = self._to_load.pop(req.req_id)
-                n = self._loadable(request)
-                meta.transfers.append(Transfer(self._claims[req.req_id], blocks[:_blocks_for(n, self.block_size)], False))
-                self._loads[req.req_id] = self._loads.get(req.req_id, 0) + 1
+                self._load(req.req_id, blocks, meta)
             elif self.producer and prompt:
                 folder = os.path.join(self._folder(prompt_key(prompt)), uuid.uuid4().hex)
                 self._to_store[req.req_id] = (folder, blocks, len(prompt))
@@ -162,21 +159,21 @@ class MoetailorConnector(KVConnectorBase_V1):
         resumed = getattr(cached, "resumed_req_ids", None) or ()
         for i, req_id in enumerate(cached.req_ids):
             if req_id in self._to_load:  # resumed after preemption: load again into its new blocks
-                request = self._to_load.pop(req_id)
-                n = self._loadable(request)
-                blocks = list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] else []
-                meta.transfers.append(Transfer(self._claims[req_id], blocks[:_blocks_for(n, self.block_size)], False))
-                self._loads[req_id] = self._loads.get(req_id, 0) + 1
+                self._load(req_id, list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] else [], meta)
             if req_id in self._to_store:
                 folder, blocks, n = self._to_store[req_id]
-                if cached.new_block_ids[i]:
-                    if req_id in resumed:
-                        blocks = []
-                    blocks = blocks + list(cached.new_block_ids[i][0])
+                if cached.new_block_ids[i]:     # a resumed request's blocks are all new
+                    blocks = ([] if req_id in resumed else blocks) + list(cached.new_block_ids[i][0])
                     self._to_store[req_id] = (folder, blocks, n)
                 done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
                 self._maybe_store(req_id, done, meta)
         return meta
+
+    def _load(self, req_id: str, blocks: list[int], meta: MoetailorConnectorMetadata) -> None:
+        """Load the request's claimed copy into its first blocks this step (counted in its loads)."""
+        n = self._loadable(self._to_load.pop(req_id))
+        meta.transfers.append(Transfer(self._claims[req_id], blocks[:_blocks_for(n, self.block_size)], False))
+        self._loads[req_id] = self._loads.get(req_id, 0) + 1
 
     def _maybe_store(self, req_id: str, computed_after_step: int, meta: MoetailorConnectorMetadata) -> None:
         """Store once the step that computes the prompt's last token runs (chunked prefill safe)."""
@@ -247,10 +244,9 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
 def _makedirs(path: str, tries: int = 3) -> None:
     """``os.makedirs`` that survives a consumer removing the prompt's folder (then empty) between the
     creation of the parent and of the copy: it creates both again."""
-    for _ in range(tries - 1):
+    for attempt in range(tries):
         try:
-            os.makedirs(path, exist_ok=True)
-            return
+            return os.makedirs(path, exist_ok=True)
         except FileNotFoundError:
-            continue
-    os.makedirs(path, exist_ok=True)
+            if attempt == tries - 1:
+                raise

@@ -84,27 +84,36 @@ def generate_pair(prefill_llm, decode_llm, prompt_ids: list[list[int]], sampling
     return run_pair(prefill_llm, decode_llm, prompt_ids, sampling)[0]
 
 
-def run_pair(prefill_llm, decode_llm, prompt_ids: list[list[int]], sampling) -> tuple[list[list[int]], list]:
+def with_max_tokens(sampling, n: int, **extra_args):
+    """A copy of vLLM ``SamplingParams`` generating ``n`` tokens, ``extra_args`` added."""
+    params = sampling.clone()
+    params.max_tokens = n
+    if extra_args:
+        params.extra_args = {**(params.extra_args or {}), **extra_args}
+    return params
+
+
+def run_pair(prefill_llm, decode_llm, prompt_ids: list[list[int]], sampling, first_params=None,
+             rest_params=None) -> tuple[list[list[int]], list]:
     """``generate_pair``'s token ids, and each prompt's decode-instance ``RequestOutput`` (None where
     the first token ended it): its ``kv_transfer_params`` say how often the connector loaded the
-    prompt's KV (``{"moetailor_kv_loads": n}``, more than 1 after a preemption)."""
-    from vllm import SamplingParams
-
-    first_params = sampling.clone()
-    first_params.max_tokens = 1
+    prompt's KV (``{"moetailor_kv_loads": n}``, more than 1 after a preemption). ``first_params``: the
+    prefill request's sampling parameters, ``rest_params(first output)``: the decode request's (by
+    default one token, then the rest)."""
+    first_params = first_params or with_max_tokens(sampling, 1)
+    rest_params = rest_params or (lambda first: with_max_tokens(sampling, sampling.max_tokens - 1))
     firsts = prefill_llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], first_params, use_tqdm=False)
     out, pending = [], []
     for ids, first in zip(prompt_ids, firsts):
         token = first.outputs[0].token_ids[0]
         out.append([token])
         if sampling.max_tokens > 1 and first.outputs[0].finish_reason != "stop":
-            pending.append((len(out) - 1, ids + [token]))
+            pending.append((len(out) - 1, ids + [token], rest_params(first)))
     decoded: list = [None] * len(out)
     if pending:
-        rest_params: SamplingParams = sampling.clone()
-        rest_params.max_tokens = sampling.max_tokens - 1
-        rest = decode_llm.generate([{"prompt_token_ids": ids} for _, ids in pending], rest_params, use_tqdm=False)
-        for (i, _), r in zip(pending, rest):
+        rest = decode_llm.generate([{"prompt_token_ids": ids} for _, ids, _ in pending], [p for _, _, p in pending],
+                                   use_tqdm=False)
+        for (i, _, _), r in zip(pending, rest):
             out[i] += list(r.outputs[0].token_ids)
             decoded[i] = r
     return out, decoded

@@ -95,16 +95,9 @@ def install_patches() -> None:
     """Wrap ``CPUUnquantizedExperts`` (idempotent; a build without it has no CPU fused-MoE to replace)."""
     from .names import CPU_EXPERTS, wrap_method
 
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except Exception:   # a build without vLLM's CPU fused-MoE (or the compiled ops it needs)
-        return
-    if getattr(CPUUnquantizedExperts, "_moetailor_wrapped", False):
-        return
     for method, wrapper in (("process_weights_after_loading", _wrap_process), ("apply", _wrap_apply),
                             ("moe_problem_size", _wrap_problem_size)):
         wrap_method(CPU_EXPERTS, f"CPUUnquantizedExperts.{method}", wrapper)
-    CPUUnquantizedExperts._moetailor_wrapped = True
 
 
 def _wrap_process(process):
@@ -126,7 +119,6 @@ def _wrap_process(process):
         replace_parameter(layer, "w2_weight", hold(layer.w2_weight.data))
         self._moetailor_kernel = True
         self._use_zentorch = False
-        self._moetailor_read = torch.zeros(1, dtype=torch.long)     # the op's distinct-expert count (unused here)
     return wrapped
 
 

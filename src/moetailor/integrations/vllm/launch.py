@@ -27,31 +27,32 @@ def engine_kwargs(model: str | Path, plan: str | Path | None = None, decode_plan
         raise ValueError("give --plan or --decode-plan, not both")
     path = resolve_model_path(model)
     kwargs = dict(model=str(path), dtype=dtype, enforce_eager=enforce_eager)
+    extra = {}     # additional_config
     if kv_cache_mib:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_mib) << 20
     given = plan or decode_plan
     if given:
-        mode = "plan" if plan else "decode"
-        checked = load_checked_plan(given, mode, path)   # the one-line error, before vLLM starts
-        kwargs["additional_config"] = {PLAN_KEY if plan else DECODE_PLAN_KEY: str(Path(given).resolve())}
+        checked = load_checked_plan(given, "plan" if plan else "decode", path)  # the one-line error, before vLLM starts
+        extra[PLAN_KEY if plan else DECODE_PLAN_KEY] = str(Path(given).resolve())
         if checked.prefill != checked.decode:
             kwargs["enable_prefix_caching"] = False
     if novice:
-        kwargs["additional_config"] = {**kwargs.get("additional_config", {}), NOVICE_KEY: True}
+        extra[NOVICE_KEY] = True
     if experts_kernel:
         from .experts import KEY
-        kwargs["additional_config"] = {**kwargs.get("additional_config", {}), KEY: True}
+        extra[KEY] = True
     if observe is not None or observe_every:
         from .observe import EVERY_KEY, OBSERVE_KEY, check_observe_config
 
         if observe is None:
             raise ValueError("--observe-every needs --observe STATS (the statistics file to write)")
-        observing = {OBSERVE_KEY: str(Path(observe).absolute()), EVERY_KEY: observe_every}
-        check_observe_config(observing)    # the one-line error, before vLLM starts
-        kwargs["additional_config"] = {**kwargs.get("additional_config", {}), **observing}
+        extra.update({OBSERVE_KEY: str(Path(observe).absolute()), EVERY_KEY: observe_every})
+        check_observe_config(extra)    # the one-line error, before vLLM starts
         import torch
         if torch.cuda.is_available():      # observing under CUDA graphs is untested (observe.py): run eager
             kwargs["enforce_eager"] = True
+    if extra:
+        kwargs["additional_config"] = extra
     kwargs.update(overrides)
     return kwargs
 

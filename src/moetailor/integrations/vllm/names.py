@@ -3,17 +3,11 @@ both the patching (``patches.py`` looks each wrapped method up here) and the ver
 (``check_vllm``), and ``scripts/vllm_names.py`` reads a vLLM wheel to record which entries each
 version has (``vllm_names.json``; ``tests/integrations/vllm/test_vllm_names.py`` checks the two agree). Imports no vLLM.
 
-vLLM has two model-runner generations, and the plugin one adapter per generation (``runners.py``):
-
-  * ``v1``: ``vllm/v1/worker/gpu_model_runner.py`` (and the CPU runner built on it): a persistent
-    ``InputBatch``; the plugin wraps ``_prepare_inputs`` to see each step's tokens;
-  * ``v2``: ``vllm/v1/worker/gpu/model_runner.py`` (and ``cpu/model_runner.py`` on it; 0.34.0's
-    ``cpu/standalone_model_runner.py``, for CPUs without Triton, follows the same protocol): per-request
-    state enters through the runner's ``model_state`` (``add_request(req_index, new_req_data)``) and
-    each step's inputs through ``model_state.prepare_inputs(input_batch, req_states)``: the plugin
-    wraps those two methods of the runner's own ``model_state`` object, no class.
-
-0.32.0 and 0.33.0 ship both (v1 is the default on CPU, v2 on CUDA with Triton in 0.33.0;
+vLLM has two model-runner generations, and the plugin one adapter per generation (``runners.py`` says
+what each wraps): ``v1``, ``vllm/v1/worker/gpu_model_runner.py`` (and the CPU runner built on it), and
+``v2``, ``vllm/v1/worker/gpu/model_runner.py`` (and ``cpu/model_runner.py`` on it; 0.34.0's
+``cpu/standalone_model_runner.py``, for CPUs without Triton, follows the same protocol). 0.32.0 and
+0.33.0 ship both (v1 is the default on CPU, v2 on CUDA with Triton in 0.33.0;
 ``VLLM_USE_V2_MODEL_RUNNER`` picks), 0.34.0 only v2.
 """
 from __future__ import annotations
@@ -50,8 +44,9 @@ class VName:
         return self.qualname.rpartition(".")[0]
 
 
-def _names(module: str, owner: str, kind: str, use: str, fields: str, runner: str | None = None) -> list[VName]:
-    return [VName(module, f"{owner}.{f}", kind, use, runner=runner) for f in fields.split()]
+def _names(module: str, owner: str, kind: str, use: str, fields: str, runner: str | None = None,
+           optional: bool = False) -> list[VName]:
+    return [VName(module, f"{owner}.{f}", kind, use, runner=runner, optional=optional) for f in fields.split()]
 
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
@@ -100,14 +95,14 @@ REGISTRY: tuple[VName, ...] = tuple([
     VName(V2_STATES, "RequestState.prompt_len", "attribute", "reads", runner="v2"),
     VName(V2_STANDALONE, "StandaloneCPUModelRunner.load_model", "method", "wraps", ("self", "load_dummy_weights"), "v2",
           optional=True),
-    *[VName(V2_STANDALONE, f"StandaloneCPUModelRunner.{f}", "attribute", "reads", runner="v2", optional=True)
-      for f in "vllm_config device max_num_tokens model_state req_states".split()],
+    *_names(V2_STANDALONE, "StandaloneCPUModelRunner", "attribute", "reads",
+            "vllm_config device max_num_tokens model_state req_states", "v2", optional=True),
     VName("vllm.v1.worker.cpu.model_states.interface", "ModelState.add_request", "method", "wraps",
           ("self", "req_index", "new_req_data"), "v2", optional=True),
     VName("vllm.v1.worker.cpu.model_states.interface", "ModelState.prepare_inputs", "method", "wraps",
           ("self", "input_batch", "req_states"), "v2", optional=True),
-    *[VName("vllm.v1.worker.cpu.input_batch", f"InputBatch.{f}", "attribute", "reads", runner="v2", optional=True)
-      for f in "num_reqs idx_mapping_np num_scheduled_tokens num_computed_tokens_np".split()],
+    *_names("vllm.v1.worker.cpu.input_batch", "InputBatch", "attribute", "reads",
+            "num_reqs idx_mapping_np num_scheduled_tokens num_computed_tokens_np", "v2", optional=True),
     VName("vllm.v1.worker.cpu.states", "CPURequestState.prompt_len", "attribute", "reads", runner="v2", optional=True),
     # ---- MoE layers: routing hook (routing.py) ----
     VName(f"{FUSED_MOE}.runner.moe_runner", "MoERunner", "class", "reads"),

@@ -28,7 +28,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from .disagg import check_pair
+from .disagg import check_pair, run_pair, with_max_tokens
 from .launch import engine_kwargs
 
 CONNECTOR = "NixlConnector"
@@ -85,35 +85,15 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
 
 def prefill_params(sampling):
     """The prefill request's sampling params: one token, and ask the instance to keep the KV."""
-    first = sampling.clone()
-    first.max_tokens = 1
-    first.extra_args = {**(first.extra_args or {}), "kv_transfer_params": dict(PREFILL_PARAMS)}
-    return first
-
-
-def decode_params(sampling, kv_transfer_params: dict):
-    rest = sampling.clone()
-    rest.max_tokens = sampling.max_tokens - 1
-    rest.extra_args = {**(rest.extra_args or {}), "kv_transfer_params": dict(kv_transfer_params)}
-    return rest
+    return with_max_tokens(sampling, 1, kv_transfer_params=dict(PREFILL_PARAMS))
 
 
 def generate_pair(prefill_llm, decode_llm, prompt_ids: list[list[int]], sampling) -> list[list[int]]:
     """Token ids each prompt generates: the first from the prefill instance, the rest from the decode
     instance, which pulls the prompt's KV from the prefill instance over NIXL."""
-    firsts = prefill_llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], prefill_params(sampling),
-                                  use_tqdm=False)
-    out, pending = [], []
-    for ids, first in zip(prompt_ids, firsts):
-        token = first.outputs[0].token_ids[0]
-        out.append([token])
-        if sampling.max_tokens > 1 and first.outputs[0].finish_reason != "stop":
-            if not first.kv_transfer_params:
-                raise RuntimeError("the prefill instance returned no kv_transfer_params: is it running NixlConnector?")
-            pending.append((len(out) - 1, ids + [token], first.kv_transfer_params))
-    if pending:
-        rest = decode_llm.generate([{"prompt_token_ids": ids} for _, ids, _ in pending],
-                                   [decode_params(sampling, p) for _, _, p in pending], use_tqdm=False)
-        for (i, _, _), r in zip(pending, rest):
-            out[i] += list(r.outputs[0].token_ids)
-    return out
+    def decode_params(first):
+        if not first.kv_transfer_params:
+            raise RuntimeError("the prefill instance returned no kv_transfer_params: is it running NixlConnector?")
+        return with_max_tokens(sampling, sampling.max_tokens - 1, kv_transfer_params=dict(first.kv_transfer_params))
+
+    return run_pair(prefill_llm, decode_llm, prompt_ids, sampling, prefill_params(sampling), decode_params)[0]

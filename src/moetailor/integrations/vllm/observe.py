@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -74,19 +75,6 @@ def check_observe_config(additional_config, worker: bool = False) -> tuple[str, 
     if settings is not None:
         check_observe_path(settings[0], f"additional_config {OBSERVE_KEY}", worker=worker)
     return settings
-
-
-@dataclass
-class ObservedLayer:
-    """One vLLM MoE layer as the statistics see it (the fields of moetailor's ``MoeLayer`` they read)."""
-
-    index: int
-    semantics: RouterSemantics
-    hidden_size: int
-
-    @property
-    def num_experts(self) -> int:
-        return self.semantics.num_experts
 
 
 @dataclass
@@ -168,7 +156,9 @@ def make_observer(runner, moe_runners: list, tables, keys: dict[int, str], path:
     device = torch.device(runner.device)
     runners = {r.layer_id: r for r in moe_runners}
     hidden = int(config.model_config.hf_config.hidden_size)
-    layers = {i: ObservedLayer(i, sem, hidden) for i in sorted(keys)}
+    # each layer as the statistics see it (the fields of moetailor's ``MoeLayer`` they read)
+    layers = [SimpleNamespace(index=i, semantics=sem, hidden_size=hidden, num_experts=sem.num_experts)
+              for i in sorted(keys)]
     full = CompiledPolicy.build(FULL, sem, device, None)
     native = device.type == "cpu" and kernels.observe_routes() is not None
     select_kernel = kernels.softmax_topk() if native else None
@@ -180,20 +170,15 @@ def make_observer(runner, moe_runners: list, tables, keys: dict[int, str], path:
                          native=native)
         observers[i] = OBSERVERS[key] = LayerObserver(sem, full, getattr(runners[i].router, "e_score_correction_bias",
                                                                           None), sums, armed, slot, select_kernel)
-        if experts_kernel:
-            experts_of(runners[i])._moetailor_observe = sums
+        if experts_kernel:     # the fused-experts object moetailor's experts kernel replaces (experts.py)
+            runners[i].routed_experts.quant_method.moe_kernel.fused_experts._moetailor_observe = sums
     dtype = str(config.model_config.dtype).replace("torch.", "")
     note = None if experts_kernel else ("none: vLLM's fused-MoE kernel returns only the weighted sum of a token's "
                                         "experts (observe with moetailor_experts_kernel for EAN and REAP)")
-    stats = ObservedStats(list(layers.values()), checkpoint_fingerprint(config.model_config.model), dtype, path,
+    stats = ObservedStats(layers, checkpoint_fingerprint(config.model_config.model), dtype, path,
                           every, source="vllm", outputs_note=note,
                           sums={i: o.sums for i, o in observers.items()})
     return StepObserver(stats, observers, armed)
-
-
-def experts_of(runner):
-    """The fused-experts object moetailor's experts kernel replaces in a vLLM MoE runner (``experts.py``)."""
-    return runner.routed_experts.quant_method.moe_kernel.fused_experts
 
 
 def check_observable(config, runners, experts_kernel: bool, device) -> None:

@@ -2,9 +2,7 @@
 ``check_vllm`` refuses a vLLM whose version or names differ before anything is patched, then
 ``apply_patches`` wraps ``load_model`` of each runner generation's classes (``runners.py``),
 ``InputProcessor._validate_params``, ``Worker.shutdown`` (an observing engine writes its traffic
-statistics, ``observe.py``) and, for engines that ask, vLLM's CPU experts (``experts.py``).
-The engine's RPCs are plain functions for ``LLM.collective_rpc`` (``rpc.py``); nothing is added to
-vLLM's worker classes."""
+statistics, ``observe.py``) and, for engines that ask, vLLM's CPU experts (``experts.py``)."""
 from __future__ import annotations
 
 import functools
@@ -88,7 +86,7 @@ def check_vllm() -> None:
         problem = entry_problem(entry)
         if problem is not None:
             raise RuntimeError(f"moetailor's vLLM plugin supports vLLM {supported}: in this vLLM {version} "
-                               f"{problem or entry.qualname + ' is missing'}; install vllm=={latest}")
+                               f"{problem}; install vllm=={latest}")
 
 
 def apply_patches() -> None:
@@ -110,8 +108,9 @@ def setup_model(runner, adapter) -> None:
     config = runner.vllm_config
     hf = config.model_config.hf_config
     model = runner.get_model()
+    runners = moe_runners(model)
     observing = observe_settings(config.additional_config)
-    if not moe_runners(model):
+    if not runners:
         if observing is not None:
             raise ValueError(f"additional_config {OBSERVE_KEY}: this model has no MoE layer to observe")
         return
@@ -134,28 +133,28 @@ def setup_model(runner, adapter) -> None:
                 "a moetailor plan whose decode policy differs from its prefill policy needs prefix caching off "
                 "(--no-enable-prefix-caching, or enable_prefix_caching=False): vLLM caches blocks of generated "
                 "tokens, computed under the decode policy, and would serve them to later prompts as prefill")
-    experts_kernel = _check_experts_kernel(config.additional_config, moe_runners(model))
+    experts_kernel = _check_experts_kernel(config.additional_config, runners)
     if observing is not None:
-        check_observable(config, moe_runners(model), experts_kernel, runner.device)
+        check_observable(config, runners, experts_kernel, runner.device)
     tables = router_tables(plan, config.model_config.model, device=runner.device,
                            where=settings[0] if settings else "the plan")
     tokens = StepTokens(runner.max_num_tokens, tables.model_k, runner.device)
-    recorder = None
-    if isinstance(config.additional_config, dict) and config.additional_config.get(RECORD_KEY):
-        recorder = RouteRecorder(sorted(tables.policies), tables.semantics.num_experts, runner.device)
+    extra = config.additional_config if isinstance(config.additional_config, dict) else {}
+    recorder = (RouteRecorder(sorted(tables.policies), tables.semantics.num_experts, runner.device)
+                if extra.get(RECORD_KEY) else None)
     observed = observing is not None and writes_here()
-    novice = isinstance(config.additional_config, dict) and bool(config.additional_config.get(NOVICE_KEY))
-    runner._moetailor_keys = install(model, tables, tokens, recorder, observed=observed, constants=novice)
+    runner._moetailor_keys = install(model, tables, tokens, recorder, observed=observed,
+                                     constants=bool(extra.get(NOVICE_KEY)))
     adapter.attach(runner, tokens)
     runner._moetailor_recorder = recorder
     runner._moetailor_observer = None
     if observed:
-        observer = make_observer(runner, moe_runners(model), tables, runner._moetailor_keys, *observing,
+        observer = make_observer(runner, runners, tables, runner._moetailor_keys, *observing,
                                  experts_kernel)
         tokens.observer = runner._moetailor_observer = observer
         log.info("moetailor: observing served traffic into %s (every %s steps, at shutdown, on demand)",
                  observing[0], observing[1] or "no")
-    log.info("moetailor: hooked %d MoE layers (plan: %s)", len(moe_runners(model)), settings[0] if settings else "none")
+    log.info("moetailor: hooked %d MoE layers (plan: %s)", len(runners), settings[0] if settings else "none")
 
 
 def _check_experts_kernel(additional_config, runners) -> bool:

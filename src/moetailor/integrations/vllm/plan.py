@@ -24,6 +24,7 @@ import torch
 
 from ...models.architectures import RouterSemantics, arch_spec
 from ...plans.plan import Plan, PlanMismatch
+from ...routing.budgets import budget_of
 from ...routing.policy import FULL, LayerPolicy
 from ...routing.router import CompiledPolicy
 
@@ -38,6 +39,12 @@ DECODE_FROM = "moetailor_decode_from"
 # so that plans switched in later (``rpc.use_plan``) may replace experts by constants; a start plan with
 # novice pools hooks its own layers without it
 NOVICE_KEY = "moetailor_novice"
+
+
+def request_top_k(sampling_params, model_k: int) -> int:
+    """A request's budget (``expert_top_k`` in its ``extra_args``; none: the model's k)."""
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    return budget_of(extra.get(EXPERT_TOP_K), model_k)
 
 
 def plan_settings(additional_config) -> tuple[str, str] | None:
@@ -168,20 +175,15 @@ class RouterTables:
         return torch.stack(rows)
 
 
-def checkpoint_semantics(checkpoint: str | Path) -> RouterSemantics:
-    """moetailor's router semantics of a checkpoint, from its config (as ``moe_layers`` reads them)."""
+def router_tables(plan: Plan | None, checkpoint: str | Path, device="cpu", where: str = "the plan") -> RouterTables:
+    """The plan's policies compiled per MoE layer (``CompiledPolicy.build``, as the engine does), for
+    every MoE layer of the checkpoint; None = the full router in both phases."""
     from transformers import AutoConfig
 
     from ...models.adapters import semantics_for
 
     config = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
-    return semantics_for(config, arch_spec(config))
-
-
-def router_tables(plan: Plan | None, checkpoint: str | Path, device="cpu", where: str = "the plan") -> RouterTables:
-    """The plan's policies compiled per MoE layer (``CompiledPolicy.build``, as the engine does), for
-    every MoE layer of the checkpoint; None = the full router in both phases."""
-    sem = checkpoint_semantics(checkpoint)
+    sem = semantics_for(config, arch_spec(config))     # as ``moe_layers`` reads them
     fp = checkpoint_fingerprint(checkpoint)
     tables = fold_tables_for(plan, checkpoint, where) if plan is not None else {}
     constants = constants_for(plan, checkpoint, where) if plan is not None else {}

@@ -34,10 +34,9 @@ import numpy as np
 import torch
 
 from ...models.architectures import RouterSemantics
-from ...routing.budgets import budget_of
 from ...routing.router import CompiledPolicy, route
 from ...runtime.experts import novice_split
-from .plan import DECODE_FROM, EXPERT_TOP_K, NOVICE_KEY, RouterTables
+from .plan import DECODE_FROM, NOVICE_KEY, RouterTables, request_top_k
 
 
 class StepTokens:
@@ -51,7 +50,6 @@ class StepTokens:
         self.observer = None        # observe.StepObserver: told of each step before its forward
 
     def request_k(self, sampling_params) -> int:
-        """A request's budget (``expert_top_k``; none: the model's k)."""
         return request_top_k(sampling_params, self.model_k)
 
     @staticmethod
@@ -74,11 +72,6 @@ class StepTokens:
         self.decode[:T].copy_(torch.from_numpy(np.asarray(decode, dtype=bool)))
         self.k.fill_(self.model_k)
         self.k[:T].copy_(torch.from_numpy(np.asarray(k, dtype=np.int64)))
-
-
-def request_top_k(sampling_params, model_k: int) -> int:
-    extra = getattr(sampling_params, "extra_args", None) or {}
-    return budget_of(extra.get(EXPERT_TOP_K), model_k)
 
 
 @dataclass
@@ -161,11 +154,13 @@ def step_routes_op(logits: torch.Tensor, live: torch.Tensor, decode: torch.Tenso
     return step_routes(logits, _ROUTINGS[key], live, decode, token_k)
 
 
-@step_routes_op.register_fake
-def _(logits, live, decode, token_k, key):
+def _routes_fake(logits, live, decode, token_k, key):
     width = _ROUTINGS[key].width
     return (logits.new_empty(logits.shape[0], width, dtype=torch.float32),
             logits.new_empty(logits.shape[0], width, dtype=torch.long))
+
+
+step_routes_op.register_fake(_routes_fake)
 
 
 @torch.library.custom_op("moetailor::step_constants", mutates_args=())
@@ -192,11 +187,7 @@ def step_routes_observed_op(logits: torch.Tensor, live: torch.Tensor, decode: to
     return step_routes(logits, _ROUTINGS[key], live, decode, token_k)
 
 
-@step_routes_observed_op.register_fake
-def _(logits, live, decode, token_k, key):
-    width = _ROUTINGS[key].width
-    return (logits.new_empty(logits.shape[0], width, dtype=torch.float32),
-            logits.new_empty(logits.shape[0], width, dtype=torch.long))
+step_routes_observed_op.register_fake(_routes_fake)
 
 
 def redirect_dropped(weights: torch.Tensor, index: torch.Tensor, E: int,
@@ -278,15 +269,11 @@ def _hook(runner, routing: LayerRouting, tokens: StepTokens, recorder, observed:
     layer = runner.layer_id
     key = f"{len(_ROUTINGS)}:layer{layer}"
     _ROUTINGS[key] = routing
+    op = torch.ops.moetailor.step_routes_observed if observed else torch.ops.moetailor.step_routes
 
     def select_experts(hidden_states, router_logits, topk_indices_dtype=None, *, input_ids=None):
         T = router_logits.shape[0]
-        if observed:
-            weights, ids = torch.ops.moetailor.step_routes_observed(router_logits, tokens.live[:T], tokens.decode[:T],
-                                                                    tokens.k[:T], key)
-        else:
-            weights, ids = torch.ops.moetailor.step_routes(router_logits, tokens.live[:T], tokens.decode[:T],
-                                                           tokens.k[:T], key)
+        weights, ids = op(router_logits, tokens.live[:T], tokens.decode[:T], tokens.k[:T], key)
         if recorder is not None:
             recorder.record(layer, ids, tokens.live[:T], tokens.decode[:T])
         # cpu_fused_moe reads contiguous float32 weights and int32 ids

@@ -78,13 +78,10 @@ def save_observed(worker, path: str | None = None) -> dict | None:
     from .observe import OBSERVE_KEY
 
     runner = _runner(worker)
-    if not hasattr(runner, "_moetailor_observer"):
-        raise ValueError(f"this vLLM engine does not observe its traffic; start it with additional_config "
-                         f"{{{OBSERVE_KEY!r}: 'stats.safetensors'}}")
-    observer = runner._moetailor_observer
-    if observer is None:
-        if runner.vllm_config.additional_config.get(OBSERVE_KEY):
-            return None       # another rank writes
-        raise ValueError(f"this vLLM engine does not observe its traffic; start it with additional_config "
-                         f"{{{OBSERVE_KEY!r}: 'stats.safetensors'}}")
-    return observer.save(path)
+    observer = getattr(runner, "_moetailor_observer", None)
+    if observer is not None:
+        return observer.save(path)
+    if hasattr(runner, "_moetailor_observer") and runner.vllm_config.additional_config.get(OBSERVE_KEY):
+        return None       # another rank writes
+    raise ValueError(f"this vLLM engine does not observe its traffic; start it with additional_config "
+                     f"{{{OBSERVE_KEY!r}: 'stats.safetensors'}}")

@@ -59,9 +59,6 @@ class RunnerAdapter:
     loaders: tuple[tuple[str, str], ...]         # (module, class) whose own load_model is wrapped
     _installed: bool = field(default=False, repr=False)
 
-    def runner_classes(self) -> list[type]:
-        return [c for c in (N.vllm_class(m, n) for m, n in self.loaders) if c is not None]
-
     def install(self, on_loaded) -> None:
         """Wrap each runner class's own ``load_model``: ``on_loaded(runner, self)`` runs after it."""
         if self._installed:
@@ -144,6 +141,20 @@ class V2Adapter(RunnerAdapter):
             check_fields(runner.req_states, N.V2_STATES, "RequestState", "v2")
         watch_model_state(runner.model_state, runner.req_states, tokens)
 
+    @staticmethod
+    def prepare(input_batch, req_states, budgets: dict[int, int], tokens, starts: dict | None = None) -> None:
+        n = input_batch.num_reqs
+        slots = np.asarray(input_batch.idx_mapping_np[:n])
+        prompt_len = req_states.prompt_len      # a UVA-backed buffer (.np), or a CPU tensor (standalone runner)
+        prompt_len = prompt_len.np if hasattr(prompt_len, "np") else prompt_len.numpy()
+        prompt_len = np.asarray(prompt_len)[slots]
+        if starts:
+            prompt_len = np.minimum(prompt_len, [starts.get(int(s), 1 << 62) for s in slots])
+        req, decode = step_phases(input_batch.num_scheduled_tokens[:n], input_batch.num_computed_tokens_np[:n],
+                                  prompt_len)
+        ks = np.array([budgets.get(int(s), tokens.model_k) for s in slots], dtype=np.int64)
+        tokens.write(decode, ks[req])
+
 
 def watch_model_state(state, req_states, tokens) -> None:
     """Wrap this ``ModelState`` object's ``add_request`` (each request's budget, by its slot) and
@@ -165,24 +176,7 @@ def watch_model_state(state, req_states, tokens) -> None:
 
     state.add_request = add
     state.prepare_inputs = prepare
-    state._moetailor_budgets = budgets
 
-
-def _v2_prepare(input_batch, req_states, budgets: dict[int, int], tokens, starts: dict | None = None) -> None:
-    n = input_batch.num_reqs
-    slots = np.asarray(input_batch.idx_mapping_np[:n])
-    prompt_len = req_states.prompt_len          # a UVA-backed buffer (.np), or a CPU tensor (standalone runner)
-    prompt_len = prompt_len.np if hasattr(prompt_len, "np") else prompt_len.numpy()
-    prompt_len = np.asarray(prompt_len)[slots]
-    if starts:
-        prompt_len = np.minimum(prompt_len, [starts.get(int(s), 1 << 62) for s in slots])
-    req, decode = step_phases(input_batch.num_scheduled_tokens[:n], input_batch.num_computed_tokens_np[:n],
-                              prompt_len)
-    ks = np.array([budgets.get(int(s), tokens.model_k) for s in slots], dtype=np.int64)
-    tokens.write(decode, ks[req])
-
-
-V2Adapter.prepare = staticmethod(_v2_prepare)
 
 ADAPTERS: dict[str, RunnerAdapter] = {"v1": V1Adapter(), "v2": V2Adapter()}
 
@@ -190,5 +184,6 @@ ADAPTERS: dict[str, RunnerAdapter] = {"v1": V1Adapter(), "v2": V2Adapter()}
 def adapters_for(version: str) -> list[RunnerAdapter]:
     """The adapters of the runner generations this vLLM ships (an untested version: those whose
     runner module imports)."""
-    gens = N.generations(version) or tuple(g for g, a in ADAPTERS.items() if a.runner_classes())
+    gens = N.generations(version) or tuple(g for g, a in ADAPTERS.items()
+                                           if any(N.vllm_class(m, n) is not None for m, n in a.loaders))
     return [ADAPTERS[g] for g in gens]

@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from ...routing.budgets import budget_of
 from ...routing.k_tiers import KRequest, MeasuredChoice, OnlineLanes, StepCost, plan_offline
-from .plan import EXPERT_TOP_K
+from .plan import request_top_k
 
 SCHEDULER_CLS = "moetailor.integrations.vllm.scheduler.KAwareScheduler"
 SCHEDULE_KEY = "moetailor_k_schedule"
@@ -60,9 +60,7 @@ def scheduler_kwargs(schedule: str = "lanes", cost: dict | None = None, log: str
     """``vllm.LLM`` / ``vllm serve`` arguments that select the k-aware scheduler."""
     if schedule not in MODES:
         raise ValueError(f"unknown k schedule {schedule!r}; choose one of {MODES}")
-    extra = dict(additional_config or {})
-    extra[SCHEDULE_KEY] = schedule
-    extra[MEASURE_KEY] = bool(measure)
+    extra = {**(additional_config or {}), SCHEDULE_KEY: schedule, MEASURE_KEY: bool(measure)}
     if cost:
         extra[COST_KEY] = dict(cost)
     if log:
@@ -85,14 +83,8 @@ def cost_from_config(hf_config, dtype_bytes: int, overrides: dict | None = None)
         if unknown:
             raise ValueError(f"{COST_KEY} has unknown fields {sorted(unknown)}; give per_expert, per_route, "
                              f"per_token, fixed (seconds)")
-        base = StepCost(layers, experts, **{**{f: getattr(base, f) for f in ("per_expert", "per_route", "per_token",
-                                                                              "fixed")}, **overrides})
+        base = replace(base, **overrides)
     return base
-
-
-def request_k(request, model_k: int) -> int:
-    extra = getattr(request.sampling_params, "extra_args", None) or {}
-    return budget_of(extra.get(EXPERT_TOP_K), model_k)
 
 
 class KAwareScheduler(Scheduler):
@@ -116,6 +108,9 @@ class KAwareScheduler(Scheduler):
         log = extra.get(LOG_KEY)
         self._log = open(log, "a", buffering=1) if log else None
 
+    def _k(self, request) -> int:
+        return request_top_k(request.sampling_params, self.model_k)
+
     # ---- admission: tiers ----------------------------------------------------------------------
     def _order_waiting(self) -> None:
         from vllm.v1.core.sched.request_queue import FCFSRequestQueue
@@ -129,7 +124,7 @@ class KAwareScheduler(Scheduler):
         pinned = [r for r in queue if r.num_computed_tokens > 0]     # preempted: keep them first
         pool = [r for r in queue if r.num_computed_tokens == 0]
         by_id = {r.request_id: r for r in pool}
-        batches = plan_offline([KRequest(r.request_id, request_k(r, self.model_k), r.arrival_time) for r in pool],
+        batches = plan_offline([KRequest(r.request_id, self._k(r), r.arrival_time) for r in pool],
                                self.max_num_running_reqs, self.k_cost)
         queue.clear()
         queue.extend(pinned + [by_id[i] for b in batches for i in b.request_ids])
@@ -141,8 +136,7 @@ class KAwareScheduler(Scheduler):
         decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
         if not decoding or (self.choice is not None and self.choice.mode == "joint"):
             return []
-        batch = self.lanes.next_batch([KRequest(r.request_id, request_k(r, self.model_k), r.arrival_time)
-                                       for r in decoding])
+        batch = self.lanes.next_batch([KRequest(r.request_id, self._k(r), r.arrival_time) for r in decoding])
         chosen = set(batch.request_ids)
         held = []
         for r in decoding:
@@ -157,7 +151,7 @@ class KAwareScheduler(Scheduler):
         if "tiers" in self.k_schedule:
             self._order_waiting()
         held = self._hold_lanes() if self.lanes is not None else []
-        waiting = [request_k(r, self.model_k) for r in self.waiting] if self._log is not None else []
+        waiting = [self._k(r) for r in self.waiting] if self._log is not None else []
         output = super().schedule(*args, **kwargs)
         for r in held:
             r.next_decode_eligible_step = 0
@@ -195,9 +189,9 @@ class KAwareScheduler(Scheduler):
                 continue
             # schedule() has already added this step's tokens to num_computed_tokens
             phase = "decode" if r.num_computed_tokens - n >= r.num_prompt_tokens else "prefill"
-            rows.append([rid, request_k(r, self.model_k), phase, n])
+            rows.append([rid, self._k(r), phase, n])
         record: dict[str, Any] = {"step": self.current_step, "scheduled": rows,
-                                  "held": [[r.request_id, request_k(r, self.model_k)] for r in held],
+                                  "held": [[r.request_id, self._k(r)] for r in held],
                                   "waiting": waiting,     # budgets of the waiting queue, in order, before the step
                                   "boundary": None if self.lanes is None else self.lanes.boundary,
                                   "mode": None if self.choice is None else self.choice.mode}

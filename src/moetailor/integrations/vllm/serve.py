@@ -48,12 +48,7 @@ class ExpertTopKMiddleware:
             return await plan_route(scope, receive, send)
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTES:
             return await self.app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body = await _read_body(receive)
         try:
             data = json.loads(body)
         except ValueError:
