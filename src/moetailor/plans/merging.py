@@ -9,9 +9,8 @@ writes the checkpoint; ``protect_super`` keeps super experts as groups of one.
 Grouping:
   hcsmoe  HC-SMoE (ICML 2025): average-linkage clustering of the experts' mean outputs over every
           calibration token (``LayerStats.mean_output_all``, ``calibrate --all-experts``), else over
-          their routed tokens, scaled to unit length. Outputs differ several-fold in norm while their
-          directions align (ExFold), and on raw means average linkage chained every low-norm expert
-          into one cluster (33 of 64 experts at 32 kept, both bundled models).
+          their routed tokens, scaled to unit length: outputs differ several-fold in norm while their
+          directions align (ExFold), and on raw means average linkage chains the low-norm experts.
   msmoe   M-SMoE (ICLR 2024): the m' most routed experts are dominant; each other joins the one it is
           most similar to. M-SMoE compares router logits on data; the cosine of the router weight rows
           (the logits' linear map, no data) stands in here.
