@@ -3,8 +3,6 @@
 The RoutingController's observer sees each MoE layer's input [T, H] and the stock routes; the
 collector recomputes expert outputs for the routed tokens only (``all_experts``: every expert on
 every token) into float64 sums, so memory is bounded by one batch, never by the token count.
-Gate weight g: "renorm" (default, REAP's) p_j / sum_{i in top-k} p_i with p the router's scores
-(softmax; sigmoid for DeepSeek-V3); "softmax" p_j.
 """
 from __future__ import annotations
 
