@@ -1,27 +1,13 @@
-"""Plan builders for expert folding (ExFold) and expert skipping / per-layer allocation
-(Faster MoE inference). Every technique is a setting of the shared ``LayerPolicy``; this
-module only writes policies and plans, ``routing.router.route`` applies them.
+"""Plan builders for expert folding (ExFold) and expert skipping / per-layer allocation (Faster MoE
+inference). Every technique is a setting of the shared ``LayerPolicy`` (docs/plans.md lists its
+fields); this module only writes policies and plans, ``routing.router.route`` applies them.
 
-Folding (ExFold: token-level top-K for prefill, batch-level pool for decode):
-  fold-prefill:K   each token keeps K of its top-k routes, the rest fold onto the kept expert with
-                   the lowest loss L[src, dst] (weight S[src, dst] * g_src added)   token_keep=K
-  fold-decode:D    each step keeps a pool of D experts by batch importance (sum of gate x mean
-                   output norm); routes outside the pool fold onto the lowest-loss pool expert
-                                                                                    batch_pool=D
-  plan+fold        a plan's static pool (``keep``), excluded routes folded        pool_mode="fold"
-  drop-*/plan+drop the same budgets without folding: excluded routes vanish, no renormalisation
-                   (the pool of drop-decode is chosen with the same importance as fold-decode)
-
-Skipping (Faster MoE inference):
-  topk:K           every token uses K < k experts (renormalised as the model's router does)
-  layer-k:LIST     one K per MoE layer (in MoE-layer order)
-  bhep:B/H/E/P     the four-tuple: B experts in the first MoE layer, H at MoE layer P, E in the
-                   last, linearly interpolated between (rounded half up)
-  skip             NAEE dynamic skipping: per layer beta = median over calibration tokens of
-                   w_2 / w_1 (``LayerStats.beta``); ranks whose weight ratio to the top expert is
-                   below beta drop out, the rest renormalised; the top expert never drops
-
-Layer positions (``P``, list entries) count MoE layers from 0, not decoder layers.
+Folding keeps K_pre routes per prefill token (``fold-prefill:K``), a per-step pool of D experts by
+batch importance (``fold-decode:D``) or a plan's static pool (``pool-fold:PLAN``) and folds each
+excluded route onto the lowest-loss kept expert (weight S[src, dst] * g_src added); ``drop-*`` are the
+same budgets without folding (excluded routes vanish, no renormalisation). Skipping lowers k
+(``topk:K``), sets it per MoE layer (``layer-k``, ``bhep:B/H/E/P``) or drops routes weaker than
+NAEE's per-layer beta (``skip``). Layer positions count MoE layers from 0, not decoder layers.
 """
 from __future__ import annotations
 
