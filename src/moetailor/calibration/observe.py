@@ -173,10 +173,9 @@ class ObservedStats:
 
     ``sums``: the engine adds each layer's statistics itself, on its device (``LayerSums`` by layer
     index; vLLM, whose failed step ends the engine and which writes the file from its stepping thread
-    only); the object is then not called per layer: ``begin``/``commit`` report the steps (their token
-    ids' hash), and the sums join the totals when the file is written. Their token and step counts
-    are the engine's own; where they differ from the reported ones (a reported step whose forward did
-    not run) they stand, and the file carries no ``data_sha256``."""
+    only); the object is then not called per layer, ``begin``/``commit`` report the steps (their token
+    ids' hash) and the sums join the totals when the file is written. Where the sums' own token and
+    step counts differ from the reported ones, they stand and the file carries no ``data_sha256``."""
 
     def __init__(self, layers: list, fingerprint: dict, dtype: str, path: str | Path, every: int = 0, *,
                  gate: str = "renorm", expert_outputs: ExpertOutputs | None = None, full_routes=None,

@@ -6,10 +6,8 @@ parent's. The result is a stock MoE with N*m experts and top-(N*k): a budget of 
 
 Grouping (``partition_neurons``): neurons that fire together should share a sub-expert. With
 ``a_i = |silu(g_i) * u_i|`` on routed calibration tokens and C_ij the Pearson correlation of a_i, a_j,
-maximise J(P) = sum over groups g, pairs i < j in g of C_ij over equal-size partitions: greedy start
-(seed a group with the heaviest free neuron, add the free neuron most correlated with the group), then
-simulated annealing over swaps (Metropolis, geometric cooling), all experts of a layer at once.
-``method="random"`` is the seeded random baseline.
+maximise J(P) = sum over groups g, pairs i < j in g of C_ij over equal-size partitions (a greedy start,
+then simulated annealing over swaps); ``method="random"`` is the seeded random baseline.
 
 Router rows (``gate``):
 * ``"exact"``: each child repeats its parent's row. Softmax gives each child p_e / N, so top-(N*k)
@@ -24,12 +22,9 @@ Router rows (``gate``):
   Where h.v = 1 the child weight is w_e s_p, and a down scale of 1/s_p reproduces the parent at the
   full budget while smaller budgets keep each parent's heaviest parts; ``proxy_spread`` (std of h.v)
   says how close to exact. DeepSeek-V3 tie-breaks by share in e_score_correction_bias instead.
-* Grouped routers (DeepSeek ``n_group`` > 1): parent-major children would fill a group's top-2 with
-  parts of its best expert and change which groups win, so each routing group becomes N sub-groups
-  (sub-group g*N + p holds part p of every expert of group g, ``models.groups.split_order``): the same
-  original groups win and the full budget is exact.
-* ``"finetune"``: the proxy router, then only router rows train to match the original's next-token
-  distribution (``training.split_finetune``).
+* Grouped routers (DeepSeek ``n_group`` > 1): each routing group becomes N sub-groups, so the same
+  original groups win and the full budget is exact (``models.groups.split_order``).
+* ``"finetune"``: the proxy router, then its rows train against the original (``training.split_finetune``).
 """
 from __future__ import annotations
 
