@@ -1,10 +1,6 @@
-"""Where the offline verbs run a model's weights (``--device``): one placement for every verb.
-
-``resolve_device`` turns ``auto | cpu | cuda | cuda:N`` into a torch device, refusing a GPU torch
-does not see before any model loads. ``Placement`` is the only code that moves weights (a model, or
-one decoder layer at a time), batches and activations to it, and counts the bytes placed, so a
-streamed verb's device memory is measured by the same code on CPU and GPU (``device_peak_bytes``
-adds the allocator's peak on a GPU).
+"""Where the offline verbs run a model's weights (``--device``): ``Placement`` is the only code that
+moves weights and activations there, and it counts the bytes placed, so a streamed verb's device
+memory is measured by the same code on CPU and GPU.
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from contextlib import suppress
 
 
 def peak_rss_gib() -> float:
@@ -13,13 +14,10 @@ def peak_rss_gib() -> float:
 
 def available_gib() -> float | None:
     """MemAvailable from /proc/meminfo (GiB), or None where there is no /proc."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 2**20
-    except OSError:
-        return None
+    with suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
     return None
 
 
@@ -35,7 +33,5 @@ def release_memory() -> None:
     import gc
 
     gc.collect()
-    try:
+    with suppress(OSError, AttributeError):   # not glibc: nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):   # not glibc: nothing to trim
-        pass

@@ -1,12 +1,5 @@
-"""Writing outputs safely: one check before the work, one atomic file writer (docs/reliability.md).
-
-``check_output`` runs before any work: an existing output needs ``--overwrite``, an output is never
-one of the verb's inputs (compared after resolving symlinks), a file is not a directory (and the
-reverse), the folder can be written; it also claims the output (``claim_output``: an O_EXCL lock
-file) so two runs into one ``--out`` never both succeed, and ``--overwrite`` replaces a directory
-only when moetailor wrote it (``MARKER`` or a checkpoint sidecar). ``atomic_path`` writes a temporary
-file beside the target and renames it, so an interrupted write leaves nothing behind and the result
-gets the umask's permissions, not a temporary file's 0600.
+"""Writing outputs safely (docs/reliability.md): ``check_output`` before any work (which also claims
+the output against a second run), ``atomic_path`` for every file (temporary file + rename).
 """
 from __future__ import annotations
 
@@ -17,7 +10,7 @@ import os
 import secrets
 import stat
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Iterator
 
@@ -65,10 +58,8 @@ def claim_output(out: str | Path, flag: str = "--out", shared_with_parents: bool
     if key in _claims:
         return
     LOCK_DIR.mkdir(parents=True, exist_ok=True)
-    try:
+    with suppress(PermissionError):
         os.chmod(LOCK_DIR, 0o1777)   # every user's runs share it, like /tmp
-    except PermissionError:
-        pass
     lock = _lock_file(Path(out))
     for _ in range(3):
         try:
@@ -96,11 +87,9 @@ def release_outputs() -> None:
     """Give up every output this process claimed (the verb is done, or failed)."""
     while _claims:
         _, lock = _claims.popitem()
-        try:
+        with suppress(OSError, IndexError):
             if lock.read_text().split()[0] == str(os.getpid()):
                 lock.unlink()
-        except (OSError, IndexError):
-            pass
 
 
 atexit.register(release_outputs)
@@ -153,12 +142,8 @@ def check_output(out: str | Path, *, overwrite: bool = False, inputs=(), directo
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {out}: the folder {ancestor} is not writable; choose another {flag}")
     real = out.resolve()
-    for given in inputs:
-        if given is None:
-            continue
+    for given in (g for g in inputs if g is not None and Path(g).exists()):
         source = Path(given)
-        if not source.exists():
-            continue
         src = source.resolve()
         if _same(out, source):
             problem = "is the same path as the input"
@@ -211,10 +196,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         os.chmod(tmp, mode)                             # some writers (safetensors) create files 0600
         os.replace(tmp, path)
     finally:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
+        tmp.unlink(missing_ok=True)
 
 
 def write_text(path: str | Path, text: str) -> Path:

@@ -3,8 +3,6 @@
 The RoutingController's observer sees each MoE layer's input [T, H] and the stock routes; the
 collector recomputes expert outputs for the routed tokens only (``all_experts``: every expert on
 every token) into float64 sums, so memory is bounded by one batch, never by the token count.
-Gate weight g: "renorm" (default, REAP's) p_j / sum_{i in top-k} p_i with p the router's scores
-(softmax; sigmoid for DeepSeek-V3); "softmax" p_j.
 """
 from __future__ import annotations
 
@@ -213,21 +211,20 @@ def calibrate(model, tokenizer, data_spec: str, tokens: int, *, seed: int = 0, b
     if gate not in GATES:
         raise ValueError(f"unknown gate definition {gate!r}; choose from {', '.join(GATES)}")
     torch.manual_seed(seed)
-    digest = hashlib.sha256()
-
-    def hashed(batches):   # the content hash covers exactly the token ids the statistics saw
-        for batch in batches:
-            digest.update(batch.numpy().astype("<i8").tobytes())
-            yield batch
-
     # a data file is read once: its repeats are not data (the statistics record the tokens it held)
-    batches = hashed(iter_token_batches(tokenizer, spec, tokens, batch_tokens, seq_len, seed, repeat=False))
-    meta = {"data": spec.name, "seed": seed, "seq_len": min(seq_len, batch_tokens), "batch_tokens": batch_tokens,
-            "command": command}
-    stats = calibrate_batches(model, batches, gate=gate, fold=fold, all_experts=all_experts, total_tokens=tokens,
-                              progress=progress, meta=meta)
-    stats.meta["data_sha256"] = digest.hexdigest()[:16]
-    return stats
+    batches = list(iter_token_batches(tokenizer, spec, tokens, batch_tokens, seq_len, seed, repeat=False))
+    return calibrate_batches(model, batches, gate=gate, fold=fold, all_experts=all_experts, total_tokens=tokens,
+                             progress=progress, meta=data_meta(spec, batches, seed, seq_len, batch_tokens, command))
+
+
+def data_meta(spec, batches: list[torch.Tensor], seed: int, seq_len: int, batch_tokens: int,
+              command: str | None) -> dict:
+    """What statistics record of their data; ``data_sha256`` hashes exactly the token ids they saw."""
+    digest = hashlib.sha256()
+    for batch in batches:
+        digest.update(batch.numpy().astype("<i8").tobytes())
+    return {"data": spec.name, "data_sha256": digest.hexdigest()[:16], "seed": seed,
+            "seq_len": min(seq_len, batch_tokens), "batch_tokens": batch_tokens, "command": command}
 
 
 def calibration_record(meta: dict) -> dict:

@@ -1,18 +1,13 @@
-"""Calibration text: a data spec -> a deterministic stream of token windows (docs/plans.md lists the
-``--data`` specs: ``tasks[:t1,t2]``, ``text[:dom1,dom2]``, ``mix``, ``mixture:C=S,...``, a .jsonl or
-.txt file).
-
-``tasks`` is drawn from the TRAINING rng stream at a seed offset (``training_rng(TASK_SEED_OFFSET +
-seed)``), so it is neither the evaluation stream nor the sequences the reference model saw. Documents
-are tokenized without special tokens, joined with EOS and packed into ``seq_len`` windows (crossing
-document boundaries, as in training); a finite source starts again when exhausted, so any token count
-can be reached. Reused by distillation and evaluation.
+"""Calibration text: a ``--data`` spec (docs/plans.md lists them) -> a deterministic stream of token
+windows. Documents are tokenized without special tokens, joined with EOS and packed into windows
+that cross document boundaries, as in training. Reused by distillation and evaluation.
 """
 from __future__ import annotations
 
 import json
 import random
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 from typing import Iterator
 
@@ -138,14 +133,12 @@ def _text_documents(domains: tuple[str, ...], seed: int) -> Iterator[str]:
 
     per_domain = bundled_documents("calibration", list(domains) or None)
     rng = random.Random(f"calibration-text:{seed}")
-    docs: list[str] = []
     lists = []
     for name in sorted(per_domain):
         d = list(per_domain[name])
         rng.shuffle(d)
         lists.append(d)
-    for i in range(max(len(d) for d in lists)):
-        docs += [d[i] for d in lists if i < len(d)]
+    docs = [d for row in zip_longest(*lists) for d in row if d is not None]
     return _cycle(docs, "the bundled calibration text")
 
 
@@ -198,11 +191,9 @@ def _file_documents(path: Path, tokenizer=None, repeat: bool = True) -> Iterator
         from ..data.corpus import _chunks
         docs = list(_chunks(path.read_text("utf-8", "replace")))
     docs = [d for d in docs if d.strip()]
-    if not repeat:
-        if not docs:
-            raise ValueError(f"calibration file {path} holds no text")
-        return iter(docs)
-    return _cycle(docs, f"calibration file {path}")
+    if not docs:
+        raise ValueError(f"calibration file {path} holds no text")
+    return _cycle(docs, f"calibration file {path}") if repeat else iter(docs)
 
 
 def iter_documents(spec: str | DataSpec, seed: int = 0, tokenizer=None, repeat: bool = True) -> Iterator[str]:

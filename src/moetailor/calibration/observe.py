@@ -1,29 +1,12 @@
 """Calibration statistics from served traffic: the file ``moetailor calibrate`` writes, accumulated
 while an engine serves (``moetailor serve --observe``, ``LLM(observe=...)``, the vLLM plugin's
-``moetailor_observe``), so ``moetailor plan`` reads it unchanged.
+``moetailor_observe``), so ``moetailor plan`` reads it unchanged. What counts (tokens, the full
+router's routes, EAN / REAP, ``data_sha256``): docs/plans.md, "Statistics from served traffic".
 
 The same ``Collector`` as calibration observes each MoE layer's input hidden [T, H] and router
-logits, one engine step at a time; a step's additions are kept only when the step succeeds (a step
-the engine runs again request by request is counted once). What counts:
-  - every token the engine runs through the model, prefill and decode alike, each position of a
-    request once (a preempted request's prefill again is not counted twice); a guard's full-pool
-    shadow is not traffic and is left out (the engine says which rows count);
-  - the full router's choices: where the step runs a plan or per-request budgets, the routes are
-    recomputed from the step's logits under the full router (``RoutingController`` without a
-    policy), so frequency, mass, EAN and REAP describe the model's router, as in calibration. The
-    hidden states are the served model's, though: under a decode plan the layers before a layer
-    ran the plan, so decode tokens' statistics describe the served routing's inputs, not the full
-    model's (a full-router engine gives calibration's statistics on the same tokens, to float
-    tolerance);
-  - expert output norms (EAN, REAP) through the step's own experts path (``expert_outputs``: the
-    native kernel where it runs, packed weights included), one extra expert pass over the routed
-    tokens, computed only when observing.
-An engine that traces or captures its step (vLLM) keeps the same sums on its device instead
-(``LayerSums``): tensor work inside the step, the expert outputs a side output of its one experts
-pass (``kernels.swiglu_experts_observed``), read only when the file is written.
-``data_sha256``: sha256 of the counted token ids in the order the engine ran them (int64, as
-calibration hashes its batches): equal to calibrate's where one request runs at a time and calibrate
-runs each request's tokens as one batch.
+logits, one engine step at a time; a step's additions are kept only when the step succeeds. An
+engine that traces or captures its step (vLLM) keeps the same sums on its device instead
+(``LayerSums``), read only when the file is written.
 """
 from __future__ import annotations
 
@@ -190,10 +173,9 @@ class ObservedStats:
 
     ``sums``: the engine adds each layer's statistics itself, on its device (``LayerSums`` by layer
     index; vLLM, whose failed step ends the engine and which writes the file from its stepping thread
-    only); the object is then not called per layer: ``begin``/``commit`` report the steps (their token
-    ids' hash), and the sums join the totals when the file is written. Their token and step counts
-    are the engine's own; where they differ from the reported ones (a reported step whose forward did
-    not run) they stand, and the file carries no ``data_sha256``."""
+    only); the object is then not called per layer, ``begin``/``commit`` report the steps (their token
+    ids' hash) and the sums join the totals when the file is written. Where the sums' own token and
+    step counts differ from the reported ones, they stand and the file carries no ``data_sha256``."""
 
     def __init__(self, layers: list, fingerprint: dict, dtype: str, path: str | Path, every: int = 0, *,
                  gate: str = "renorm", expert_outputs: ExpertOutputs | None = None, full_routes=None,
@@ -234,7 +216,6 @@ class ObservedStats:
             fn(self)
         return self.save()
 
-    # ---- one step ------------------------------------------------------------------------------
     def begin(self, rows: list[int] | None, ids: list[int] | np.ndarray | None, is_prefill: bool,
               count: int | None = None, decode_tokens: int | None = None) -> None:
         """A step starts: ``count`` tokens to count (default ``len(ids)``), counted as prefill tokens when
@@ -305,7 +286,6 @@ class ObservedStats:
             self.tokens, self.steps, self.hashed = tokens, steps, False
             self.phase_tokens = {"prefill": tokens - decode, "decode": decode}
 
-    # ---- the file ------------------------------------------------------------------------------
     def snapshot(self) -> ExpertStats:
         """The statistics so far, as ``moetailor calibrate`` would write them."""
         with self.lock:

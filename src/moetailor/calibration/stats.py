@@ -178,13 +178,9 @@ class LayerStats:
             raise ValueError("these statistics hold no fold tables; rerun `moetailor calibrate ... --fold`")
         scale = (self.fold_uv / (self.fold_vv + FOLD_EPS)).clamp(-FOLD_SCALE_CLIP, FOLD_SCALE_CLIP)   # [E, E]
         loss = (self.fold_uu - 2 * scale * self.fold_uv + scale**2 * self.fold_vv) / self.fold_uu.clamp_min(1e-30)
-        loss = loss.clamp_min(0.0)
-        seen = self.fold_count > 0
-        scale = torch.where(seen, scale, 0.0)
-        loss = torch.where(seen, loss, float("inf"))
-        eye = torch.eye(self.num_experts, dtype=torch.bool)
-        scale = torch.where(eye, 1.0, scale)
-        loss = torch.where(eye, 0.0, loss)
+        seen, eye = self.fold_count > 0, torch.eye(self.num_experts, dtype=torch.bool)
+        scale = torch.where(eye, 1.0, torch.where(seen, scale, 0.0))
+        loss = torch.where(eye, 0.0, torch.where(seen, loss.clamp_min(0.0), float("inf")))
         mean_norm = self.norm_sum / self.norm_count.clamp_min(1)
         return FoldTables(scale=scale.float(), loss=loss.float(), mean_norm=mean_norm.float())
 
@@ -306,6 +302,4 @@ def load_fold_tables(stats, model=None) -> dict:
         stats = ExpertStats.load(stats)
     if model is not None:
         stats.check_model(model)
-    if not stats.has_fold:
-        raise ValueError("these statistics hold no fold tables; rerun `moetailor calibrate ... --fold`")
-    return stats.fold_tables()
+    return stats.fold_tables()   # statistics without fold tables: LayerStats.fold_tables says to recalibrate

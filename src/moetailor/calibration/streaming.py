@@ -7,14 +7,13 @@ activations (spilled to disk above ``spill_bytes``).
 """
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .calibrate import GATES, Collector, stats_of
+from .calibrate import GATES, Collector, data_meta, stats_of
 from .data import iter_token_batches, parse_data_spec
 
 
@@ -61,11 +60,7 @@ def calibrate_streamed(source: str | Path, tokenizer, data_spec: str, tokens: in
         bar.close()
         ctl.remove()
         stream.close()
-    digest = hashlib.sha256()   # the same content hash as in-memory calibration: the token ids seen
-    for b in batches:
-        digest.update(b.numpy().astype("<i8").tobytes())
-    meta = {"data": spec.name, "data_sha256": digest.hexdigest()[:16], "seed": seed, "seq_len": min(seq_len, batch_tokens), "batch_tokens": batch_tokens,
-            "command": command, "dtype": str(stream.dtype).replace("torch.", ""), "streamed": True,
-            "peak_rss_gib": round(peak_rss_gib(), 2), "device": str(stream.placement.device),
-            "peak_device_bytes": stream.placement.device_peak_bytes()}
+    meta = {**data_meta(spec, batches, seed, seq_len, batch_tokens, command), "streamed": True,
+            "dtype": str(stream.dtype).replace("torch.", ""), "peak_rss_gib": round(peak_rss_gib(), 2),
+            "device": str(stream.placement.device), "peak_device_bytes": stream.placement.device_peak_bytes()}
     return stats_of(collector, fingerprint, seen, all_experts, t0, meta)

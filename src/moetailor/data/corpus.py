@@ -85,19 +85,12 @@ def _wordnet() -> Iterator[str]:
     yield from _chunks("\n".join(glosses))
 
 
-def _python_docs() -> Iterator[str]:
-    for path in sorted(glob.glob("/usr/share/doc/python3.11/html/_sources/**/*.txt", recursive=True)):
-        yield from _chunks(Path(path).read_text("utf-8", "replace"))
-
-
-def _perl_docs() -> Iterator[str]:
-    for path in sorted(glob.glob("/usr/share/perl/5.36.0/pod/*.pod")):
-        yield from _chunks(Path(path).read_text("utf-8", "replace"))
-
-
-def _postgres_docs() -> Iterator[str]:
-    for path in sorted(glob.glob("/usr/share/doc/postgresql-doc-15/html/*.html")):
-        yield from _chunks(_strip_html(Path(path).read_text("utf-8", "replace")))
+def _files(pattern: str, clean: Callable[[str], str] = str) -> Callable[[], Iterator[str]]:
+    """A domain reader: every file matching ``pattern``, cleaned and cut into documents."""
+    def read() -> Iterator[str]:
+        for path in sorted(glob.glob(pattern, recursive=True)):
+            yield from _chunks(clean(Path(path).read_text("utf-8", "replace")))
+    return read
 
 
 def _jargon() -> Iterator[str]:
@@ -126,9 +119,11 @@ DOMAINS = [
     Domain("fortunes", _fortunes, "Debian fortunes"),
     Domain("dictionary", _dictionary, "Debian dict-gcide"),
     Domain("wordnet", _wordnet, "Debian wordnet-base glosses"),
-    Domain("python-docs", _python_docs, "Debian python3.11-doc (reST sources)"),
-    Domain("perl-docs", _perl_docs, "Debian perl-doc (pod)"),
-    Domain("postgres-docs", _postgres_docs, "Debian postgresql-doc-15 (HTML, tags stripped)"),
+    Domain("python-docs", _files("/usr/share/doc/python3.11/html/_sources/**/*.txt"),
+           "Debian python3.11-doc (reST sources)"),
+    Domain("perl-docs", _files("/usr/share/perl/5.36.0/pod/*.pod"), "Debian perl-doc (pod)"),
+    Domain("postgres-docs", _files("/usr/share/doc/postgresql-doc-15/html/*.html", _strip_html),
+           "Debian postgresql-doc-15 (HTML, tags stripped)"),
     Domain("jargon", _jargon, "Debian jargon-text"),
     Domain("python-code", _python_code, "the CPython standard library on this machine"),
 ]
@@ -181,13 +176,9 @@ def build_corpus(work_dir: Path, seed: int = 0, heldout_docs: int = 12, calib_do
                 break
             kept.append(d)
             chars += len(d)
-        with open(train_dir / f"{domain.name}.jsonl", "w") as f:
-            for d in kept:
-                f.write(json.dumps({"text": d}) + "\n")
-        for split, part in (("heldout", heldout), ("calibration", calib)) if bundle else ():
-            with open(BUNDLED_DIR / split / f"{domain.name}.jsonl", "w") as f:
-                for d in part:
-                    f.write(json.dumps({"text": d}) + "\n")
+        bundled = ((BUNDLED_DIR / "heldout", heldout), (BUNDLED_DIR / "calibration", calib)) if bundle else ()
+        for folder, part in ((train_dir, kept), *bundled):
+            (folder / f"{domain.name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
         summary[domain.name] = {"train_docs": len(kept), "train_chars": chars, "source": domain.source}
     return summary
 

@@ -3,9 +3,7 @@
 Routed experts are stored per expert in the hub layout (``model.layers.{i}.mlp.experts.{j}.gate_proj
 .weight``; Mixtral: ``block_sparse_moe.experts.{j}.w1``), which transformers fuses on load into
 ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``; ``hub_names`` and ``fused_tensor`` map one
-decoder layer both ways. ``skeleton`` builds the stock model on the meta device with only the routers
-loaded (``moe_layers``, fingerprints, plans and the RoutingController work on it unchanged);
-``load_module`` materialises one submodule from the shards and ``free_module`` returns it to meta.
+decoder layer both ways.
 """
 from __future__ import annotations
 
@@ -190,8 +188,7 @@ def load_module(module: nn.Module, prefix: str, ckpt: Checkpoint, model_type: st
         full = f"{prefix}.{key}" if prefix else key
         state[key] = ckpt.fused_tensor(full, model_type, num_experts).to(value.dtype)
     module.load_state_dict(state, strict=True, assign=True)
-    for p in module.parameters():
-        p.requires_grad_(False)
+    module.requires_grad_(False)
     return module
 
 
@@ -214,11 +211,7 @@ def skeleton(path: str | Path, dtype: torch.dtype | None = None):
     E = spec.num_experts(config)
     for layer in moe_layers(model):
         load_module(layer.router, names[id(layer.router)], ckpt, config.model_type, E, dtype)
-    base = getattr(model, "model", model)
-    rotary = getattr(base, "rotary_emb", None)
-    if rotary is not None:   # non-persistent inv_freq: rebuild it on the CPU from the config
-        with torch.device("cpu"):
-            base.rotary_emb = type(rotary)(config)
+    base = _cpu_rotary(model, config)
     if hasattr(base, "norm"):
         load_module(base.norm, names[id(base.norm)], ckpt, config.model_type, E, dtype)
     model.moetailor_source = str(ckpt.path)
@@ -226,11 +219,21 @@ def skeleton(path: str | Path, dtype: torch.dtype | None = None):
     return model, ckpt
 
 
+def _cpu_rotary(model, config) -> nn.Module:
+    """Rebuild the meta model's rotary table on the CPU from the config (its inv_freq is not
+    persistent, so no checkpoint stores it); returns the decoder stack."""
+    base = getattr(model, "model", model)
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is not None:
+        with torch.device("cpu"):
+            base.rotary_emb = type(rotary)(config)
+    return base
+
+
 def load_whole(path: str | Path, dtype: torch.dtype | None = None):
     """The whole stock model, read tensor by tensor with plain file reads into its final tensors:
     resident memory ends at the weights (+ one tensor while it is cast, when ``dtype`` is not the
-    stored one). ``from_pretrained`` maps the shards, which kept resident memory near twice the weights
-    (5.4 GiB for 2.7 GiB of bf16 weights), so a 13 GiB checkpoint did not fit in 24 GiB.
+    stored one), where ``from_pretrained`` maps the shards and holds near twice the weights.
     ``dtype`` None = the stored dtype."""
     from transformers import AutoConfig, GenerationConfig
 
@@ -253,11 +256,7 @@ def load_whole(path: str | Path, dtype: torch.dtype | None = None):
     model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.tie_weights()
-    base = getattr(model, "model", model)
-    rotary = getattr(base, "rotary_emb", None)
-    if rotary is not None:   # non-persistent inv_freq: rebuild it on the CPU from the config
-        with torch.device("cpu"):
-            base.rotary_emb = type(rotary)(config)
+    _cpu_rotary(model, config)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"{ckpt.path} does not store {', '.join(left[:3])}; the checkpoint is incomplete")

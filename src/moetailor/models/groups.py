@@ -31,11 +31,6 @@ def group_size(sem: RouterSemantics) -> int:
     return sem.num_experts // sem.n_group
 
 
-def group_of(sem: RouterSemantics) -> torch.Tensor:
-    """The routing group of every expert id [E] (groups are contiguous id ranges)."""
-    return torch.arange(sem.num_experts) // group_size(sem)
-
-
 def per_group_counts(ids, sem: RouterSemantics) -> list[int]:
     """How many of ``ids`` fall in each routing group."""
     size = group_size(sem)
@@ -128,5 +123,5 @@ def same_group_only(loss: torch.Tensor, sem: RouterSemantics) -> torch.Tensor:
     """Fold losses L[src, dst] [E, E] with every cross-group pair set to inf (never a fold target)."""
     if not is_grouped(sem):
         return loss
-    g = group_of(sem).to(loss.device)
+    g = torch.arange(sem.num_experts, device=loss.device) // group_size(sem)   # [E] (groups: contiguous ids)
     return loss.masked_fill(g[:, None] != g[None, :], float("inf"))

@@ -22,12 +22,9 @@ def substituted_experts(config) -> dict[int, tuple[int, ...]]:
     raw = getattr(config, "approximate_experts", None)
     if raw is None:
         return {}
-    if not isinstance(raw, dict):
-        raise ValueError("config.json's approximate_experts must map layer indices to lists of expert ids; "
-                         "restore the checkpoint's config.json")
     try:
         out = {int(layer): tuple(sorted(int(e) for e in ids)) for layer, ids in raw.items()}
-    except (TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError):   # not a dict of lists of ids
         raise ValueError("config.json's approximate_experts must map layer indices to lists of expert ids; "
                          "restore the checkpoint's config.json") from None
     return {i: ids for i, ids in out.items() if ids}
@@ -57,9 +54,6 @@ def read_constants(ckpt, config, substituted: dict[int, tuple[int, ...]]) -> dic
             raise ValueError(f"{ckpt.path} lists experts {missing[:8]} of layer {layer} in approximate_experts but "
                              "stores no approx_value for them; the checkpoint is incomplete — write it again with "
                              "`moetailor prune`")
-        rows = {e: ckpt.get(found[(layer, e)]).float() for e in ids}
-        table = torch.zeros(E, next(iter(rows.values())).numel())
-        for e, value in rows.items():
-            table[e] = value
-        out[layer] = table
+        rows = torch.stack([ckpt.get(found[(layer, e)]).float().reshape(-1) for e in ids])   # [n, H]
+        out[layer] = torch.zeros(E, rows.shape[1]).index_copy_(0, torch.tensor(ids), rows)  # [E, H]
     return out

@@ -39,8 +39,8 @@ class Activations:
 
     device = torch.device("cpu")   # where the activations wait between layers
 
-    def __init__(self, spill_dir: Path | None = None):
-        self.spill_dir = spill_dir
+    def __init__(self, spill_dir: str | Path | None = None):
+        self.spill_dir = None if spill_dir is None else Path(spill_dir)
         self.memory: dict[int, torch.Tensor] = {}
 
     def __setitem__(self, b: int, value: torch.Tensor) -> None:
@@ -113,7 +113,7 @@ class LayerStream:
             self._inputs[shape] = sink
         return self._inputs[shape][index]
 
-    def embed(self, batches: list[torch.Tensor], spill_dir: Path | None = None) -> Activations:
+    def embed(self, batches: list[torch.Tensor], spill_dir: str | Path | None = None) -> Activations:
         """Hidden states after the embeddings, one entry per batch (LongTensor [B, S] each)."""
         acts = Activations(spill_dir)
         embed = self.placement.layer(self._load(self.base.embed_tokens, "model.embed_tokens"))
@@ -166,16 +166,4 @@ def spill_directory(total_bytes: int, spill_bytes: int, spill_dir: str | Path | 
     if spill_dir is not None:
         Path(spill_dir).mkdir(parents=True, exist_ok=True)
     print(f"activations ({total_bytes / 2**30:.1f} GiB) spill to disk", file=sys.stderr)
-    return _TempDir(spill_dir)
-
-
-class _TempDir:
-    def __init__(self, parent):
-        self.parent = parent
-
-    def __enter__(self) -> Path:
-        self._tmp = tempfile.TemporaryDirectory(prefix="moetailor-acts-", dir=self.parent)
-        return Path(self._tmp.name)
-
-    def __exit__(self, *exc):
-        self._tmp.cleanup()
+    return tempfile.TemporaryDirectory(prefix="moetailor-acts-", dir=spill_dir)

@@ -2,9 +2,7 @@
 each criterion's formula).
 
 Per layer and expert j, over the calibration tokens T_j routed to j (hard top-k membership), with g_j
-the recorded gate weight and E_j(x) the expert's output: frequency |T_j|, mass sum g_j, ean sum
-||E_j||, weighted-ean sum g_j ||E_j||, reap the mean of g_j ||E_j|| (0 when T_j is empty), mone
-sum ||E_j - c_j||^2 (c_j the mean output), random, structured-even, structured-first.
+the recorded gate weight and E_j(x) the expert's output (``CRITERIA``).
 
 A layer keeps its m' highest-scoring experts (ties: the lower id); k is unchanged. ``protect_super``
 keeps the model's N super experts inside the m'; ``novice`` replaces dropped experts by their mean
@@ -53,16 +51,8 @@ def expert_scores(stats: ExpertStats, criterion: str, seed: int = 0) -> dict[int
     for i, layer in stats.layers.items():
         E = layer.num_experts
         ids = torch.arange(E, dtype=torch.float64)
-        if criterion == "frequency":
-            s = layer.frequency
-        elif criterion == "mass":
-            s = layer.mass
-        elif criterion == "ean":
-            s = layer.ean
-        elif criterion == "weighted-ean":
-            s = layer.weighted_ean
-        elif criterion == "reap":
-            s = layer.reap
+        if criterion in ("frequency", "mass", "ean", "weighted-ean", "reap"):
+            s = getattr(layer, criterion.replace("-", "_"))
         elif criterion == "mone":
             stats.require_outputs("--criterion mone")
             s = layer.frequency * layer.output_variance

@@ -1,26 +1,9 @@
 """Merged-expert plans: which experts merge into one, with what weights (HC-SMoE, M-SMoE).
 
-A layer keeping m' of E experts by merging partitions them into m' groups; each becomes one expert,
-the members' weighted average (w_e = f_e / sum f, f the calibration routing frequency: M-SMoE's rule,
-for both groupings), with the router row of its representative (the most routed member;
-``merge_router="dominant"``) or the weighted average of the rows (``"weighted"``). ``transforms.merge``
-writes the checkpoint; ``protect_super`` keeps super experts as groups of one.
-
-Grouping:
-  hcsmoe  HC-SMoE (ICML 2025): average-linkage clustering of the experts' mean outputs over every
-          calibration token (``LayerStats.mean_output_all``, ``calibrate --all-experts``), else over
-          their routed tokens, scaled to unit length. Outputs differ several-fold in norm while their
-          directions align (ExFold), and on raw means average linkage chained every low-norm expert
-          into one cluster (33 of 64 experts at 32 kept, both bundled models).
-  msmoe   M-SMoE (ICLR 2024): the m' most routed experts are dominant; each other joins the one it is
-          most similar to. M-SMoE compares router logits on data; the cosine of the router weight rows
-          (the logits' linear map, no data) stands in here.
-
-Why the dominant row by default: neither paper shrinks the router, but a stock checkpoint with m'
-experts needs one row per merged expert, and no linear row reproduces the group's summed probability
-(a log-sum-exp of the members' logits) on a bias-free router; the dominant row keeps exactly the routes
-of the expert that carried most of the group's tokens (as REAP's merging code does). docs/results.md
-measures ``weighted`` against it.
+A layer keeping m' of E experts partitions them into m' groups; each becomes the members'
+frequency-weighted average, with its representative's router row by default (``transforms.merge``
+writes the checkpoint). The two groupings, the weights and the router rule: docs/plans.md, "Merged
+experts".
 """
 from __future__ import annotations
 

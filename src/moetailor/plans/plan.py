@@ -2,9 +2,6 @@
 
 The one artifact every technique writes (pruning sets ``keep``, skipping ``top_k``/``skip_beta``,
 folding ``pool_mode="fold"``/``token_keep``/``batch_pool``); its JSON schema is in docs/plans.md.
-``fold_stats`` is written relative to the plan's folder when the statistics lie inside it (a plan
-folder can move as a whole), else absolute; ``Plan.load`` resolves it (relative to the plan file,
-then to the working directory, for older plans), so every verb reads it the same way.
 """
 from __future__ import annotations
 

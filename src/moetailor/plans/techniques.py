@@ -1,27 +1,13 @@
-"""Plan builders for expert folding (ExFold) and expert skipping / per-layer allocation
-(Faster MoE inference). Every technique is a setting of the shared ``LayerPolicy``; this
-module only writes policies and plans, ``routing.router.route`` applies them.
+"""Plan builders for expert folding (ExFold) and expert skipping / per-layer allocation (Faster MoE
+inference). Every technique is a setting of the shared ``LayerPolicy`` (docs/plans.md lists its
+fields); this module only writes policies and plans, ``routing.router.route`` applies them.
 
-Folding (ExFold: token-level top-K for prefill, batch-level pool for decode):
-  fold-prefill:K   each token keeps K of its top-k routes, the rest fold onto the kept expert with
-                   the lowest loss L[src, dst] (weight S[src, dst] * g_src added)   token_keep=K
-  fold-decode:D    each step keeps a pool of D experts by batch importance (sum of gate x mean
-                   output norm); routes outside the pool fold onto the lowest-loss pool expert
-                                                                                    batch_pool=D
-  plan+fold        a plan's static pool (``keep``), excluded routes folded        pool_mode="fold"
-  drop-*/plan+drop the same budgets without folding: excluded routes vanish, no renormalisation
-                   (the pool of drop-decode is chosen with the same importance as fold-decode)
-
-Skipping (Faster MoE inference):
-  topk:K           every token uses K < k experts (renormalised as the model's router does)
-  layer-k:LIST     one K per MoE layer (in MoE-layer order)
-  bhep:B/H/E/P     the four-tuple: B experts in the first MoE layer, H at MoE layer P, E in the
-                   last, linearly interpolated between (rounded half up)
-  skip             NAEE dynamic skipping: per layer beta = median over calibration tokens of
-                   w_2 / w_1 (``LayerStats.beta``); ranks whose weight ratio to the top expert is
-                   below beta drop out, the rest renormalised; the top expert never drops
-
-Layer positions (``P``, list entries) count MoE layers from 0, not decoder layers.
+Folding keeps K_pre routes per prefill token (``fold-prefill:K``), a per-step pool of D experts by
+batch importance (``fold-decode:D``) or a plan's static pool (``pool-fold:PLAN``) and folds each
+excluded route onto the lowest-loss kept expert (weight S[src, dst] * g_src added); ``drop-*`` are the
+same budgets without folding (excluded routes vanish, no renormalisation). Skipping lowers k
+(``topk:K``), sets it per MoE layer (``layer-k``, ``bhep:B/H/E/P``) or drops routes weaker than
+NAEE's per-layer beta (``skip``). Layer positions count MoE layers from 0, not decoder layers.
 """
 from __future__ import annotations
 
@@ -63,8 +49,6 @@ def _int(value, what: str) -> int:
         raise ValueError(f"{what} must be an integer, got {value!r}") from None
 
 
-# ---- folding (ExFold) and its no-fold baselines --------------------------------------------------
-
 def fold_prefill(shape: Shape, k_pre: int, fold: bool = True) -> PhasePolicy:
     """Token-level folding: each token keeps its ``k_pre`` strongest routes (K_pre in [1, k])."""
     if not 1 <= k_pre <= shape.top_k:
@@ -91,8 +75,6 @@ def pool_with_fold(policy: PhasePolicy, fold: bool = True) -> PhasePolicy:
                          "`moetailor plan`")
     return PhasePolicy({i: layers.get(i, p) for i, p in policy.layers.items()})
 
-
-# ---- skipping: top-k reduction, per-layer k, the (b, h, e, p) four-tuple, NAEE dynamic skipping ----
 
 def check_k(shape: Shape, k: int, where: str = "") -> int:
     at = f" ({where})" if where else ""
@@ -182,8 +164,6 @@ def skip_policy(shape: Shape, stats, beta: float | None = None) -> PhasePolicy:
         layers[i] = LayerPolicy(skip_beta=round(float(b), 6))
     return PhasePolicy(layers)
 
-
-# ---- fold statistics: where they come from and how a model gets them -----------------------------
 
 def attach_fold_tables(model, stats_path: str | Path) -> None:
     """Load ExFold tables from ``stats_path`` into the model's RoutingController (checked against the
@@ -279,8 +259,6 @@ def ensure_fold_stats(model, tokenizer=None, path: str | Path | None = None, tok
     return path
 
 
-# ---- plans and the per-phase spec parser (for `generate` / `serve` / `eval`) ---------------------
-
 def technique_plan(model, prefill: PhasePolicy | None = None, decode: PhasePolicy | None = None,
                    stats_path: str | Path | None = None, **meta) -> Plan:
     """A plan for ``model`` with the given phase policies; ``stats_path`` is recorded as the plan's
@@ -358,25 +336,3 @@ def plan_from_specs(model, prefill: str | None, decode: str | None, stats_path: 
     path = ensure_fold_stats(model, tokenizer, stats_path) if needs else stats_path
     return technique_plan(model, pre, dec, path if needs else None, prefill_spec=prefill, decode_spec=decode)
 
-
-def measured_active_experts(model, policy: PhasePolicy | None, windows: list[list[int]]) -> dict:
-    """Run ``windows`` (token ids, one batch) under ``policy`` and count, per token and MoE layer, the
-    routes that reach an expert: the data-dependent budget of skipping, folding and batch pools.
-    Returns {"per_token": mean routes per token (over layers), "distinct": mean distinct experts per
-    layer in the batch}."""
-    import torch
-
-    from ..routing import RoutingController
-
-    ctl = RoutingController.of(model)
-    routes, distinct = [], []
-
-    def observe(layer, hidden, logits, weights, index):
-        valid = (index < layer.num_experts) & (weights != 0)                 # [T, K]
-        routes.append(valid.sum(-1).float().mean().item())
-        distinct.append(float(index[valid].unique().numel()))
-
-    device = next(model.parameters()).device
-    with torch.no_grad(), ctl.policy(policy), ctl.observing(observe):
-        model(input_ids=torch.tensor(windows, device=device), use_cache=False)
-    return {"per_token": sum(routes) / len(routes), "distinct": sum(distinct) / len(distinct)}

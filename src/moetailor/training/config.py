@@ -1,9 +1,6 @@
-"""The reference models' shapes: stock transformers configs (used by the recipe and the diagnostics).
-
-Two families, so that a conclusion drawn on one can be checked on a model built differently:
-``qwen2_moe`` (the bundled ``reference``: 64 fine experts, top-8, plus a sigmoid-gated shared expert)
-and ``qwen3_moe`` (``reference-qwen3``: 64 experts, top-8, no shared expert, q/k norms), both trained
-on the same corpus and tasks with the same tokenizer.
+"""The reference models' shapes as stock transformers configs: ``qwen2_moe`` (the bundled ``reference``:
+64 fine experts, top-8, a sigmoid-gated shared expert) and ``qwen3_moe`` (``reference-qwen3``: 64
+experts, top-8, no shared expert, q/k norms), trained on the same corpus and tasks (``models.paths``).
 """
 from __future__ import annotations
 

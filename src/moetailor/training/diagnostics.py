@@ -98,7 +98,7 @@ def induction_drill(model, tokenizer, steps: int, batch: int = 8, seq: int = 256
                     lr: float = 1e-3, bf16: bool = True, log_every: int = 50, seed: int = 0,
                     report: Callable[[dict], None] | None = None) -> list[dict]:
     """Train ``model`` on rows of a random symbol string repeated to fill ``seq`` tokens.
-    Loss starts at ln(#symbols) (4.13 for the bundled vocabulary's 62); guessing among the symbols
+    Loss starts at ln(#symbols); guessing among the symbols
     already in the row gives ~ln(string length); induction gives ~ln(#symbols) x length / seq.
     Returns the mean training loss per ``log_every`` steps, each also handed to ``report`` as it
     is measured (a drill runs for minutes)."""

@@ -11,11 +11,9 @@ over the teacher's top-64 tokens plus one bucket for the rest. Teacher and stude
 (one copy of the experts): router weights and norms train as copies swapped in only for the student
 pass (``torch.func.functional_call``); SE2, an MLP shaped like the shared expert SE1 (gate/up copied,
 down zero), is added to SE1's output by a hook on only in the student pass (inside Qwen2-MoE's
-sigmoid shared-expert gate; DeepSeek-V3's is ungated), so SE1 + SE2 merge exactly. Without a shared
-expert (qwen3_moe, olmoe, mixtral) SE2 is refused, since their stock checkpoint cannot hold an extra
-always-on MLP (``--no-se2`` trains router and norms only).
-``experts=True`` (``--train-experts``) also trains copies of the kept experts: such a model has
-nothing else with capacity to absorb what the dropped experts did.
+sigmoid shared-expert gate; DeepSeek-V3's is ungated), so SE1 + SE2 merge exactly.
+``experts=True`` (``--train-experts``) also trains copies of the kept experts: a model without a
+shared expert has nothing else with capacity to absorb what the dropped experts did.
 
 Export merges SE1 and SE2 into one shared expert of twice the width: a stock checkpoint of the same
 architecture, meant as the DECODE model (prefill stays on the original: router and norms were trained
@@ -47,11 +45,7 @@ from ..routing.controller import RoutingController
 from ..routing.policy import PhasePolicy
 from ..transforms.artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
 
-SIDECAR, PLAN_FILE = DISTILL_SIDECAR, DISTILL_PLAN_FILE
 STATE_FILE = "state.pt"
-
-
-# ---- configuration -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -128,9 +122,6 @@ def draw_split(length: int, split_point: str, gen: torch.Generator) -> int:
     return int(f * length)
 
 
-# ---- the student: a view of the full model -------------------------------------------------------
-
-
 def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower() and any(True for _ in module.parameters(recurse=False))
 
@@ -151,10 +142,9 @@ class Student:
         self.spec = arch_spec(model.config)
         self.controller = RoutingController.of(model)
         self.layers = moe_layers(model)
-        for p in model.parameters():
-            p.requires_grad_(False)
+        model.requires_grad_(False)
 
-        names = {id(m): n for n, m in model.named_modules()}
+        self.names = names = {id(m): n for n, m in model.named_modules()}
         self.router_names = [f"{names[id(l.router)]}.weight" for l in self.layers]
         self.norm_names = [f"{n}.{pn}" for n, m in model.named_modules() if _is_norm(m)
                            for pn, _ in m.named_parameters(recurse=False)]
@@ -177,8 +167,7 @@ class Student:
                 se1 = layer.shared_expert
                 new = copy.deepcopy(se1)           # same class, shape, dtype and device as SE1
                 new._forward_hooks.clear()         # not another student's SE2 hook
-                for p in new.parameters():
-                    p.requires_grad_(True)
+                new.requires_grad_(True)
                 with torch.no_grad():
                     new.down_proj.weight.zero_()   # SE2 starts at zero: the student starts as the masked model
                 self.se2[str(layer.index)] = new
@@ -192,9 +181,7 @@ class Student:
         return hook
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
-        out = [(n, p) for n, p in self.params.items()]
-        out += [(f"se2.{n}", p) for n, p in self.se2.named_parameters()]
-        return out
+        return [*self.params.items(), *((f"se2.{n}", p) for n, p in self.se2.named_parameters())]
 
     def counts(self) -> dict:
         """Parameter counts: trainable share of the student (model + SE2) and of the original model."""
@@ -229,34 +216,25 @@ class Student:
             h.remove()
         self._hooks = []
 
-    # ---- export
-
     def merged_model(self) -> nn.Module:
         """A stock model of the same architecture computing the student (without a routing policy):
         trained router/norms written in, SE1 and SE2 concatenated into one shared expert of twice the width."""
         config = type(self.model.config).from_dict(self.model.config.to_dict())
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        for n, p in self.params.items():
-            state[n] = p.detach().clone()
+        state = {k: v.detach().clone() for k, v in {**self.model.state_dict(), **self.params}.items()}
         if len(self.se2):
             key = self.spec.shared_width_key
             setattr(config, key, 2 * int(getattr(config, key)))
-            names = {id(m): n for n, m in self.model.named_modules()}
             for layer in self.layers:
-                prefix = names[id(layer.shared_expert)]
+                prefix = self.names[id(layer.shared_expert)]
                 se2 = self.se2[str(layer.index)]
                 for proj in ("gate_proj", "up_proj"):      # weight [I, H]: stack rows
                     state[f"{prefix}.{proj}.weight"] = torch.cat(
                         [state[f"{prefix}.{proj}.weight"], getattr(se2, proj).weight.detach()], dim=0)
                 state[f"{prefix}.down_proj.weight"] = torch.cat(  # [H, I]: stack columns
                     [state[f"{prefix}.down_proj.weight"], se2.down_proj.weight.detach()], dim=1)
-        dtype = next(self.model.parameters()).dtype
-        merged = model_from_state(config, state, dtype, "merged (doubled experts)")
+        merged = model_from_state(config, state, next(self.model.parameters()).dtype, "merged (doubled experts)")
         merged.moetailor_source = getattr(self.model, "moetailor_source", None)
         return merged
-
-
-# ---- loss ----------------------------------------------------------------------------------------
 
 
 def teacher_targets(logits: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -325,9 +303,6 @@ def distill_loss(student: Student, batch: torch.Tensor, splits: list[int], cfg: 
             "tokens": B * L}
 
 
-# ---- training ------------------------------------------------------------------------------------
-
-
 @dataclass
 class DistillResult:
     student: Student
@@ -339,11 +314,11 @@ class DistillResult:
 def make_optimizer(student: Student, cfg: DistillConfig) -> torch.optim.AdamW:
     router = [student.params[n] for n in student.router_names]
     norms = [student.params[n] for n in student.norm_names]
-    se2_matrices = [p for p in student.se2.parameters()]
     groups = [{"params": router, "lr": cfg.lr * cfg.router_lr_scale, "weight_decay": 0.0, "name": "router"},
               {"params": norms, "lr": cfg.lr, "weight_decay": 0.0, "name": "norms"}]
-    if se2_matrices:
-        groups.append({"params": se2_matrices, "lr": cfg.lr, "weight_decay": cfg.weight_decay, "name": "se2"})
+    if len(student.se2):
+        groups.append({"params": list(student.se2.parameters()), "lr": cfg.lr, "weight_decay": cfg.weight_decay,
+                       "name": "se2"})
     if student.expert_names:   # no decay: the experts outside the pool get no gradient and must stay as they are
         groups.append({"params": [student.params[n] for n in student.expert_names],
                        "lr": cfg.lr * cfg.expert_lr_scale, "weight_decay": 0.0, "name": "experts"})
@@ -358,23 +333,19 @@ def lr_scale(step: int, cfg: DistillConfig) -> float:
     return warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(1, cfg.steps))))
 
 
-def _state(student: Student, opt, step: int, gen: torch.Generator, log: list[dict], cfg: DistillConfig) -> dict:
-    return {"step": step, "config": asdict(cfg), "params": {n: p.detach().clone() for n, p in student.params.items()},
-            "se2": {k: v.clone() for k, v in student.se2.state_dict().items()}, "optimizer": opt.state_dict(),
-            "split_rng": gen.get_state(), "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-            "log": log, "fingerprint": model_fingerprint(student.model)}
-
-
-def save_state(state_dir: Path, state: dict) -> None:
+def save_state(state_dir: Path, student: Student, opt, step: int, gen: torch.Generator, log: list[dict],
+               cfg: DistillConfig) -> None:
     """Atomic: a crash while saving keeps the previous checkpoint."""
+    state = {"step": step, "config": asdict(cfg), "params": {n: p.detach().clone() for n, p in student.params.items()},
+             "se2": {k: v.clone() for k, v in student.se2.state_dict().items()}, "optimizer": opt.state_dict(),
+             "split_rng": gen.get_state(), "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+             "log": log, "fingerprint": model_fingerprint(student.model)}
     with atomic_path(state_dir / STATE_FILE) as tmp:
         torch.save(state, tmp)
 
 
 RESUME_KEYS = ("alpha", "lr", "router_lr_scale", "batch_size", "seq_len", "split_point", "kd_top", "seed", "se2",
                "experts", "expert_lr_scale")
-
-
 STATE_KEYS = ("step", "config", "params", "se2", "optimizer", "split_rng", "torch_rng", "python_rng", "log",
               "fingerprint")
 
@@ -468,7 +439,7 @@ def train(student: Student, batches: Callable[[int], Iterator[torch.Tensor]], cf
         log.append(rec)
         bar.set_postfix(loss=f"{rec['loss']:.3f}", kd=f"{rec['kd']:.3f}", tok_s=f"{done / max(rec['elapsed_s'], 1e-9):.0f}")
         if state_dir is not None and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
-            save_state(state_dir, _state(student, opt, step + 1, gen, log, cfg))
+            save_state(state_dir, student, opt, step + 1, gen, log, cfg)
             plot_loss(log, state_dir / "loss_curve.png")
         if callback is not None:
             callback(step + 1, rec)
@@ -494,9 +465,6 @@ def plot_loss(log: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-# ---- export and loading --------------------------------------------------------------------------
-
-
 def export(student: Student, out: str | Path, result: DistillResult | None = None, overwrite: bool = False,
            source: Path | None = None, extra: dict | None = None) -> Path:
     """Write the merged stock checkpoint, its plan (re-fingerprinted for the distilled weights, with a
@@ -518,7 +486,7 @@ def export(student: Student, out: str | Path, result: DistillResult | None = Non
     with checkpoint_directory(out, overwrite, (source,)) as tmp:
         merged.save_pretrained(tmp)
         copy_tokenizer(source, tmp)
-        plan.save(tmp / PLAN_FILE)
+        plan.save(tmp / DISTILL_PLAN_FILE)
         side = {"format": "moetailor-distill", "version": 1, "source_model": note["distilled_from"],
                 "source_path": str(source) if source is not None else None, "plan_meta": student.plan.meta,
                 "trainable": counts, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **(extra or {})}
@@ -528,11 +496,8 @@ def export(student: Student, out: str | Path, result: DistillResult | None = Non
             (tmp / "train_log.json").write_text(json.dumps(result.log))
             if result.log:
                 plot_loss(result.log, tmp / "loss_curve.png")
-        (tmp / SIDECAR).write_text(json.dumps(side, indent=1))
+        (tmp / DISTILL_SIDECAR).write_text(json.dumps(side, indent=1))
     return out
-
-
-# ---- data ----------------------------------------------------------------------------------------
 
 
 def token_batches(tokenizer, spec: str, cfg: DistillConfig) -> Callable[[int], Iterator[torch.Tensor]]:
@@ -565,11 +530,11 @@ def distill_checkpoint(model_name: str | Path, plan: str | Path | Plan, data: st
     inputs = (source, None if isinstance(plan, Plan) else plan, data_file(data))
     out = refuse_existing(out, overwrite, inputs)   # before any work
     state_dir = out.parent / f"{out.name}.partial"
-    if resume and not (state_dir / STATE_FILE).is_file():
-        raise FileNotFoundError(f"--resume: no interrupted run at {state_dir}; start without --resume")
     if resume:
+        if not (state_dir / STATE_FILE).is_file():
+            raise FileNotFoundError(f"--resume: no interrupted run at {state_dir}; start without --resume")
         read_state(state_dir / STATE_FILE)   # unreadable: say so before loading the model
-    if not resume and (state_dir / STATE_FILE).is_file():
+    elif (state_dir / STATE_FILE).is_file():
         if not overwrite:
             raise FileExistsError(f"an interrupted run exists at {state_dir}; pass --resume to continue it or "
                                   "--overwrite to start over")

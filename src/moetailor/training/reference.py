@@ -73,7 +73,6 @@ class Mixture:
 
     def __init__(self, tokenizer, corpus_dir: Path, seq_len: int, task_share: float, seed: int,
                  mask_prompts: bool = False, task_weights: dict[str, float] | None = None, drill_share: float = 0.0):
-
         self.tok, self.seq_len, self.task_share, self.mask_prompts = tokenizer, seq_len, task_share, mask_prompts
         self.task_weights, self.drill_share = task_weights, drill_share
         self.symbols = symbol_tokens(tokenizer)
@@ -142,12 +141,10 @@ class Stage:
     drill_share: float = 0.0                              # rows of repeated random strings; text gets the rest
 
 
-# The recipe that produced the bundled weights (87.5 min of step time, 92.0% greedy; measured per
-# stage in docs/reference-model.md). Stage 1 puts loss on every token (the recipes that masked
-# prompts from step 0 never learned to copy from them) and gives a third of its rows to the
-# induction drill, repeated random strings. Stages 2-4 spend their tokens on task completions,
-# prompts masked, with a little drill kept; lookup went from chance to 100% during stage 3, and
-# stage 4 was added when stage 3 left expressions at 62%.
+# The recipe that produced the bundled weights (docs/reference-model.md measures each stage). Stage 1
+# puts loss on every token (recipes that masked prompts from step 0 never learned to copy from them)
+# and gives a third of its rows to the induction drill; stages 2-4 spend their tokens on task
+# completions, prompts masked, with a little drill kept and the weak tasks drawn more often.
 STAGES = (Stage(steps=650, lr=1.5e-3, warmup=50, task_share=0.45, mask_prompts=False, drill_share=0.35),
           Stage(steps=650, lr=1e-3, warmup=30, task_share=0.8, mask_prompts=True, drill_share=0.1),
           Stage(steps=300, lr=5e-4, warmup=20, task_share=0.85, mask_prompts=True, drill_share=0.05,
@@ -165,7 +162,6 @@ def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 24, s
     from transformers import AutoTokenizer
 
     model_cls = model_class(family)
-
     torch.set_num_threads(threads)
     out.mkdir(parents=True, exist_ok=True)
     corpus_dir = out / "corpus"
@@ -190,8 +186,7 @@ def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 24, s
         print(f"resuming {out / RESUME_FILE}: stage {start_stage}, step {resume['step']} ({len(log)} steps done)")
     elif start_stage == 1:
         model = model_cls(model_config(len(tokenizer), family))
-        log: list[dict] = []
-        evals: list[dict] = []
+        log, evals = [], []
     else:
         model = model_cls.from_pretrained(out / "checkpoint", dtype=torch.float32)
         log = [r for r in json.loads((out / "train_log.json").read_text()) if r.get("stage", 1) < start_stage]
@@ -223,7 +218,7 @@ def train(out: Path, stages: tuple[Stage, ...] = STAGES, batch_size: int = 24, s
 
 
 RESUME_FILE = "resume.pt"
-RESUME_EVERY = 100   # steps between resume points: ~10 minutes of fp32 training on 2 AVX2 cores
+RESUME_EVERY = 100   # steps between resume points
 
 
 @dataclass(frozen=True)
@@ -300,16 +295,14 @@ def _run_stage(model, mixture: Mixture, stage: Stage, number: int, batch_size: i
 
 
 def bf16_matmuls_are_fast() -> bool:
-    """Autocast to bf16 only where the processor multiplies bf16 in hardware (AVX512-BF16 or AMX): on an
-    AVX2-only processor torch's bf16 GEMM falls back to a scalar loop and a training step took 60 s, not
-    3.5 s; on AVX-512 without bf16, oneDNN widens it in software, slower than fp32 (``kernels.cpu_has_bf16_matmul``)."""
+    """Autocast to bf16 only where the processor multiplies bf16 in hardware (AVX512-BF16 or AMX):
+    elsewhere torch's bf16 GEMM is slower than fp32 (``kernels.cpu_has_bf16_matmul``)."""
     return kernels.cpu_has_bf16_matmul()
 
 
 def causal_lm_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token loss and the router's load-balancing loss, projecting onto the vocabulary only
-    the positions whose next token carries a label: with prompts masked, most positions carry none
-    and the 8k-way head and its log-softmax were a fifth of the step."""
+    the positions whose next token carries a label (with prompts masked, most carry none)."""
     import torch.nn.functional as F
 
     targets = labels[:, 1:]                                                    # [B, T-1]; position t predicts t+1

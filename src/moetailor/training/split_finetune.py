@@ -29,8 +29,7 @@ def finetune_router(original, split, batches: list[torch.Tensor], steps: int = 6
         raise ValueError("gate fine-tuning needs calibration batches; raise --tokens")
     ctl = RoutingController.of(split)
     routers = [layer.router.weight for layer in moe_layers(split)]
-    for p in split.parameters():
-        p.requires_grad_(False)
+    split.requires_grad_(False)
     for w in routers:
         w.requires_grad_(True)
     full_k = moe_layers(split)[0].top_k

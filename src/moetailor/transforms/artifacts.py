@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ..models.loading import read_distill_sidecar
+from ..models.loading import read_distill_sidecar, resolve_model_path
 from ..models.sidecars import DISTILL_PLAN_FILE, DISTILL_SIDECAR
 from ..outputs import check_output, mark_output, normal_permissions
 from ..plans.plan import Plan
@@ -60,6 +60,13 @@ def checkpoint_directory(out: str | Path, overwrite: bool = False, inputs=()) ->
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoint_source(model) -> Path | None:
+    """The checkpoint directory behind ``model`` (a path, a bundled name or a loaded model), if any."""
+    if isinstance(model, (str, Path)):
+        return resolve_model_path(model)
+    return Path(model.moetailor_source) if getattr(model, "moetailor_source", None) else None
 
 
 def model_from_state(config, state: dict, dtype, what: str):

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,7 +106,6 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str | None:
     return None
 
 
-# ---- llama.cpp's converter ------------------------------------------------------------------------
 def converter_dir() -> Path:
     """Where llama.cpp's convert_hf_to_gguf.py and its conversion/ package are, or a clear error."""
     if os.environ.get(CONVERTER_ENV):          # when set, the only place looked at
@@ -190,16 +190,12 @@ def _pre_tokenizer_for(source: Path, base) -> str | None:
     from transformers import AutoTokenizer
 
     probe = base.__new__(base)    # get_vocab_base_pre reads only the tokenizer: no need to index the weights
-    logger = logging.getLogger("hf-to-gguf")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)     # the converter prints a banner before it raises
     try:
-        probe.get_vocab_base_pre(AutoTokenizer.from_pretrained(source))
+        with _converter_log(logging.CRITICAL):     # the converter prints a banner before it raises
+            probe.get_vocab_base_pre(AutoTokenizer.from_pretrained(source))
         return None
     except NotImplementedError:
         pass
-    finally:
-        logger.setLevel(level)
     name = pre_tokenizer_name(tok)
     if name is None:
         raise ValueError(f"{path}: llama.cpp's converter does not recognise this tokenizer's pre-tokenizer "
@@ -212,6 +208,21 @@ def _default_rope(record: logging.LogRecord) -> bool:
     """transformers 5 writes ``rope_type: "default"`` (no scaling), which the converter does not name but
     handles as no scaling: its warning would only alarm."""
     return record.getMessage() != "Unknown RoPE type: default"
+
+
+@contextmanager
+def _converter_log(level: int | None):
+    """The converter's logger at ``level`` (None: as it is) and without the RoPE warning, for a while."""
+    logger = logging.getLogger("hf-to-gguf")
+    old = logger.level
+    if level is not None:
+        logger.setLevel(level)
+    logger.addFilter(_default_rope)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)
+        logger.removeFilter(_default_rope)
 
 
 @dataclass
@@ -272,23 +283,12 @@ def export_gguf(source: str | Path, out: str | Path, outtype: str = "f32", *, to
                            extra={"source": str(source), **pruned_metadata(source), **(extra or {})})
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
-    logger = logging.getLogger("hf-to-gguf")
-    level = logger.level
-    if not verbose:
-        logger.setLevel(logging.WARNING)
-    logger.addFilter(_default_rope)
-    try:
-        with atomic_path(out) as tmp, torch.inference_mode():
-            model = cls(source, ftype, tmp, model_name=source.name)
-            model.write()
-    finally:
-        logger.setLevel(level)
-        logger.removeFilter(_default_rope)
+    with _converter_log(None if verbose else logging.WARNING), atomic_path(out) as tmp, torch.inference_mode():
+        cls(source, ftype, tmp, model_name=source.name).write()
     return GGUFExport(Path(out), target.name, spec.num_experts(config), top_k or model_k, model_k, outtype, pre, untie,
                       note, Path(out).stat().st_size)
 
 
-# ---- plans -> what one GGUF can hold --------------------------------------------------------------
 @dataclass(frozen=True)
 class GGUFPlan:
     """The part of a plan's phase one GGUF can hold: kept experts (by pruning) and one top-k."""
@@ -368,9 +368,8 @@ def export_plan_gguf(source: str | Path, plan_path: str | Path, out: str | Path,
     with tempfile.TemporaryDirectory(prefix=".moetailor-gguf-", dir=Path(out).absolute().parent) as tmp:
         pruned = prune_checkpoint_streamed(source, keep_only, Path(tmp) / "pruned", phase=phase, command=command,
                                            progress=False)
-        result = export_gguf(pruned, out, outtype, top_k=k, overwrite=overwrite, verbose=verbose,
-                             allow_routing_difference=allow_routing_difference, extra=extra)
-    return result
+        return export_gguf(pruned, out, outtype, top_k=k, overwrite=overwrite, verbose=verbose,
+                           allow_routing_difference=allow_routing_difference, extra=extra)
 
 
 def pruned_metadata(path: Path) -> dict:

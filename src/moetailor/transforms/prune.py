@@ -17,10 +17,10 @@ from ..models.adapters import semantics_for
 from ..models.architectures import arch_spec
 from ..models.checkpoint import EXPERT_KEY, FUSED_KEY, ROUTER_KEY, split_layer_key
 from ..models.groups import checkpoint_problem
-from ..models.loading import model_fingerprint, resolve_model_path
+from ..models.loading import model_fingerprint
 from ..plans.plan import Plan, describe_phase
 from ..routing.controller import RoutingController
-from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
+from .artifacts import checkpoint_directory, checkpoint_source, copy_tokenizer, model_from_state, refuse_existing
 
 SIDECAR = "moetailor_pruning.json"
 
@@ -145,11 +145,7 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
     from ..models.checkpoint import stored_dtype
     from ..models.loading import load_model
 
-    source = None
-    if isinstance(model, (str, Path)):
-        source = resolve_model_path(model)
-    elif getattr(model, "moetailor_source", None):
-        source = Path(model.moetailor_source)
+    source = checkpoint_source(model)
     inputs = (source, None if isinstance(plan, Plan) else plan)
     out = refuse_existing(out, overwrite, inputs)   # before any work; never over the source checkpoint
     if isinstance(model, (str, Path)):
@@ -165,13 +161,9 @@ def prune_checkpoint(model, plan: Plan | str | Path, out: str | Path, overwrite:
         raise ValueError("a novice plan's checkpoint is written from the checkpoint on disk: use `moetailor prune "
                          "MODEL PLAN --out DIR` (transforms.streaming.prune_checkpoint_streamed)")
     kept = kept_per_layer(plan, model, phase)
-    spec = arch_spec(model.config)
-    original_E = spec.num_experts(model.config)
+    original_E = arch_spec(model.config).num_experts(model.config)
     state, count = pruned_state(model, kept)
-
-    config = pruned_config(model.config, count)
-    pruned = model_from_state(config, state, next(model.parameters()).dtype, "pruned")
-
+    pruned = model_from_state(pruned_config(model.config, count), state, next(model.parameters()).dtype, "pruned")
     with checkpoint_directory(out, overwrite, inputs) as tmp:
         pruned.save_pretrained(tmp)
         copy_tokenizer(source, tmp)

@@ -6,10 +6,8 @@ parent's. The result is a stock MoE with N*m experts and top-(N*k): a budget of 
 
 Grouping (``partition_neurons``): neurons that fire together should share a sub-expert. With
 ``a_i = |silu(g_i) * u_i|`` on routed calibration tokens and C_ij the Pearson correlation of a_i, a_j,
-maximise J(P) = sum over groups g, pairs i < j in g of C_ij over equal-size partitions: greedy start
-(seed a group with the heaviest free neuron, add the free neuron most correlated with the group), then
-simulated annealing over swaps (Metropolis, geometric cooling), all experts of a layer at once.
-``method="random"`` is the seeded random baseline.
+maximise J(P) = sum over groups g, pairs i < j in g of C_ij over equal-size partitions (a greedy start,
+then simulated annealing over swaps); ``method="random"`` is the seeded random baseline.
 
 Router rows (``gate``):
 * ``"exact"``: each child repeats its parent's row. Softmax gives each child p_e / N, so top-(N*k)
@@ -24,12 +22,9 @@ Router rows (``gate``):
   Where h.v = 1 the child weight is w_e s_p, and a down scale of 1/s_p reproduces the parent at the
   full budget while smaller budgets keep each parent's heaviest parts; ``proxy_spread`` (std of h.v)
   says how close to exact. DeepSeek-V3 tie-breaks by share in e_score_correction_bias instead.
-* Grouped routers (DeepSeek ``n_group`` > 1): parent-major children would fill a group's top-2 with
-  parts of its best expert and change which groups win, so each routing group becomes N sub-groups
-  (sub-group g*N + p holds part p of every expert of group g, ``models.groups.split_order``): the same
-  original groups win and the full budget is exact.
-* ``"finetune"``: the proxy router, then only router rows train to match the original's next-token
-  distribution (``training.split_finetune``).
+* Grouped routers (DeepSeek ``n_group`` > 1): each routing group becomes N sub-groups, so the same
+  original groups win and the full budget is exact (``models.groups.split_order``).
+* ``"finetune"``: the proxy router, then its rows train against the original (``training.split_finetune``).
 """
 from __future__ import annotations
 
@@ -45,21 +40,15 @@ import torch.nn.functional as F
 from ..models.adapters import MoeLayer, moe_layers
 from ..models.architectures import arch_spec
 from ..models.groups import chosen_groups, is_grouped, split_order
-from ..models.loading import (
-    model_fingerprint,
-    read_split_sidecar,  # noqa: F401 (the split record, read where it is written)
-    resolve_model_path,
-)
+from ..models.loading import model_fingerprint, read_split_sidecar  # noqa: F401 (re-exported: the split record)
 from ..models.sidecars import SPLIT_SIDECAR
-from .artifacts import checkpoint_directory, copy_tokenizer, model_from_state, refuse_existing
+from .artifacts import checkpoint_directory, checkpoint_source, copy_tokenizer, model_from_state, refuse_existing
 
 SIDECAR = SPLIT_SIDECAR
 METHODS = ("anneal", "random")
 GATES = ("exact", "proxy", "finetune")
 WIDTH_KEYS = ("moe_intermediate_size", "intermediate_size")   # first one present is the expert width
 
-
-# ---- profiling -----------------------------------------------------------------------------------
 
 @dataclass
 class LayerProfile:
@@ -135,8 +124,6 @@ def profile_neurons(model, batches, progress: bool = True) -> dict[int, LayerPro
     return {i: LayerProfile(p.count.cpu(), p.sum_a.cpu(), p.sum_aa.cpu(), p.hidden_sum.cpu(), p.hidden_outer.cpu(),
                             p.tokens) for i, p in prof.items()}   # the partition search runs on the CPU
 
-
-# ---- partitioning --------------------------------------------------------------------------------
 
 def check_parts(width: int, parts: int) -> None:
     if parts < 2:
@@ -249,8 +236,6 @@ def check_partition(groups: torch.Tensor, width: int) -> None:
     sorted_ids = groups.reshape(E, -1).sort(dim=1).values
     assert torch.equal(sorted_ids, torch.arange(width).expand(E, width)), "partition is not disjoint and complete"
 
-
-# ---- building the split model --------------------------------------------------------------------
 
 @dataclass
 class LayerSplit:
@@ -434,8 +419,6 @@ def _choice(logits: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
     return scores + layer.router_bias.float() if layer.router_bias is not None else scores
 
 
-# ---- writing -------------------------------------------------------------------------------------
-
 def write_split(result: SplitResult, source_model, out: str | Path, overwrite: bool = False,
                 source_dir: Path | None = None, command: str | None = None) -> Path:
     """Save the split model as a stock checkpoint (temp dir + rename) with a sidecar recording the
@@ -470,9 +453,8 @@ def split_checkpoint(model, data, parts: int, out: str | Path, *, method: str = 
     from ..calibration.data import data_file, iter_token_batches, parse_data_spec
     from ..models.loading import load_model, load_tokenizer
 
-    source_dir = resolve_model_path(model) if isinstance(model, (str, Path)) else \
-        (Path(model.moetailor_source) if getattr(model, "moetailor_source", None) else None)
-    inputs = (source_dir, data_file(data))
+    source = checkpoint_source(model)
+    inputs = (source, data_file(data))
     out = refuse_existing(out, overwrite, inputs)  # before any work
     if gate not in GATES:
         raise ValueError(f"unknown --gate {gate!r}; choose one of {GATES}")
@@ -482,11 +464,11 @@ def split_checkpoint(model, data, parts: int, out: str | Path, *, method: str = 
     if method not in METHODS:
         raise ValueError(f"unknown --method {method!r}; choose one of {METHODS}")
     spec = parse_data_spec(data)
-    tokenizer = load_tokenizer(source_dir) if source_dir is not None else None
+    tokenizer = load_tokenizer(source) if source is not None else None
     if isinstance(model, (str, Path)):
         from ..device import Placement
 
-        model = load_model(source_dir, placement=Placement.of(device, spread=True))   # HF forwards only
+        model = load_model(source, placement=Placement.of(device, spread=True))   # HF forwards only
     if tokenizer is None:
         raise ValueError("splitting needs the model's tokenizer to read calibration text; pass a checkpoint path")
     _check_splittable(model, parts)
@@ -513,4 +495,4 @@ def split_checkpoint(model, data, parts: int, out: str | Path, *, method: str = 
         ft_batches = list(iter_token_batches(tokenizer, spec, ft_tokens, batch_tokens=2 * seq_len, seq_len=seq_len,
                                              seed=seed + 1))
         meta["finetune"] = finetune_router(model, split, ft_batches, steps=finetune_steps, progress=progress)
-    return write_split(result, model, out, overwrite, source_dir, command), result
+    return write_split(result, model, out, overwrite, source, command), result

@@ -41,8 +41,7 @@ def prune_checkpoint_streamed(source: str | Path, plan: Plan | str | Path, out: 
         return write_novice(ckpt, model, config, plan, substituted, out, overwrite, inputs, phase, command,
                             shard_bytes, progress)
     kept = kept_per_layer(plan, model, phase)
-    spec = arch_spec(config)
-    original_E = spec.num_experts(config)
+    original_E = arch_spec(config).num_experts(config)
     config = pruned_config(config, len(next(iter(kept.values()))))
     names = ckpt.keys()
     with checkpoint_directory(out, overwrite, inputs) as tmp:
@@ -68,6 +67,7 @@ def write_novice(ckpt, model, config, plan: Plan, substituted: dict[int, tuple[i
     their own ids, no weights for the replaced ones, their constants (the plan's statistics' mean outputs,
     fp32) as ``approx_value`` tensors, and ``config.approximate_experts``. One tensor at a time."""
     from ..calibration import ExpertStats
+    from ..models.architectures import arch_spec
     from ..models.checkpoint import EXPERT_KEY, FUSED_KEY, ShardWriter, split_layer_key
     from ..models.novice import approx_name
 
@@ -101,17 +101,11 @@ def write_novice(ckpt, model, config, plan: Plan, substituted: dict[int, tuple[i
         config.approximate_experts = {str(i): list(ids) for i, ids in sorted(substituted.items())}
         finish_streamed(ckpt, writer, config, tmp)
         copy_tokenizer(ckpt.path, tmp)
-        E = model_experts(config)
+        E = arch_spec(config).num_experts(config)
         kept = {i: tuple(e for e in range(E) if e not in ids) for i, ids in substituted.items()}
         write_sidecar(tmp, model, plan, kept, phase, E, command, streamed=True, novice=True,
                       substituted={str(i): list(ids) for i, ids in sorted(substituted.items())})
     return out
-
-
-def model_experts(config) -> int:
-    from ..models.architectures import arch_spec
-
-    return arch_spec(config).num_experts(config)
 
 
 def merged_checkpoint(model_path: str | Path, plan: Plan, phase: str = "decode", log=None) -> Path:

@@ -10,12 +10,11 @@ embedding row carries a shared unit direction u (as long as its random part); ro
 row orthogonal to u at unit logit std plus a multiple of u that adds ``skew * b_e`` (b_e ~ N(0, 1)
 per layer) to expert e's logit for every token.
 
-Two rules keep routing token-dependent through the layers (without them the hottest expert took
-94-100% of tokens in every layer): random attention averages each position's context, which is nearly
-the same vector for every token (u and the mean embedding) and at N(0, 0.02) several times the
-embeddings' norm (5.6x at hidden 512). So (1) q, k, v (MLA: q and kv_a) read the residual with u
-projected out, and (2) the attention output projection has std 0.02 / sqrt(hidden). Routed experts
-keep N(0, 0.02). docs/scale.md gives the measured expert frequencies.
+Two rules keep routing token-dependent through the layers (without them the hottest expert takes
+nearly every token): random attention averages each position's context, which is nearly the same
+vector for every token (u and the mean embedding) and at N(0, 0.02) several times the embeddings'
+norm. So (1) q, k, v (MLA: q and kv_a) read the residual with u projected out, and (2) the attention
+output projection has std 0.02 / sqrt(hidden). docs/scale.md gives the measured expert frequencies.
 """
 from __future__ import annotations
 

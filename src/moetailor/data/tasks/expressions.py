@@ -63,8 +63,7 @@ def _reduce_once(tree: Tree) -> Tree:
 
 
 # Every leaf and intermediate value is a single (signed) digit: each reduction step is then one
-# fact from a table of a few hundred, which an 18M-parameter model learns; with two-digit
-# intermediates (|v| < 100, the first version) it scored 10%. Difficulty is the nesting depth.
+# fact from a table of a few hundred, which a small model learns. Difficulty is the nesting depth.
 VALUE_BOUND = 10
 
 
