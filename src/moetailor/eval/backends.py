@@ -75,16 +75,6 @@ def require_novice(served: dict, url: str, model: str | Path | None, what: str) 
                          "--vllm-no-prefix-caching --vllm-novice`")
 
 
-def eos_ids(model, tokenizer) -> list[int]:
-    """The ids the embedded engine stops on (generation config, model config, tokenizer)."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if value is not None:
-            ids.update([value] if isinstance(value, int) else value)
-    return sorted(ids)
-
-
 class EngineBackend:
     """moetailor's engine (generation) and the in-memory model's forward (held-out KL)."""
 
@@ -144,11 +134,12 @@ class VLLMBackend:
                  novice: bool = True):
         from ..models.paths import resolve_model_path
         from ..runtime.runner import default_max_model_len
+        from ..serving.llm import eos_token_ids
 
         self.model, self.tokenizer, self.path, self.url = model, tokenizer, resolve_model_path(path), url
         self.max_num_seqs, self.max_model_len = max_num_seqs, default_max_model_len(model.config)
         self.vocab = int(model.config.vocab_size)
-        self.stop_ids = eos_ids(model, tokenizer)
+        self.stop_ids = sorted(eos_token_ids(model, tokenizer))   # what the embedded engine stops on
         # vLLM computes in the dtype of the model in memory, the one the engine would score in (tune's --dtype)
         self.dtype = str(next(model.parameters()).dtype).replace("torch.", "")
         self._tmp = tempfile.TemporaryDirectory(prefix="moetailor-vllm-plans-")

@@ -53,6 +53,16 @@ class StepRecord:
     pool_size: int | None = None        # decode pool by load: experts per layer the step's pool keeps
 
 
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """The ids an engine stops on: the generation config's, the model config's and the tokenizer's EOS."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return ids
+
+
 class LLM:
     """Continuous-batching engine over a transformers MoE model with a paged KV cache."""
 
@@ -177,12 +187,7 @@ class LLM:
         return self.config.max_model_len
 
     def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
-            value = getattr(source, "eos_token_id", None)
-            if value is not None:
-                ids.update([value] if isinstance(value, int) else value)
-        return ids
+        return eos_token_ids(self.model, self.tokenizer)
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -110,7 +110,6 @@ def test_an_empty_api_key_is_refused(one_thread, reference):
 def test_serve_with_an_empty_api_key_exits_in_one_line_before_loading():
     env = {**os.environ, "MOETAILOR_API_KEY": "envkey", "PYTHONPATH": str(ROOT / "src")}
     for extra in (["--api-key", ""], ["--port", "70000"]):
-        t = time.monotonic()
         r = subprocess.run([sys.executable, "-m", "moetailor.cli.main", "serve", "reference", *extra],
                            capture_output=True, text=True, env=env, timeout=120)
         assert r.returncode == 2, r.stderr
