@@ -202,16 +202,17 @@ class RoutingController:
             if native and logits is not None:
                 logits = logits.contiguous()                                  # [T, E]
             elif native and step.native.linear and (hidden.dtype == torch.float32
-                                                                 or hidden.shape[0] <= BF16_ROUTER_OP_ROWS):
-                logits = torch.ops.moetailor.rows_linear(hidden.contiguous(), router.weight)  # [T, E] (fp32: any rows, E is small)
+                                                    or hidden.shape[0] <= BF16_ROUTER_OP_ROWS):
+                logits = torch.ops.moetailor.rows_linear(hidden.contiguous(), router.weight)  # [T, E] (fp32: any rows)
             else:
                 logits = layer.router_logits(hidden)                          # [T, E]
+            select = torch.ops.moetailor.softmax_topk if native else None
             if native and cp is None and self.one_budget(step):               # full routing (at one k): the selection is all
-                weights, index = torch.ops.moetailor.softmax_topk(logits.float().contiguous(), self.native_top_k(layer, step),
-                                                    layer.semantics.normalise, None)
+                weights, index = select(logits.float().contiguous(), self.native_top_k(layer, step),
+                                        layer.semantics.normalise, None)
                 weights = self._as_stock(weights, logits)
             else:
-                weights, index = self.apply_policy(layer, logits, cp, token_k, k_max, torch.ops.moetailor.softmax_topk if native else None)
+                weights, index = self.apply_policy(layer, logits, cp, token_k, k_max, select)
         if self.observers:
             hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
             for observer in self.observers:

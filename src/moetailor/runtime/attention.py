@@ -50,7 +50,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if kv.native:
         q = query[0].transpose(0, 1).float().contiguous()                 # [B, nH, Dk]
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        o = torch.ops.moetailor.paged_decode_attention(q, k_cache, v_cache, kv.block_table, kv.context_lens, kv.block_size, scale)
+        o = torch.ops.moetailor.paged_decode_attention(q, k_cache, v_cache, kv.block_table, kv.context_lens,
+                                                       kv.block_size, scale)
         return o.to(query.dtype).unsqueeze(0)                             # [1, B, nH, Dv]
     k_all = _cached(kv, k_cache, query.dtype, "k")                        # [B, nKV, S, Dk]
     v_all = _cached(kv, v_cache, query.dtype, "v")                        # [B, nKV, S, Dv]

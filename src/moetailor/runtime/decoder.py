@@ -74,10 +74,11 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             or (rows > NATIVE_LINEAR_ROWS and not (x.dtype == torch.bfloat16 and not bf16_gemm_is_fast())):
         return torch.nn.functional.linear(x, weight, bias)
     if x.dtype == torch.bfloat16:   # the op widens the rows and rounds its fp32 sums (+ bias) to bf16 once, as below
-        return torch.ops.moetailor.rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias).view(*x.shape[:-1], -1)
+        return torch.ops.moetailor.rows_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight,
+                                               bias).view(*x.shape[:-1], -1)
     fused = bias is not None and bias.dtype == torch.float32                           # the op adds an fp32 bias
     y = torch.ops.moetailor.rows_linear(x.reshape(rows, x.shape[-1]).float().contiguous(), weight,  # [rows, N] fp32
-                           bias if fused else None)
+                                        bias if fused else None)
     if bias is not None and not fused:
         y = y + bias
     return y.to(x.dtype).view(*x.shape[:-1], -1)                                        # [..., N]
@@ -414,8 +415,8 @@ class Decoder:
                 k_cache.index_copy_(0, kv.slot_mapping, k[0].transpose(0, 1).to(k_cache.dtype))
                 v_cache.index_copy_(0, kv.slot_mapping, v.to(v_cache.dtype))
                 q = q[0].transpose(0, 1).contiguous()                         # [B, nH, D]
-            o = torch.ops.moetailor.paged_decode_attention(q.float(), k_cache, v_cache, kv.block_table, kv.context_lens, kv.block_size,
-                          self.scaling).to(x.dtype)                          # [B, nH, D]: fp32 inside, as the module path
+            o = torch.ops.moetailor.paged_decode_attention(q.float(), k_cache, v_cache, kv.block_table, kv.context_lens,
+                                                           kv.block_size, self.scaling).to(x.dtype)   # [B, nH, D]: fp32 inside
             x, h = layer.post_norm.after_add(x, module_linear(o.reshape(B, nH * D), layer.o), norm,
                                              self.add_norm)                         # [B, H] each
             x, h = next_norm.after_add(x, self.moe(layer, h, controller, step), norm, self.add_norm)

@@ -152,8 +152,8 @@ def native_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     copy when the engine made one), which writes the distinct-expert count into the step itself."""
     gu, down = step_weights(self, step)                                     # [E, 2I, H], [E, H, I]
     out = torch.ops.moetailor.swiglu_experts(hidden_states.float().contiguous(), gu, down,  # [T, H]
-                              top_k_index.long().contiguous(), top_k_weights.float().contiguous(),
-                              step.experts_read, layer_of(self))
+                                             top_k_index.long().contiguous(), top_k_weights.float().contiguous(),
+                                             step.experts_read, layer_of(self))
     return out.to(hidden_states.dtype)
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from . import attention, experts
 from ..models.adapters import MoeLayer
+from . import attention, experts
 from .config import EngineConfig
 from .decoder import Decoder, bf16_gemm_is_fast, packed_bf16_linears_pay
 from .deepseek import MlaDecoder

@@ -30,7 +30,9 @@ def vllm_engine(**kwargs):
     try:
         yield llm
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        # vLLM force-kills an engine core that has not stopped 5 s after SIGTERM unless given longer; an
+        # observing engine writes its statistics while it stops, which a busy 2-core machine can take past 5 s
+        llm.llm_engine.engine_core.shutdown(timeout=60)
         del llm
         gc.collect()
 
