@@ -111,3 +111,42 @@ def test_pool_search_moves_pool_slots_to_the_layer_that_needs_them(tmp_path, cap
     assert main(["plan", str(tmp_path / "stats.safetensors"), "--criterion", "frequency", "--keep", "0.75",
                  "--layers", "search", "--out", str(tmp_path / "x.json")]) == 2
     assert "--model" in capsys.readouterr().err
+
+
+def test_pool_search_scores_novice_pools_as_they_serve(tmp_path, capsys):
+    """With --novice the search measures each allocation with the dropped experts' constants added (the
+    uniform start's KL equals the engine's held-out KL of that novice plan, not the masked one's), and
+    writes a novice plan; --merge is refused there with the reason."""
+    from moetailor.calibration import calibrate
+    from moetailor.cli.main import main
+    from moetailor.eval.backends import EngineBackend
+    from moetailor.eval.search_k import calibration_windows
+    from moetailor.plans.criteria import make_plan
+
+    model = tiny_model("qwen2_moe", seed=2, num_experts=8, top_k=K, layers=3)
+    tok = char_tokenizer()
+    model_dir = tmp_path / "tiny"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    stats = calibrate(model, tok, "text", 512, batch_tokens=128, seq_len=64, progress=False)
+    stats_path = tmp_path / "stats.safetensors"
+    stats.save(stats_path)
+    out = tmp_path / "plan.json"
+    argv = ["plan", str(stats_path), "--criterion", "mone", "--keep", "0.75", "--layers", "search", "--novice",
+            "--model", str(model_dir), "--search-data", "text", "--search-tokens", "256", "--step", "1"]
+    assert main(argv + ["--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.needs_constants and sum(len(plan.decode.for_layer(i).keep) for i in (0, 1, 2)) == 18
+    search = plan.meta["pool_search"]
+    assert search["novice"] is True
+    backend = EngineBackend(model, tok)
+    windows = calibration_windows(tok, "text", 256, 128)
+    uniform = {i: 6 for i in (0, 1, 2)}
+    novice = make_plan(stats, model, "mone", layers=uniform, stats_path=str(stats_path), novice=True)
+    masked = make_plan(stats, model, "mone", layers=uniform, stats_path=str(stats_path))
+    novice_kl = backend.heldout(novice.with_phases(None, novice.decode), windows).kl
+    masked_kl = backend.heldout(masked.with_phases(None, masked.decode), windows).kl
+    assert search["search"]["uniform_kl"] == pytest.approx(novice_kl, rel=1e-5)
+    assert abs(novice_kl - masked_kl) > 1e-4
+    assert main(argv + ["--merge", "msmoe", "--out", str(tmp_path / "m.json")]) == 2
+    assert "does not take --merge" in capsys.readouterr().err

@@ -50,6 +50,8 @@ def test_tune_chooses_the_best_plan_at_the_target(arch, tmp_path):
     assert all(a["budget"] < b["budget"] and a["kl"] > b["kl"] for a, b in zip(front, front[1:]))
     kinds = {(r["candidate"]["pool_mode"], r["candidate"]["allocation"]) for r in tuner.scored.values()}
     assert ("fold", "uniform") in kinds and ("mask", "sensitivity") in kinds and ("novice", "uniform") in kinds
+    novice_probes = [r for r in tuner.scored.values() if r["candidate"]["pool_mode"] == "novice" and tuner._is_probe(r)]
+    assert len(novice_probes) >= len(tuner.layers) and ("novice", "sensitivity") in kinds   # per-layer novice pools
     assert (("merge", "uniform") in kinds) == (arch != "deepseek_v3-grouped")   # no merging of grouped routers
     if arch == "deepseek_v3-grouped":   # 4 routing groups: every pool keeps a multiple of 4 experts
         assert all(s % 4 == 0 for r in tuner.scored.values() for s in r["candidate"]["sizes"])

@@ -71,9 +71,9 @@ def run(args) -> int:
     stats = ExpertStats.load(args.stats)
     command = command_line(args, positional=("stats",))
     if args.layers == "search":   # measures each layer's sensitivity: runs the whole model
-        if args.protect_super or args.novice or args.merge:
-            raise ValueError("--layers search does not take --protect-super, --novice or --merge yet; give --keep / "
-                             "--layers")
+        if args.merge:
+            raise ValueError("--layers search does not take --merge (a merged layer is another checkpoint); give "
+                             "--keep / --layers")
         from ..models import load_model
         return run_search(args, stats, load_model(args.model) if args.model else None, command)
     model = None
@@ -126,7 +126,8 @@ def run_search(args, stats, model, command: str) -> int:
     data = default_data_spec(args.model, args.search_data, "--search-data")
     plan, summary = search_pool(model, load_tokenizer(args.model), stats, args.criterion, args.keep, data=data,
                                 tokens=args.search_tokens or 4096, step=args.step or 4, phase=args.phase, seed=args.seed,
-                                stats_path=str(args.stats), command=command)
+                                stats_path=str(args.stats), command=command, novice=args.novice,
+                                protect_super=args.protect_super)
     plan.save(args.out)
     s = summary["search"]
     print_table(f"per-layer pool sizes ({args.criterion}, {args.keep:g} of experts on average, step {summary['step']}) "

@@ -184,11 +184,14 @@ POOL_METHOD = ("coordinate descent over transfers of STEP pool slots between MoE
 def search_pool(model, tokenizer, stats, criterion: str, keep: float, *, data: str = "tasks", tokens: int = 4096,
                 window: int = 128, step: int = 4, phase: str = "decode", max_rounds: int = 20, tol: float = 1e-4,
                 seed: int = 0, progress: bool = True, stats_path: str | None = None, command: str | None = None,
-                log=None) -> tuple[Plan, dict]:
+                log=None, novice: bool = False, protect_super: int = 0) -> tuple[Plan, dict]:
     """Per-layer static pool sizes from measured sensitivity: the same total as a uniform ``keep``
     plan, moved between layers ``step`` experts at a time where next-token KL on ``data`` says the
-    layer needs them. Returns a pruning plan (``--layers`` budgets) and a summary."""
+    layer needs them. Returns a pruning plan (``--layers`` budgets) and a summary. ``novice`` and
+    ``protect_super`` are measured as they serve: a layer that loses an expert to its constant
+    needs fewer kept places than one that loses it outright."""
     from ..plans.criteria import make_plan
+    from ..plans.techniques import attach_plan_fold_tables
 
     t0 = time.time()
     shape = Shape.of(model)
@@ -200,7 +203,10 @@ def search_pool(model, tokenizer, stats, criterion: str, keep: float, *, data: s
         key = tuple(sizes)
         if key not in plans:
             plans[key] = make_plan(stats, model, criterion, layers=dict(zip(shape.layers, sizes)), phase=phase,
-                                   stats_path=stats_path, command=command)
+                                   stats_path=stats_path, command=command, novice=novice,
+                                   protect_super=protect_super)
+            if len(plans) == 1:
+                attach_plan_fold_tables(model, plans[key])   # the novice constants, the same for every size
         return plans[key]
 
     def policy_of(sizes: list[int]) -> PhasePolicy:
@@ -213,7 +219,8 @@ def search_pool(model, tokenizer, stats, criterion: str, keep: float, *, data: s
                       start=[uniform] * n, progress=progress, log=log, policy_of=policy_of, low=shape.top_k,
                       high=E, step=step)
     plan = plan_of(result.ks)
-    summary = {"criterion": criterion, "keep": keep, "step": step, "phase": phase, "method": POOL_METHOD,
+    summary = {"criterion": criterion, "keep": keep, "novice": novice, "protect_super": protect_super, "step": step,
+               "phase": phase, "method": POOL_METHOD,
                "data": data, "tokens": len(windows) * window, "window": window, "search": result.to_json(),
                "seconds": round(time.time() - t0, 1)}
     plan.meta["pool_search"] = summary

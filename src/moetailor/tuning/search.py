@@ -13,7 +13,7 @@ Stages (each candidate's evidence is cached in ``OUT/candidates/KEY.json``, so a
 3. for the best criterion: every pool size on the fine grid, masked and folded; per-layer sizes
    under a fixed total from measured layer sensitivity (``tuning.sensitivity``); top-k reduction
    on the proxy front where the batch makes it pay; near the target, novice pools (MoNE score and
-   the best criterion), merged experts (HC-SMoE, M-SMoE; scored on their merged checkpoints, by the
+   the best criterion; uniform, and per-layer from each layer's novice sensitivity), merged experts (HC-SMoE, M-SMoE; scored on their merged checkpoints, by the
    embedded engine whatever ``--backend``: a plan switch on one vLLM engine cannot give another
    checkpoint) and each of those and the masked pool with the model's super experts protected;
 4. task accuracy on the user's prompts (``eval`` scorers, through the engine) for the full model and
@@ -517,6 +517,7 @@ class Tuner:
         near = sorted(fine, key=lambda m: abs(m / self.E - self._proxy_target()))[:5]
         grouped = (self.fp.get("n_group") or 1) > 1      # merging and protection are refused there (plans say why)
         protect = [0] + ([s.protect_super] if s.protect_super and self.stats.has_outputs and not grouped else [])
+        novice = s.novice is not False and self.backend.novice and self.stats.has_outputs
         out = []
         for m in sorted(near):
             sizes = (m,) * len(self.layers)
@@ -524,15 +525,35 @@ class Tuner:
                 if p >= m:
                     continue
                 kinds = [Candidate(best, sizes, "mask", protect_super=p)] if p else []
-                if s.novice is not False and self.backend.novice and self.stats.has_outputs:
+                if novice:
                     kinds += [Candidate(c, sizes, "novice", protect_super=p) for c in dict.fromkeys(("mone", best))]
                 if s.merge and self.stats.has_outputs and not grouped:
                     kinds += [Candidate("frequency", sizes, "merge", protect_super=p, merge=g) for g in ("hcsmoe", "msmoe")]
                 out += kinds
+        if novice and s.allocation and len(self.layers) > 1:
+            out += self._novice_allocations(tuple(dict.fromkeys(("mone", best))), sorted(near))
         if s.backend != "engine" and any(c.checkpoint for c in out):
             self._note("merged experts are scored on moetailor's engine (prefill on the model, decode on the merged "
                        "checkpoint): vLLM's evaluator switches plans on one engine, and a merged decoder is another "
                        "checkpoint (\"scored on\": engine in the table and front.json)")
+        return out
+
+    def _novice_allocations(self, criteria: tuple[str, ...], totals: list[int]) -> list[Candidate]:
+        """Per-layer novice pool sizes at each of ``totals`` (experts per layer on average), from each
+        layer's own novice sensitivity curve (stage 3's additive model): a layer whose dropped experts
+        are close to their constants needs fewer kept places than one that loses them outright, so the
+        masked curves would misplace them. The curves' probes are cached as stage 3's are."""
+        from .sensitivity import allocate, measure_curves, measured_sizes
+
+        sizes, out = measured_sizes(self.E, self.min_pool, self.step), []
+        for crit in criteria:
+            def kl_of(alloc: list[int]) -> float:
+                return self.score(Candidate(crit, tuple(alloc), "novice", allocation="uniform"))["kl"]
+            curves = measure_curves(kl_of, len(self.layers), self.E, sizes)
+            for m in totals:
+                alloc = allocate(curves, m * len(self.layers), self.E, self.min_pool, self.step)
+                if alloc is not None and len(set(alloc)) > 1:
+                    out.append(Candidate(crit, tuple(alloc), "novice", allocation="sensitivity"))
         return out
 
     def proxy_front(self) -> list[dict]:
