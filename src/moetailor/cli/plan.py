@@ -130,7 +130,8 @@ def run_search(args, stats, model, command: str) -> int:
                                 protect_super=args.protect_super)
     plan.save(args.out)
     s = summary["search"]
-    print_table(f"per-layer pool sizes ({args.criterion}, {args.keep:g} of experts on average, step {summary['step']}) "
+    kind = args.criterion + (", novice constants" if args.novice else "")
+    print_table(f"per-layer pool sizes ({kind}, {args.keep:g} of experts on average, step {summary['step']}) "
                 f"-> {args.out}", ["MoE layer", "uniform", "searched"],
                 [(i, u, k) for i, u, k in zip(stats.model["moe_layers"], s["uniform"], s["ks"])])
     print(f"next-token KL to the full model on {summary['tokens']:,} tokens of {summary['data']}: "

@@ -61,35 +61,46 @@ def search_k(model, windows: list[list[int]], budget: int, *, phase: str = "both
     By default the per-layer count is the active experts per token (``top_k``, in [1, k]); with
     ``policy_of`` (counts -> PhasePolicy) it can be any per-layer budget in [low, high], moved
     ``step`` at a time — e.g. the size of each layer's static expert pool (``search_pool``)."""
-    from tqdm import tqdm
-
     from .metrics import HeldoutScorer
 
-    log = log or (lambda m: print(m, file=sys.stderr))
     shape = Shape.of(model)
     phase_policies(PhasePolicy(), phase)   # validate before any work
-    if max_rounds < 0:
-        raise ValueError(f"--max-rounds must be >= 0, got {max_rounds}")
     policy_of = policy_of or (lambda ks: layer_k_policy(shape, ks))
     current = list(start) if start is not None else uniform_allocation(shape, budget)
     policy_of(current)
     if sum(current) != budget:
         raise ValueError(f"the start allocation {current} spends {sum(current)} experts, not the budget {budget}")
     scorer = HeldoutScorer(model, windows)
+    return descend(lambda ks: scorer.score(*phase_policies(policy_of(ks), phase)).kl, current, low=low,
+                   high=high if high is not None else shape.top_k, step=step, max_rounds=max_rounds, tol=tol,
+                   progress=progress, log=log)
+
+
+def descend(kl_of, start: list[int], *, low: int, high: int, step: int = 1, max_rounds: int = 20, tol: float = 1e-4,
+            progress: bool = True, log=None) -> SearchResult:
+    """The descent itself, on any ``kl_of(per-layer counts)``: each round tries every transfer of
+    ``step`` from layer i to layer j within [low, high] and takes the one that lowers KL most; stops
+    when none lowers it by more than ``tol`` or after ``max_rounds`` (``tuning`` runs it on its own
+    scorer, which may be vLLM)."""
+    from tqdm import tqdm
+
+    log = log or (lambda m: print(m, file=sys.stderr))
+    if max_rounds < 0:
+        raise ValueError(f"--max-rounds must be >= 0, got {max_rounds}")
     scored: dict[tuple[int, ...], float] = {}
 
     def kl(ks: list[int]) -> float:
         key = tuple(ks)
         if key not in scored:
-            scored[key] = scorer.score(*phase_policies(policy_of(ks), phase)).kl
+            scored[key] = kl_of(list(ks))
         return scored[key]
 
-    n, k = len(current), high if high is not None else shape.top_k
+    current, n = list(start), len(start)
     uniform, current_kl = list(current), kl(current)
     history, rounds = [], 0
     for rounds in range(1, max_rounds + 1):
         moves = [(i, j) for i in range(n) for j in range(n)
-                 if i != j and current[i] - step >= low and current[j] + step <= k]
+                 if i != j and current[i] - step >= low and current[j] + step <= high]
         best = None
         for i, j in tqdm(moves, desc=f"search-k round {rounds}", unit="move", disable=not progress, file=sys.stderr,
                          leave=False):

@@ -13,7 +13,8 @@ Stages (each candidate's evidence is cached in ``OUT/candidates/KEY.json``, so a
 3. for the best criterion: every pool size on the fine grid, masked and folded; per-layer sizes
    under a fixed total from measured layer sensitivity (``tuning.sensitivity``); top-k reduction
    on the proxy front where the batch makes it pay; near the target, novice pools (MoNE score and
-   the best criterion; uniform, and per-layer from each layer's novice sensitivity), merged experts (HC-SMoE, M-SMoE; scored on their merged checkpoints, by the
+   the best criterion; uniform, and per-layer from each layer's novice sensitivity, refined at the target by
+   coordinate descent), merged experts (HC-SMoE, M-SMoE; scored on their merged checkpoints, by the
    embedded engine whatever ``--backend``: a plan switch on one vLLM engine cannot give another
    checkpoint) and each of those and the masked pool with the model's super experts protected;
 4. task accuracy on the user's prompts (``eval`` scorers, through the engine) for the full model and
@@ -531,30 +532,38 @@ class Tuner:
                     kinds += [Candidate("frequency", sizes, "merge", protect_super=p, merge=g) for g in ("hcsmoe", "msmoe")]
                 out += kinds
         if novice and s.allocation and len(self.layers) > 1:
-            out += self._novice_allocations(tuple(dict.fromkeys(("mone", best))), sorted(near))
+            out += self._novice_allocations(tuple(dict.fromkeys(("mone", best))), sorted(near), near[0])
         if s.backend != "engine" and any(c.checkpoint for c in out):
             self._note("merged experts are scored on moetailor's engine (prefill on the model, decode on the merged "
                        "checkpoint): vLLM's evaluator switches plans on one engine, and a merged decoder is another "
                        "checkpoint (\"scored on\": engine in the table and front.json)")
         return out
 
-    def _novice_allocations(self, criteria: tuple[str, ...], totals: list[int]) -> list[Candidate]:
+    def _novice_allocations(self, criteria: tuple[str, ...], totals: list[int], target: int) -> list[Candidate]:
         """Per-layer novice pool sizes at each of ``totals`` (experts per layer on average), from each
         layer's own novice sensitivity curve (stage 3's additive model): a layer whose dropped experts
         are close to their constants needs fewer kept places than one that loses them outright, so the
-        masked curves would misplace them. The curves' probes are cached as stage 3's are."""
+        masked curves would misplace them. At ``target`` the additive allocation is refined by the
+        coordinate descent of `plan --layers search` (``eval.search_k.descend``) on the traffic KL,
+        since layers' novice errors interact. Every probe is cached as stage 3's are."""
+        from ..eval.search_k import descend
         from .sensitivity import allocate, measure_curves, measured_sizes
 
-        sizes, out = measured_sizes(self.E, self.min_pool, self.step), []
+        n, sizes, out = len(self.layers), measured_sizes(self.E, self.min_pool, self.step), []
         for crit in criteria:
             def kl_of(alloc: list[int]) -> float:
                 return self.score(Candidate(crit, tuple(alloc), "novice", allocation="uniform"))["kl"]
-            curves = measure_curves(kl_of, len(self.layers), self.E, sizes)
+            curves = measure_curves(kl_of, n, self.E, sizes)
             for m in totals:
-                alloc = allocate(curves, m * len(self.layers), self.E, self.min_pool, self.step)
+                alloc = allocate(curves, m * n, self.E, self.min_pool, self.step)
                 if alloc is not None and len(set(alloc)) > 1:
                     out.append(Candidate(crit, tuple(alloc), "novice", allocation="sensitivity"))
-        return out
+            start = allocate(curves, target * n, self.E, self.min_pool, self.step) or [target] * n
+            refined = descend(kl_of, start, low=self.min_pool, high=self.E, step=self.step, progress=False,
+                              log=lambda m: None).ks
+            if len(set(refined)) > 1:
+                out.append(Candidate(crit, tuple(refined), "novice", allocation="sensitivity"))
+        return list(dict.fromkeys(out))
 
     def proxy_front(self) -> list[dict]:
         """Lowest held-out KL for each budget, among servable candidates (probes excluded)."""
