@@ -229,14 +229,6 @@ def partition_neurons(profile: LayerProfile, parts: int, method: str = "anneal",
     return anneal_partition(corr, greedy_partition(corr, profile.mean_abs(), parts), steps=steps, seed=seed)
 
 
-def check_partition(groups: torch.Tensor, width: int) -> None:
-    """Each expert's groups are disjoint, equal-sized and cover 0..width-1 (an invariant)."""
-    E, N, size = groups.shape
-    assert N * size == width, (groups.shape, width)
-    sorted_ids = groups.reshape(E, -1).sort(dim=1).values
-    assert torch.equal(sorted_ids, torch.arange(width).expand(E, width)), "partition is not disjoint and complete"
-
-
 @dataclass
 class LayerSplit:
     """How one layer's experts were split: child e*N + p holds neurons groups[e, p]."""
