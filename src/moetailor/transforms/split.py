@@ -42,6 +42,7 @@ from ..models.architectures import arch_spec
 from ..models.groups import chosen_groups, is_grouped, split_order
 from ..models.loading import model_fingerprint, read_split_sidecar  # noqa: F401 (re-exported: the split record)
 from ..models.sidecars import SPLIT_SIDECAR
+from ..tables import unknown_choice
 from .artifacts import checkpoint_directory, checkpoint_source, copy_tokenizer, model_from_state, refuse_existing
 
 SIDECAR = SPLIT_SIDECAR
@@ -224,7 +225,7 @@ def partition_neurons(profile: LayerProfile, parts: int, method: str = "anneal",
     if method == "random":
         return random_partition(E, I, parts, seed)
     if method != "anneal":
-        raise ValueError(f"unknown --method {method!r}; choose one of {METHODS}")
+        raise ValueError(unknown_choice("--method", method, METHODS))
     corr = profile.correlation()
     return anneal_partition(corr, greedy_partition(corr, profile.mean_abs(), parts), steps=steps, seed=seed)
 
@@ -275,7 +276,7 @@ def plan_split(model, profile: dict[int, LayerProfile], parts: int, method: str 
                steps: int = 4000, seed: int = 0) -> dict[int, LayerSplit]:
     """Partition every layer's experts and work out shares (and the proxy direction)."""
     if gate not in GATES:
-        raise ValueError(f"unknown --gate {gate!r}; choose one of {GATES}")
+        raise ValueError(unknown_choice("--gate", gate, GATES))
     out = {}
     for layer in moe_layers(model):
         p = profile[layer.index]
@@ -449,12 +450,12 @@ def split_checkpoint(model, data, parts: int, out: str | Path, *, method: str = 
     inputs = (source, data_file(data))
     out = refuse_existing(out, overwrite, inputs)  # before any work
     if gate not in GATES:
-        raise ValueError(f"unknown --gate {gate!r}; choose one of {GATES}")
+        raise ValueError(unknown_choice("--gate", gate, GATES))
     if gate == "finetune" and finetune_router is None:
         raise ValueError("gate='finetune' trains the split router: pass finetune_router="
                          "moetailor.training.split_finetune.finetune_router (`moetailor split --gate finetune` does)")
     if method not in METHODS:
-        raise ValueError(f"unknown --method {method!r}; choose one of {METHODS}")
+        raise ValueError(unknown_choice("--method", method, METHODS))
     spec = parse_data_spec(data)
     tokenizer = load_tokenizer(source) if source is not None else None
     if isinstance(model, (str, Path)):
