@@ -1,4 +1,5 @@
-"""Result tables shared by every layer that prints or writes results: rich on a terminal, markdown in files."""
+"""Text every layer shows users, written once: result tables (rich on a terminal, markdown in files) and
+the error for a value that is not one of its choices."""
 from __future__ import annotations
 
 import sys
@@ -21,3 +22,7 @@ def markdown_table(columns: list[str], rows: list[tuple]) -> str:
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
+
+def unknown_choice(what: str, value, choices) -> str:
+    """The one wording of a bad choice: ``unknown phase 'x'; choose from: decode, prefill, both``."""
+    return f"unknown {what} {value!r}; choose from: {', '.join(map(str, choices))}"

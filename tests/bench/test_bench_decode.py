@@ -7,7 +7,7 @@ from moetailor.bench.pools import kept_ids, make_pools, mask_plan, pruned_model
 from moetailor.bench.report import Report
 from moetailor.bench.slo import _report_model, throughput_at_slo
 from moetailor.bench.synthetic import synthetic_config
-from moetailor.bench.traffic import expected_distinct
+from moetailor.routing.traffic import expected_distinct
 from moetailor.models.tiny import tiny_model
 
 

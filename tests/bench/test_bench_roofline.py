@@ -15,7 +15,7 @@ from moetailor.bench.roofline import (
     slo_batch,
     step_cost,
 )
-from moetailor.bench.traffic import expected_distinct
+from moetailor.routing.traffic import expected_distinct
 
 
 def test_qwen36_expert_pool_is_60_gib():

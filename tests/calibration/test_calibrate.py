@@ -243,7 +243,7 @@ def test_data_specs(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"txt": 1}\n')
     with pytest.raises(ValueError, match='"text"'):
         next(iter_documents(str(tmp_path / "bad.jsonl")))
-    with pytest.raises(ValueError, match="valid domains"):
+    with pytest.raises(ValueError, match="unknown text domain 'nonsense'; choose from: "):
         parse_data_spec("text:nonsense")
     with pytest.raises(FileNotFoundError):
         parse_data_spec(str(tmp_path / "missing.jsonl"))
@@ -275,7 +275,7 @@ def test_task_domains_mixture_and_provenance(tmp_path):
 
     docs = iter_documents("tasks:sorting", seed=0)
     assert all(next(docs).startswith("sort") for _ in range(20))
-    with pytest.raises(ValueError, match="valid tasks"):
+    with pytest.raises(ValueError, match="unknown task 'juggling'; choose from: "):
         parse_data_spec("tasks:juggling")
     # a mixture meets its token shares (tasks documents are short, text documents long)
     tok = char_tokenizer()

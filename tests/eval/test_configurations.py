@@ -47,7 +47,7 @@ def test_plan_for_another_model_is_rejected(model):
 def test_parse_configs_validates_names_and_arguments():
     specs = parse_configs("baseline, phase-aware,topk:1")
     assert [s.label for s in specs] == ["baseline", "phase-aware", "topk:1"]
-    with pytest.raises(ValueError, match="valid configurations: .*baseline"):
+    with pytest.raises(ValueError, match="unknown configuration 'halfway'; choose from: .*baseline"):
         parse_configs("baseline,halfway")
     with pytest.raises(ValueError, match="needs an argument"):
         parse_configs("topk")

@@ -111,10 +111,10 @@ def test_all_prompts_right_on_both_sides_gives_the_closed_form_bound():
 def test_one_gained_prompt_of_sixty_is_not_enough_to_tell():
     """`tune --n 10`: 101.9% of full on +1/-0 changed prompts straddles 97%; the verdict says so and
     names the prompts that would decide at these rates."""
-    from moetailor.eval.metrics import UNDECIDED, paired_floor_verdict
+    from moetailor.eval.metrics import UNDECIDED, PairedCounts, floor_verdict
     full = [True] * 53 + [False] * 7
     cand = [True] * 53 + [True] + [False] * 6
-    v = paired_floor_verdict(cand, full, 0.97)
+    v = floor_verdict(PairedCounts.of(cand, full), 0.97)
     assert v.ratio == pytest.approx(54 / 53) and (v.gained, v.lost, v.prompts) == (1, 0, 60)
     assert v.verdict == UNDECIDED and v.low < 0.97 < 1 < v.high and v.prompts_to_decide > 60
     text = v.describe(per_task=6)

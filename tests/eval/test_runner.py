@@ -144,13 +144,13 @@ def test_bad_settings_are_errors():
         small_settings(n=0).validate()
     with pytest.raises(ValueError, match="--n must be a positive"):
         small_settings(n=-3).validate()
-    with pytest.raises(ValueError, match="valid tasks: addition"):
+    with pytest.raises(ValueError, match="unknown task 'poetry'; choose from: addition"):
         small_settings(tasks=["addition", "poetry"]).validate()
     with pytest.raises(ValueError, match="need a plan"):
         small_settings(sweep=None).validate()
     with pytest.raises(ValueError, match="unknown sampling mode"):
         small_settings(sampling=["beam"]).validate()
-    with pytest.raises(ValueError, match="valid criteria: frequency"):
+    with pytest.raises(ValueError, match="unknown criterion 'vibes'; choose from: frequency"):
         parse_sweep("criteria=frequency,vibes;keep=0.5")
     with pytest.raises(ValueError, match="between 0 and 1"):
         parse_sweep("criteria=reap;keep=50")
@@ -159,9 +159,9 @@ def test_bad_settings_are_errors():
 
 @pytest.mark.parametrize("argv, message", [
     (["--n", "0"], "--n must be a positive"),
-    (["--tasks", "addition,poetry"], "valid tasks"),
-    (["--sweep", "criteria=vibes"], "valid criteria"),
-    (["--sweep", "paper", "--configs", "baseline,halfway"], "valid configurations"),
+    (["--tasks", "addition,poetry"], "unknown task 'poetry'; choose from: addition"),
+    (["--sweep", "criteria=vibes"], "unknown criterion 'vibes'; choose from: "),
+    (["--sweep", "paper", "--configs", "baseline,halfway"], "unknown configuration 'halfway'; choose from: "),
 ])
 def test_cli_rejects_bad_input_before_loading_a_model(argv, message, tmp_path, capsys):
     assert main(["eval", "no-such-model-dir", "--out", str(tmp_path), *argv]) == 2
@@ -184,7 +184,7 @@ def test_calibration_data_axis_gives_the_cross_domain_matrix(model, char_tok, tm
 
     assert sweep_data("criteria=reap;keep=0.5") is None
     assert sweep_data("keep=0.5;data=domains")[:2] == ("tasks", "tasks:addition")
-    with pytest.raises(ValueError, match="valid tasks"):
+    with pytest.raises(ValueError, match="unknown task 'juggling'"):
         parse_sweep("keep=0.5;data=tasks:juggling")
     settings = small_settings(sweep="criteria=frequency;keep=0.5;data=tasks:reverse|tasks:sorting|text:fortunes",
                               configs=parse_configs("baseline,phase-aware"), seeds=1)

@@ -59,7 +59,7 @@ def test_lines_group_into_tasks_and_chat_lines_render(tmp_path, char_tok):
     ({"prompt": "", "answer": "b"}, ":1: 'prompt' must be a non-empty string"),
     ({"messages": [{"content": "a"}], "answer": "b"}, ":1: 'messages' must be"),
     ({"prompt": "a"}, ":1: 'answer' must be"),
-    ({"prompt": "a", "answer": "b", "match": "fuzzy"}, ":1: unknown match rule 'fuzzy'; valid: exact, number"),
+    ({"prompt": "a", "answer": "b", "match": "fuzzy"}, ":1: unknown match rule 'fuzzy'; choose from: exact, number"),
     ({"prompt": "a", "answer": "b", "match": "regex"}, ":1: match 'regex' needs 'pattern'"),
     ({"prompt": "a", "answer": "b", "match": "regex", "pattern": "(a"}, ":1: 'pattern' '(a' is not a valid"),
     ({"prompt": "a", "answer": "b", "match": "regex", "pattern": "a"}, ":1: 'pattern' 'a' has 0 capture groups"),

@@ -111,7 +111,7 @@ def test_pools_by_load_thresholds_follow_the_cost_model():
     slo = cost.seconds(2, 3) + 1e-6                         # the full pool meets it up to batch 3
     pools = PoolsByLoad.from_slo([None, half], cost, slo, top_k=2, max_batch=16)
     assert [(r.pool_size, r.min_batch) for r in pools.rungs] == [(8, 1), (4, 4)]
-    assert pools.plan_for(1) is None and pools.plan_for(3) is None and pools.plan_for(16) is half
+    assert [pools.rung_for(b).plan for b in (1, 3, 16)] == [None, None, half]
     with pytest.raises(ValueError, match="threshold of 1"):
         PoolsByLoad([PoolRung(half, 4, 2)])
 

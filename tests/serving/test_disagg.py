@@ -69,11 +69,11 @@ def test_decode_worker_death_ends_requests_with_error_and_serving_continues(chec
         seq = dis.add_request(prompt, SamplingParams(max_tokens=200, ignore_eos=True))
         while seq.stage != "decode" or len(seq.completion_token_ids) < 3:
             dis.step()
-        dis.crash_decode_worker()
+        dis.workers["decode"].process.kill()    # as the OS would
         while not seq.is_finished:
             dis.step()
         assert seq.finish_reason == "error" and "decode worker exited" in seq.error
-        assert dis.decode_restarts == 1
+        assert dis.restarts["decode"] == 1
         again = dis.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0]
     assert again.finish_reason == "length"
     assert again.token_ids == colocated(model, plan, [prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids

@@ -107,7 +107,7 @@ def test_the_second_family_is_a_qwen3_moe_without_shared_expert():
     assert cfg.model_type == "qwen3_moe" and cfg.num_experts == 64 and cfg.num_experts_per_tok == 8
     assert not hasattr(cfg, "shared_expert_intermediate_size") or not cfg.shared_expert_intermediate_size
     assert model_class("qwen3_moe").__name__ == "Qwen3MoeForCausalLM"
-    with pytest.raises(ValueError, match="unknown reference family 'mixtral'; choose one of qwen2_moe, qwen3_moe"):
+    with pytest.raises(ValueError, match="unknown reference family 'mixtral'; choose from: qwen2_moe, qwen3_moe"):
         model_config(8192, "mixtral")
 
 

@@ -10,7 +10,6 @@ from moetailor.routing import RoutingController
 from moetailor.transforms.split import (
     SplitResult,
     anneal_partition,
-    check_partition,
     check_parts,
     greedy_partition,
     objective,
@@ -103,6 +102,13 @@ def test_proxy_orders_parts_and_is_near_exact(profiled):
     assert kl(split, 2 * PARTS) < kl(split, PARTS) < kl(split, 1)
 
 
+def check_partition(groups: torch.Tensor, width: int) -> None:
+    """Each expert's groups are disjoint, equal-sized and cover 0..width-1."""
+    E, N, size = groups.shape
+    assert N * size == width, (groups.shape, width)
+    assert torch.equal(groups.reshape(E, -1).sort(dim=1).values, torch.arange(width).expand(E, width))
+
+
 def test_partition_disjoint_complete_and_better_than_random(profiled):
     _, prof = profiled["qwen3_moe"]
     p = next(iter(prof.values()))
@@ -116,10 +122,6 @@ def test_partition_disjoint_complete_and_better_than_random(profiled):
     assert (objective(corr, annealed) >= objective(corr, greedy) - 1e-9).all()
     seen = p.count > 1
     assert objective(corr, annealed)[seen].mean() > objective(corr, rand)[seen].mean()
-    with pytest.raises(AssertionError):
-        bad = annealed.clone()
-        bad[0, 0, 0] = bad[0, 1, 0]
-        check_partition(bad, WIDTH)
 
 
 def test_anneal_delta_bookkeeping_matches_objective():

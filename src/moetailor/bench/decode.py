@@ -17,7 +17,7 @@ from .bandwidth import gemv_bandwidth, read_bandwidth
 from .measure import MAX_STEADY_SPREAD, MIN_STEADY_STEPS, DecodeResult, engine_decode, hf_decode, make_llm
 from .pools import Pool, make_pools, plan_pool
 from .report import Report, close, figure
-from .traffic import expected_distinct
+from ..routing.traffic import expected_distinct
 
 
 @dataclass

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..tables import unknown_choice
 from .report import Report, close, figure
 from .roofline import GPUS, IDEAL, REALISTIC, SHAPES, SLIMWISE, per_seq_cost_matching, project, slo_curve, step_cost
 
@@ -14,9 +15,9 @@ def _gb(x: float) -> str:
 def run_project(shape_name: str, gpu_name: str, keeps: list[float], slo: float, context: int, max_context: int,
                 num_gpus: int, batch: int, out: Path, command: str = "") -> Report:
     if shape_name not in SHAPES:
-        raise ValueError(f"unknown --model-shape {shape_name!r}; choose from {', '.join(SHAPES)}")
+        raise ValueError(unknown_choice("--model-shape", shape_name, SHAPES))
     if gpu_name not in GPUS:
-        raise ValueError(f"unknown --gpu {gpu_name!r}; choose from {', '.join(GPUS)}")
+        raise ValueError(unknown_choice("--gpu", gpu_name, GPUS))
     for keep in keeps:
         if not 0 < keep < 1:
             raise ValueError(f"--keep {keep} must be a fraction of experts kept, strictly between 0 and 1 (e.g. 0.5,0.25)")

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..routing.traffic import StepCost
-from .traffic import expected_distinct
+from ..routing.traffic import StepCost, expected_distinct
 
 BYTES = 2  # bf16 weights and KV
 

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from ..models.adapters import MoeLayer
+from ..tables import unknown_choice
 from .data import iter_token_batches, parse_data_spec
 from .stats import BETA_BINS, STATS_FORMAT, STATS_VERSION, ExpertStats, LayerStats
 
@@ -48,7 +49,7 @@ class Collector:
         """``outputs=False``: router-side statistics only (frequency, mass, co-selection, beta), for an
         engine whose experts kernel gives no per-route output; EAN and REAP stay zero."""
         if gate not in GATES:
-            raise ValueError(f"unknown gate definition {gate!r}; choose from {', '.join(GATES)}")
+            raise ValueError(unknown_choice("gate definition", gate, GATES))
         self.gate, self.fold, self.all_experts = gate, fold or all_experts, all_experts
         self.expert_outputs = expert_outputs or module_expert_outputs
         self.outputs = outputs or self.fold
@@ -209,7 +210,7 @@ def calibrate(model, tokenizer, data_spec: str, tokens: int, *, seed: int = 0, b
     given ``seed``."""
     spec = parse_data_spec(data_spec)
     if gate not in GATES:
-        raise ValueError(f"unknown gate definition {gate!r}; choose from {', '.join(GATES)}")
+        raise ValueError(unknown_choice("gate definition", gate, GATES))
     torch.manual_seed(seed)
     # a data file is read once: its repeats are not data (the statistics record the tokens it held)
     batches = list(iter_token_batches(tokenizer, spec, tokens, batch_tokens, seq_len, seed, repeat=False))

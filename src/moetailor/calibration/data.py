@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..models.paths import is_bundled
+from ..tables import unknown_choice
 
 TASK_SEED_OFFSET = 7_000_003  # training stream, but far from the seeds training and the tokenizer used
 REFERENCE_DEFAULT_DATA = "tasks"  # the bundled models' workload: their default calibration data
@@ -90,8 +91,8 @@ def parse_data_spec(spec: str | DataSpec) -> DataSpec:
         valid = tasks if head == "tasks" else domain_names
         unknown = [d for d in names if d not in valid]
         if unknown:
-            what, kinds = ("task", "tasks") if head == "tasks" else ("text domain", "domains")
-            raise ValueError(f"unknown {what}(s) {unknown} in --data {spec!r}; valid {kinds}: {', '.join(valid)}")
+            what = "task" if head == "tasks" else "text domain"
+            raise ValueError(f"--data {spec!r}: " + unknown_choice(what, ",".join(unknown), valid))
         return DataSpec(head, names)
     path = Path(spec)
     if path.suffix in (".jsonl", ".txt"):

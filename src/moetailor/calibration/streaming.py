@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..tables import unknown_choice
 from .calibrate import GATES, Collector, data_meta, stats_of
 from .data import iter_token_batches, parse_data_spec
 
@@ -34,7 +35,7 @@ def calibrate_streamed(source: str | Path, tokenizer, data_spec: str, tokens: in
 
     spec = parse_data_spec(data_spec)
     if gate not in GATES:
-        raise ValueError(f"unknown gate definition {gate!r}; choose from {', '.join(GATES)}")
+        raise ValueError(unknown_choice("gate definition", gate, GATES))
     t0 = time.time()
     stream = LayerStream(source, dtype, placement)
     fingerprint = model_fingerprint(stream.model)

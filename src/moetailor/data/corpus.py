@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from ..tables import unknown_choice
+
 BUNDLED_DIR = Path(__file__).parent / "bundled"
 DEBIAN_PACKAGES = ["bible-kjv", "fortunes", "python3.11-doc", "dict-gcide", "jargon-text", "perl-doc",
                    "postgresql-doc-15", "wordnet-base"]
@@ -186,11 +188,11 @@ def build_corpus(work_dir: Path, seed: int = 0, heldout_docs: int = 12, calib_do
 def bundled_documents(split: str, domains: list[str] | None = None) -> dict[str, list[str]]:
     """The shipped held-out or calibration documents per domain."""
     if split not in ("heldout", "calibration"):
-        raise ValueError(f"unknown split {split!r}; use 'heldout' or 'calibration'")
+        raise ValueError(unknown_choice("split", split, ("heldout", "calibration")))
     out = {}
     for name in domains or DOMAIN_NAMES:
         if name not in DOMAIN_NAMES:
-            raise ValueError(f"unknown text domain {name!r}; valid domains: {', '.join(DOMAIN_NAMES)}")
+            raise ValueError(unknown_choice("text domain", name, DOMAIN_NAMES))
         path = BUNDLED_DIR / split / f"{name}.jsonl"
         out[name] = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
     return out

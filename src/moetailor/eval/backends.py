@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from ..tables import unknown_choice
+
 BACKENDS = ("engine", "vllm")
 VLLM_SETUP = "run `make setup-vllm` and use .venv-vllm/bin/moetailor"
 
@@ -50,7 +52,7 @@ def check_backend(backend: str, vllm_url: str | None, model: str | Path | None =
     cannot switch in (one line each). Answers the server's record (``server_info``) for a ``vllm_url``,
     else None."""
     if backend not in BACKENDS:
-        raise ValueError(f"unknown --backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        raise ValueError(unknown_choice("--backend", backend, BACKENDS))
     if vllm_url and backend != "vllm":
         raise ValueError("--vllm-url is the address of a vLLM server; pass it with --backend vllm")
     if backend == "vllm" and not vllm_url and importlib.util.find_spec("vllm") is None:

@@ -12,6 +12,7 @@ from typing import Callable
 
 from ..plans import Plan, uniform_plan
 from ..routing.policy import LayerPolicy
+from ..tables import unknown_choice
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def parse_configs(spec: str | list[str]) -> list[ConfigSpec]:
     for item in items:
         name, _, arg = item.partition(":")
         if name not in CONFIGURATIONS:
-            raise ValueError(f"unknown configuration {name!r}; valid configurations: {', '.join(CONFIGURATIONS)}")
+            raise ValueError(unknown_choice("configuration", name, CONFIGURATIONS))
         c = CONFIGURATIONS[name]
         if c.takes_arg and not arg:
             raise ValueError(f"configuration {name!r} needs an argument ({c.help})")

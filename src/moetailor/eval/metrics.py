@@ -227,11 +227,6 @@ def floor_verdict(counts: PairedCounts, floor: float, z: float = Z95) -> FloorVe
     return FloorVerdict(ratio, low, high, floor, verdict, c.n, c.gained, c.lost, need)
 
 
-def paired_floor_verdict(candidate: Sequence[bool], full: Sequence[bool], floor: float) -> FloorVerdict:
-    """``floor_verdict`` from per-prompt correctness of a candidate and the full model on the same prompts."""
-    return floor_verdict(PairedCounts.of(candidate, full), floor)
-
-
 # ---- held-out text: KL from the full model and perplexity ----------------------------------------
 
 def kl_divergence(logp_ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from ..outputs import MARKER, write_json
 from ..plans import Plan
 from ..plans.plan import plan_hash  # noqa: F401  (cells are keyed by it)
 from ..runtime.runner import default_max_model_len
+from ..tables import unknown_choice
 from .configurations import ConfigSpec, Serving
 from .metrics import Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output
 from .user_tasks import DEFAULT_BUDGET, check_prompts_fit, select_tasks, task_examples
@@ -88,7 +89,7 @@ def parse_sweep(spec: str) -> tuple[tuple[str, ...], tuple[float, ...]]:
             raise ValueError(f"keep ratios in {spec!r} must be numbers like 0.5") from None
     unknown = [c for c in criteria if c not in valid]
     if unknown:
-        raise ValueError(f"unknown criterion {unknown[0]!r}; valid criteria: {', '.join(valid)}")
+        raise ValueError(unknown_choice("criterion", unknown[0], valid))
     bad = [k for k in keeps if not 0.0 < k < 1.0]
     if bad:
         raise ValueError(f"keep ratio {bad[0]} must be between 0 and 1 (a share of experts, e.g. 0.5)")
@@ -135,7 +136,7 @@ class EvalSettings:
             raise ValueError(f"--max-tokens must be positive, got {self.max_tokens}")
         bad = [s for s in self.sampling if s not in SAMPLING_MODES]
         if bad or not self.sampling:
-            raise ValueError(f"unknown sampling mode {bad[0] if bad else ''!r}; valid: {', '.join(SAMPLING_MODES)}")
+            raise ValueError(unknown_choice("sampling mode", bad[0] if bad else "", SAMPLING_MODES))
         if self.plan and self.sweep:
             raise ValueError("pass either --plan or --sweep, not both")
         if not self.configs:

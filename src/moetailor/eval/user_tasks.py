@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..data.tasks import TASKS, Task, eval_examples, get_task
 from ..data.tasks.base import Example
+from ..tables import unknown_choice
 
 MATCH_RULES = ("exact", "number", "regex", "contains")
 DEFAULT_BUDGET = 256      # max new tokens for a user task unless --max-tokens says otherwise
@@ -164,7 +165,7 @@ def _example(path: Path, number: int, record: dict, default_task: str) -> UserEx
     answer = str(answer)
     kind = record.get("match", "exact")
     if kind not in MATCH_RULES:
-        raise ValueError(f"{where}: unknown match rule {kind!r}; valid: {', '.join(MATCH_RULES)}")
+        raise ValueError(f"{where}: " + unknown_choice("match rule", kind, MATCH_RULES))
     pattern, compiled = record.get("pattern"), None
     if kind == "regex":
         if not isinstance(pattern, str):

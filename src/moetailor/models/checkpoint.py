@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..memory import free_module, release_memory  # noqa: F401  (re-exported)
+from ..tables import unknown_choice
 from .architectures import LAYER_KEY, split_layer_key  # noqa: F401  (re-exported)
 
 INDEX = "model.safetensors.index.json"
@@ -331,7 +332,7 @@ def working_dtype(name: str, path: str | Path) -> torch.dtype:
         return stored_dtype(path)
     name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)   # the CLI's spelling
     if name not in DTYPES:
-        raise ValueError(f"unknown --dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
+        raise ValueError(unknown_choice("--dtype", name, ("auto", *DTYPES)))
     return DTYPES[name]
 
 
@@ -343,7 +344,7 @@ def should_stream(path: str | Path, dtype: torch.dtype, mode: str = "auto", shar
     from ..device import free_bytes
 
     if mode not in ("auto", "on", "off"):
-        raise ValueError(f"unknown --stream {mode!r}; choose from auto, on, off")
+        raise ValueError(unknown_choice("--stream", mode, ("auto", "on", "off")))
     if mode != "auto":
         return mode == "on"
     ckpt = Checkpoint(path)

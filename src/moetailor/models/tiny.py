@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..tables import unknown_choice
+
 TINY_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v3")
 
 
@@ -34,7 +36,7 @@ def tiny_config(model_type: str, num_experts: int = 8, top_k: int = 2, layers: i
                                   q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                   v_head_dim=8)
     else:
-        raise ValueError(f"no tiny config for {model_type!r}; choose from {TINY_ARCHITECTURES}")
+        raise ValueError(unknown_choice("tiny architecture", model_type, TINY_ARCHITECTURES))
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg

@@ -21,6 +21,7 @@ from ..calibration.stats import ExpertStats
 from ..models.groups import balanced_keep, fingerprint_semantics, per_group_counts, unreachable
 from ..models.loading import model_fingerprint, source_name
 from ..routing.policy import FULL_PHASE, LayerPolicy, PhasePolicy
+from ..tables import unknown_choice
 from .plan import Plan
 
 CRITERIA: dict[str, str] = {
@@ -42,7 +43,7 @@ GROUP_MODES = ("balanced", "ignore")
 def expert_scores(stats: ExpertStats, criterion: str, seed: int = 0) -> dict[int, torch.Tensor]:
     """Per MoE layer, a float64 score [E] per expert (higher = keep first)."""
     if criterion not in CRITERIA:
-        raise ValueError(f"unknown criterion {criterion!r}; valid criteria: {', '.join(CRITERIA)}")
+        raise ValueError(unknown_choice("criterion", criterion, CRITERIA))
     if criterion in NORM_CRITERIA and not stats.has_expert_norms:
         raise ValueError(f"criterion {criterion} needs expert output norms, which these statistics do not hold "
                          f"({stats.meta.get('observed', {}).get('expert_outputs', 'none')}); use frequency or mass, "
@@ -176,7 +177,7 @@ def grouped_keep(scores: dict[int, torch.Tensor], budgets: dict[int, int], sem, 
     ``balanced``: the same count from every routing group, ranked by score inside each group (a pruned
     checkpoint can hold it); ``ignore``: the top experts overall (masked serving only)."""
     if groups not in GROUP_MODES:
-        raise ValueError(f"unknown --groups {groups!r}; choose from {', '.join(GROUP_MODES)}")
+        raise ValueError(unknown_choice("--groups", groups, GROUP_MODES))
     if groups == "balanced":
         keep = {i: balanced_keep(scores[i], n, sem, where=f"layer {i}") for i, n in budgets.items()}
     else:
@@ -200,7 +201,7 @@ def make_plan(stats: ExpertStats, model=None, criterion: str = "reap", keep: flo
     ``merge`` ("hcsmoe" | "msmoe", ``plans.merging``) merges every layer's experts into m' groups
     instead of dropping the rest (``criterion`` then ranks msmoe's dominant experts)."""
     if phase not in PLAN_PHASES:
-        raise ValueError(f"unknown phase {phase!r}; choose from {', '.join(PLAN_PHASES)}")
+        raise ValueError(unknown_choice("phase", phase, PLAN_PHASES))
     if model is not None:
         stats.check_model(model)
     sem = fingerprint_semantics(model_fingerprint(model) if model is not None else stats.model)

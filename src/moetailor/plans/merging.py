@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..tables import unknown_choice
+
 MERGE_METHODS = {
     "hcsmoe": "HC-SMoE: hierarchical clustering (average linkage) of the experts' mean outputs",
     "msmoe": "M-SMoE: the most frequent experts are dominant, the others join the most similar (router rows)",
@@ -108,7 +110,7 @@ def merge_layer(method: str, stats_layer, count: int, protected: list[int], rows
             sim[p, p] = float("inf")
         groups = dominant_assignment(sim, dominant)
     else:
-        raise ValueError(f"unknown merge method {method!r}; choose from {', '.join(MERGE_METHODS)}")
+        raise ValueError(unknown_choice("merge method", method, MERGE_METHODS))
     return weighted_groups(groups, freq)
 
 
@@ -118,7 +120,7 @@ def merge_policy_layers(method: str, stats, budgets: dict[int, int], protected: 
     from ..routing.policy import MERGE_ROUTERS, LayerPolicy
 
     if router not in MERGE_ROUTERS:
-        raise ValueError(f"unknown merged router rule {router!r}; choose from {', '.join(MERGE_ROUTERS)}")
+        raise ValueError(unknown_choice("merged router rule", router, MERGE_ROUTERS))
     if method == "hcsmoe":
         stats.require_outputs("--merge hcsmoe")
     rows = router_rows(model) if model is not None else None

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..models.loading import fingerprint_mismatch, model_fingerprint, read_json
 from ..outputs import write_json
 from ..routing.policy import FULL_PHASE, LayerPolicy, PhasePolicy
+from ..tables import unknown_choice
 
 PLAN_FORMAT = "moetailor-plan"
 PLAN_VERSION = 1
@@ -94,7 +95,7 @@ class Plan:
 
     def phase(self, name: str) -> PhasePolicy:
         if name not in PHASES:
-            raise ValueError(f"unknown phase {name!r}; phases are {PHASES}")
+            raise ValueError(unknown_choice("phase", name, PHASES))
         return self.prefill if name == "prefill" else self.decode
 
     def with_phases(self, prefill: PhasePolicy | None = None, decode: PhasePolicy | None = None) -> "Plan":

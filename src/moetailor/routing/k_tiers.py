@@ -31,7 +31,6 @@ saves more than ``hysteresis`` (a soft boundary), and may collapse to a single l
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from .traffic import StepCost  # noqa: F401  (the vLLM scheduler imports it from here)
@@ -50,10 +49,6 @@ class Batch:
     k: int                          # budget the step runs at: >= every member's k
     upgraded: tuple[str, ...] = ()  # members served above their own k (merged upward)
 
-
-# ---------------------------------------------------------------------------------------------
-# cost model
-# ---------------------------------------------------------------------------------------------
 
 # ---------------------------------------------------------------------------------------------
 # offline: tiers, flush or merge upward
@@ -96,21 +91,6 @@ def plan_offline(requests: list[KRequest], max_batch: int, cost: StepCost) -> li
         out += _batches(residual, k, max_batch)
     arrival = {r.request_id: r.arrival for r in requests}
     return sorted(out, key=lambda b: min(arrival[i] for i in b.request_ids))
-
-
-def plan_fcfs_max_k(requests: list[KRequest], max_batch: int) -> list[Batch]:
-    """The baseline: batches in arrival order, each run at its largest member's k."""
-    reqs = sorted(requests, key=lambda r: (r.arrival, r.request_id))
-    out = []
-    for i in range(0, len(reqs), max_batch):
-        chunk = reqs[i:i + max_batch]
-        out += _batches(chunk, max(r.k for r in chunk), max_batch)
-    return out
-
-
-def estimated_seconds(batches: list[Batch], cost: StepCost) -> float:
-    """Estimated seconds of one decode step of every batch (the plans' comparison)."""
-    return sum(cost.seconds(b.k, len(b.request_ids)) for b in batches)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +220,3 @@ class MeasuredChoice:
         elif theirs > mine:
             self.mode, self.since_check = other, 0
 
-
-def wait_bound(lanes: OnlineLanes, lane_size: int) -> int:
-    """Most steps a request in a lane of ``lane_size`` waits between two of its turns."""
-    return math.ceil(lane_size / lanes.max_batch) * (lanes.max_wait + 1)

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..tables import unknown_choice
+
 POOL_MODES = ("mask", "drop", "fold", "novice", "merge")
 MERGE_ROUTERS = ("dominant", "weighted")
 
@@ -49,7 +51,7 @@ class LayerPolicy:
 
     def __post_init__(self) -> None:
         if self.pool_mode not in POOL_MODES:
-            raise ValueError(f"pool_mode {self.pool_mode!r} is not one of {POOL_MODES}")
+            raise ValueError(unknown_choice("pool_mode", self.pool_mode, POOL_MODES))
         if self.merge is not None:
             groups = tuple(tuple((int(e), float(w)) for e, w in g) for g in self.merge)
             object.__setattr__(self, "merge", groups)
@@ -125,7 +127,7 @@ class LayerPolicy:
             raise ValueError(f"a merge policy keeps each group's representative (its first member){at}; \"keep\" "
                              "lists other experts")
         if self.merge_router not in MERGE_ROUTERS:
-            raise ValueError(f"merge_router {self.merge_router!r} is not one of {MERGE_ROUTERS}{at}")
+            raise ValueError(unknown_choice("merge_router", self.merge_router, MERGE_ROUTERS) + at)
         if any(v is not None for v in (self.top_k, self.skip_beta, self.token_keep, self.batch_pool)):
             raise ValueError(f"a merge policy cannot also set top_k, skip_beta, token_keep or batch_pool{at}: the "
                              "merged checkpoint routes with the model's own router")

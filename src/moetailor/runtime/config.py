@@ -5,6 +5,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..tables import unknown_choice
+
 
 @dataclass
 class EngineConfig:
@@ -66,9 +68,9 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.experts_impl not in self.EXPERTS_IMPLS:
-            raise ValueError(f"experts_impl={self.experts_impl!r}; choose one of {self.EXPERTS_IMPLS}")
+            raise ValueError(unknown_choice("experts_impl", self.experts_impl, self.EXPERTS_IMPLS))
         if self.k_schedule not in self.K_SCHEDULES:
-            raise ValueError(f"k_schedule={self.k_schedule!r}; choose one of {self.K_SCHEDULES}")
+            raise ValueError(unknown_choice("k_schedule", self.k_schedule, self.K_SCHEDULES))
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be at least 1 (or None to size it automatically)")
 

@@ -372,10 +372,6 @@ class DisaggregatedLLM:
         self.max_model_len = self.limits.max_model_len
         self._next_id = 0
 
-    @property
-    def decode_restarts(self) -> int:
-        return self.restarts["decode"]
-
     def _start(self, kind: str) -> Worker:
         target, args = self.worker_specs[kind]
         inbox = self.ctx.Queue()
@@ -628,10 +624,6 @@ class DisaggregatedLLM:
                 "tokens_generated": self.tokens_generated,
                 "decode_tokens_per_s": d.get("decode_tokens_per_s", 0.0),
                 "distinct_experts_last_step": d.get("distinct_experts_last_step", 0.0)}
-
-    def crash_decode_worker(self) -> None:
-        """Fault injection (tests): kill the decode worker as the OS would."""
-        self.workers["decode"].process.kill()
 
     def close(self) -> None:
         for worker in self.workers.values():

@@ -32,7 +32,7 @@ def pool_size(plan: Plan | None, num_experts: int) -> int:
 
 
 class PoolsByLoad:
-    """Which decode pool a step of B sequences runs: ``plan_for(B)``; rungs sorted by ``min_batch``."""
+    """Which decode pool a step of B sequences runs: ``rung_for(B)``; rungs sorted by ``min_batch``."""
 
     def __init__(self, rungs: list[PoolRung]):
         if not rungs:
@@ -48,9 +48,6 @@ class PoolsByLoad:
             if rung.min_batch <= batch:
                 chosen = rung
         return chosen
-
-    def plan_for(self, batch: int) -> Plan | None:
-        return self.rung_for(batch).plan
 
     @classmethod
     def from_slo(cls, plans: list[Plan | None], cost: StepCost, slo_step_s: float, top_k: int,

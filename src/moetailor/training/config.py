@@ -4,6 +4,8 @@ experts, top-8, no shared expert, q/k norms), trained on the same corpus and tas
 """
 from __future__ import annotations
 
+from ..tables import unknown_choice
+
 FAMILIES = ("qwen2_moe", "qwen3_moe")
 
 
@@ -25,7 +27,7 @@ def model_config(vocab_size: int, family: str = "qwen2_moe"):
         # No shared expert: the routed experts are a little wider (64 against 48) so the active
         # FFN width per token (8 x 64 = 512) stays near the first model's (8 x 48 + 256 = 640).
         return Qwen3MoeConfig(intermediate_size=1024, moe_intermediate_size=64, head_dim=64, **common)
-    raise ValueError(f"unknown reference family {family!r}; choose one of {', '.join(FAMILIES)}")
+    raise ValueError(unknown_choice("reference family", family, FAMILIES))
 
 
 def model_class(family: str):
@@ -34,5 +36,5 @@ def model_class(family: str):
 
     classes = {"qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
     if family not in classes:
-        raise ValueError(f"unknown reference family {family!r}; choose one of {', '.join(FAMILIES)}")
+        raise ValueError(unknown_choice("reference family", family, FAMILIES))
     return classes[family]

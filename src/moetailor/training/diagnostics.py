@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from ..data.corpus import BUNDLED_DIR, DOMAIN_NAMES
+from ..tables import unknown_choice
 
 
 @torch.no_grad()
@@ -91,7 +92,7 @@ def drill_model(kind: str, vocab_size: int, layers: int = 2):
             vocab_size=vocab_size, hidden_size=256, num_hidden_layers=layers, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=512, max_position_embeddings=1024, tie_word_embeddings=True,
             bos_token_id=None, eos_token_id=0, pad_token_id=1))
-    raise ValueError(f"unknown drill model {kind!r}: use 'reference' or 'dense'")
+    raise ValueError(unknown_choice("drill model", kind, ("reference", "dense")))
 
 
 def induction_drill(model, tokenizer, steps: int, batch: int = 8, seq: int = 256, lengths: tuple[int, int] = (16, 64),

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..models.architectures import arch_spec
 from ..outputs import atomic_path, check_output
+from ..tables import unknown_choice
 
 LLAMACPP_VERSION = "0.3.36"            # the llama-cpp-python sdist `make setup-llamacpp` builds and unpacks
 OUTTYPES = ("f32", "bf16", "q8_0")
@@ -254,7 +255,7 @@ def export_gguf(source: str | Path, out: str | Path, outtype: str = "f32", *, to
     from ..models.paths import resolve_model_path
 
     if outtype not in OUTTYPES:
-        raise ValueError(f"--outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
+        raise ValueError(unknown_choice("--outtype", outtype, OUTTYPES))
     source = resolve_model_path(source)
     out = check_output(out, overwrite=overwrite, inputs=(source,))
     config = AutoConfig.from_pretrained(source, local_files_only=True)

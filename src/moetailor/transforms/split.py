@@ -42,6 +42,7 @@ from ..models.architectures import arch_spec
 from ..models.groups import chosen_groups, is_grouped, split_order
 from ..models.loading import model_fingerprint, read_split_sidecar  # noqa: F401 (re-exported: the split record)
 from ..models.sidecars import SPLIT_SIDECAR
+from ..tables import unknown_choice
 from .artifacts import checkpoint_directory, checkpoint_source, copy_tokenizer, model_from_state, refuse_existing
 
 SIDECAR = SPLIT_SIDECAR
@@ -224,17 +225,9 @@ def partition_neurons(profile: LayerProfile, parts: int, method: str = "anneal",
     if method == "random":
         return random_partition(E, I, parts, seed)
     if method != "anneal":
-        raise ValueError(f"unknown --method {method!r}; choose one of {METHODS}")
+        raise ValueError(unknown_choice("--method", method, METHODS))
     corr = profile.correlation()
     return anneal_partition(corr, greedy_partition(corr, profile.mean_abs(), parts), steps=steps, seed=seed)
-
-
-def check_partition(groups: torch.Tensor, width: int) -> None:
-    """Each expert's groups are disjoint, equal-sized and cover 0..width-1 (an invariant)."""
-    E, N, size = groups.shape
-    assert N * size == width, (groups.shape, width)
-    sorted_ids = groups.reshape(E, -1).sort(dim=1).values
-    assert torch.equal(sorted_ids, torch.arange(width).expand(E, width)), "partition is not disjoint and complete"
 
 
 @dataclass
@@ -283,7 +276,7 @@ def plan_split(model, profile: dict[int, LayerProfile], parts: int, method: str 
                steps: int = 4000, seed: int = 0) -> dict[int, LayerSplit]:
     """Partition every layer's experts and work out shares (and the proxy direction)."""
     if gate not in GATES:
-        raise ValueError(f"unknown --gate {gate!r}; choose one of {GATES}")
+        raise ValueError(unknown_choice("--gate", gate, GATES))
     out = {}
     for layer in moe_layers(model):
         p = profile[layer.index]
@@ -457,12 +450,12 @@ def split_checkpoint(model, data, parts: int, out: str | Path, *, method: str = 
     inputs = (source, data_file(data))
     out = refuse_existing(out, overwrite, inputs)  # before any work
     if gate not in GATES:
-        raise ValueError(f"unknown --gate {gate!r}; choose one of {GATES}")
+        raise ValueError(unknown_choice("--gate", gate, GATES))
     if gate == "finetune" and finetune_router is None:
         raise ValueError("gate='finetune' trains the split router: pass finetune_router="
                          "moetailor.training.split_finetune.finetune_router (`moetailor split --gate finetune` does)")
     if method not in METHODS:
-        raise ValueError(f"unknown --method {method!r}; choose one of {METHODS}")
+        raise ValueError(unknown_choice("--method", method, METHODS))
     spec = parse_data_spec(data)
     tokenizer = load_tokenizer(source) if source is not None else None
     if isinstance(model, (str, Path)):

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..models.checkpoint import ShardWriter, hub_names, meta_model
+from ..tables import unknown_choice
 
 # Published configs (hub config.json values that set shapes and routing).
 PRESETS: dict[str, dict] = {
@@ -73,7 +74,7 @@ def synthetic_config(preset: str, layers: int | None = None, **overrides):
     from transformers import AutoConfig
 
     if preset not in PRESETS:
-        raise ValueError(f"unknown synthetic preset {preset!r}; choose from {', '.join(PRESETS)}")
+        raise ValueError(unknown_choice("synthetic preset", preset, PRESETS))
     values = {**PRESETS[preset], **TOKEN_IDS, "tie_word_embeddings": False, **overrides}
     if layers is not None:
         if layers < 1:

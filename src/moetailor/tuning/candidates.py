@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from ..plans.plan import Plan
 from ..routing.policy import PhasePolicy
 from ..routing.traffic import expected_distinct
+from ..tables import unknown_choice
 
 POOL_MODES = ("mask", "fold", "novice", "merge")
 MERGES = ("hcsmoe", "msmoe")
@@ -39,13 +40,13 @@ class Candidate:
 
     def __post_init__(self) -> None:
         if self.pool_mode not in POOL_MODES:
-            raise ValueError(f"pool mode {self.pool_mode!r} is not one of {POOL_MODES}")
+            raise ValueError(unknown_choice("pool mode", self.pool_mode, POOL_MODES))
         if (self.pool_mode == "merge") != (self.merge is not None) or (self.merge and self.merge not in MERGES):
             raise ValueError(f"a merge candidate names its method ({', '.join(MERGES)}), no other candidate does")
         if self.pool_mode in ("novice", "merge") and self.top_k is not None:
             raise ValueError(f"a {self.pool_mode} candidate keeps the model's top-k")
         if self.allocation not in ALLOCATIONS:
-            raise ValueError(f"allocation {self.allocation!r} is not one of {ALLOCATIONS}")
+            raise ValueError(unknown_choice("allocation", self.allocation, ALLOCATIONS))
         object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
 
     @property

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+from ...tables import unknown_choice
 from . import addition, brackets, expressions, lookup, reverse, sorting
 from .base import ANSWER_MARKER, Example, Task, extract_answer, score
 
@@ -22,7 +23,7 @@ TASKS: dict[str, Task] = {
 
 def get_task(name: str) -> Task:
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)} (or 'all')")
+        raise ValueError(unknown_choice("task", name, [*TASKS, "all"]))
     return TASKS[name]
 
 

@@ -188,9 +188,10 @@ def generations(version: str) -> tuple[str, ...]:
     return SUPPORTED.get(version, ())
 
 
-def applies(entry: VName, version: str) -> bool:
-    """Whether the entry must exist in this vLLM version (a v1-runner name need not in 0.34.0)."""
-    return not entry.optional and (entry.runner is None or entry.runner in generations(version))
+def required(entry: VName, runners) -> bool:
+    """Whether the entry must exist in a vLLM whose model runner generations are ``runners`` (a
+    v1-runner name need not in 0.34.0)."""
+    return not entry.optional and (entry.runner is None or entry.runner in runners)
 
 
 def vllm_class(module: str, cls: str):

@@ -81,7 +81,7 @@ def check_vllm() -> None:
         raise RuntimeError(f"moetailor's vLLM plugin supports vLLM {supported}: this vLLM {version} has neither model "
                            f"runner the plugin knows; install vllm=={latest}")
     for entry in N.REGISTRY:
-        if entry.optional or (entry.runner is not None and entry.runner not in gens):
+        if not N.required(entry, gens):
             continue
         problem = entry_problem(entry)
         if problem is not None:

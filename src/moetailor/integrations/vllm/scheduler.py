@@ -45,6 +45,7 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from ...routing.k_tiers import KRequest, MeasuredChoice, OnlineLanes, StepCost, plan_offline
+from ...tables import unknown_choice
 from .plan import request_top_k
 
 SCHEDULER_CLS = "moetailor.integrations.vllm.scheduler.KAwareScheduler"
@@ -59,7 +60,7 @@ def scheduler_kwargs(schedule: str = "lanes", cost: dict | None = None, log: str
                      additional_config: dict | None = None, measure: bool = True) -> dict:
     """``vllm.LLM`` / ``vllm serve`` arguments that select the k-aware scheduler."""
     if schedule not in MODES:
-        raise ValueError(f"unknown k schedule {schedule!r}; choose one of {MODES}")
+        raise ValueError(unknown_choice("k schedule", schedule, MODES))
     extra = {**(additional_config or {}), SCHEDULE_KEY: schedule, MEASURE_KEY: bool(measure)}
     if cost:
         extra[COST_KEY] = dict(cost)
@@ -93,7 +94,7 @@ class KAwareScheduler(Scheduler):
         extra = vllm_config.additional_config or {}
         self.k_schedule = extra.get(SCHEDULE_KEY, "lanes")
         if self.k_schedule not in MODES:
-            raise ValueError(f"additional_config {SCHEDULE_KEY}={self.k_schedule!r} is unknown; choose one of {MODES}")
+            raise ValueError(unknown_choice(f"additional_config {SCHEDULE_KEY}", self.k_schedule, MODES))
         hf = vllm_config.model_config.hf_config
         self.model_k = int(getattr(hf, "num_experts_per_tok", 0) or 0)
         if not self.model_k:

@@ -1,16 +1,8 @@
-"""Traffic accounting on known inputs: the distinct-expert formula, counting, bytes per expert."""
+"""Traffic accounting on known inputs: the distinct-expert formula, and the experts and bytes a step read."""
 import pytest
 import torch
 
-from moetailor.bench.traffic import (
-    RouteCounter,
-    distinct_experts,
-    expected_distinct,
-    expected_expert_bytes,
-    expert_bytes,
-    ideal_speedup,
-    measured_expert_bytes,
-)
+from moetailor.routing.traffic import expected_distinct
 
 
 def test_formula_known_values():
@@ -40,28 +32,20 @@ def test_formula_rejects_bad_inputs():
 def test_formula_matches_uniform_simulation():
     g = torch.Generator().manual_seed(0)
     m, k, B = 64, 8, 16
-    counts = [distinct_experts(torch.stack([torch.randperm(m, generator=g)[:k] for _ in range(B)]), m)
+    counts = [torch.stack([torch.randperm(m, generator=g)[:k] for _ in range(B)]).unique().numel()  # [B, k]
               for _ in range(400)]
     assert sum(counts) / len(counts) == pytest.approx(expected_distinct(m, k, B), rel=0.02)
 
 
-def test_distinct_counts_ignore_sentinel():
-    E = 8
-    index = torch.tensor([[0, 3], [3, E], [E, E], [7, 0]])          # [T, K], E = dropped route
-    assert distinct_experts(index, E) == 3
-    assert distinct_experts(torch.full((4, 2), E), E) == 0
-    assert distinct_experts(torch.tensor([[5]]), E) == 1
+class RouteCounter:
+    """Observer for ``RoutingController.observing``: distinct real experts per layer of the last forward."""
 
+    def __init__(self) -> None:
+        self.distinct: dict[int, int] = {}
 
-def test_bytes_per_expert():
-    assert expert_bytes(2048, 1024, 4) == 3 * 2048 * 1024 * 4 == 25_165_824  # synthetic expert, fp32
-    assert expert_bytes(2048, 512, 2) == 6_291_456                          # Qwen3.6 expert, bf16
-    assert expert_bytes(16, 8, 4, gated=False) == 2 * 16 * 8 * 4
-    assert expected_expert_bytes(2, 64, 8, 1, 100) == pytest.approx(2 * 8 * 100)
-    assert measured_expert_bytes({0: 3, 5: 4}, 10) == 70
-    assert ideal_speedup(200.0, 100.0) == 2.0
-    with pytest.raises(ValueError):
-        ideal_speedup(1.0, 0.0)
+    def __call__(self, layer, hidden, logits, weights, index) -> None:
+        flat = index.reshape(-1)                                             # [T*K], E = dropped route
+        self.distinct[layer.index] = int(flat[flat < layer.num_experts].unique().numel())
 
 
 def test_route_counter_and_meter_agree_on_tiny_model():
@@ -81,5 +65,5 @@ def test_route_counter_and_meter_agree_on_tiny_model():
     assert set(counter.distinct) == {l.index for l in layers}
     assert all(1 <= v <= 3 for v in counter.distinct.values())       # masked to 3 experts
     assert counter.distinct == distinct
-    assert bytes_read == measured_expert_bytes(counter.distinct, layers[0].expert_bytes())
-    assert layers[0].expert_bytes() == expert_bytes(32, 16, 4)
+    assert bytes_read == sum(counter.distinct.values()) * layers[0].expert_bytes()
+    assert layers[0].expert_bytes() == 3 * 32 * 16 * 4                  # gate+up+down, H=32, I=16, fp32
