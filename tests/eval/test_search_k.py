@@ -8,9 +8,14 @@ from moetailor.eval.search_k import search_k, uniform_allocation
 from moetailor.models import moe_layers
 from moetailor.models.tiny import char_tokenizer, tiny_model
 from moetailor.plans import Plan
-from moetailor.plans.techniques import Shape, layer_ks
+from moetailor.plans.techniques import Shape
 
 K = 4
+
+
+def layer_ks(policy, shape):
+    """The active-expert count per MoE layer a policy's ``top_k`` fields give."""
+    return [policy.for_layer(i).top_k or shape.top_k for i in shape.layers]
 
 
 def windows(n=6, length=16, seed=0):

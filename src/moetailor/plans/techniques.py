@@ -102,11 +102,6 @@ def layer_k_policy(shape: Shape, ks: list[int]) -> PhasePolicy:
     return PhasePolicy({i: LayerPolicy(top_k=k) for i, k in zip(shape.layers, ks) if k != shape.top_k})
 
 
-def layer_ks(policy: PhasePolicy, shape: Shape) -> list[int]:
-    """The active-expert count per MoE layer a policy's ``top_k`` fields give (inverse of layer_k_policy)."""
-    return [policy.for_layer(i).top_k or shape.top_k for i in shape.layers]
-
-
 def interpolate_k(num_layers: int, b: int, h: int, e: int, p: int) -> list[int]:
     """The four-tuple allocation: ``b`` at MoE layer 0, ``h`` at layer ``p``, ``e`` at the last
     layer, linear in between, rounded half up. ``p`` at an end layer needs that end's value equal h."""
