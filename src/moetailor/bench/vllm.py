@@ -8,7 +8,10 @@ of each other). The plugin's rows share one engine, which switches plans between
 (``rpc.use_plan``); every worker is bound to the same CPUs (``same_cores_for_every_instance``) and
 every other process to the rest (``off_the_workers_cores``); before a row on another engine the run
 waits ``IDLE_S``. Per batch B: decode tokens/s = B * (N - 1) / (tN - t1), the fastest of ``--repeats``
-rounds after a warm-up round.
+rounds after a warm-up round. A group of two rows (``observe``) also gets the median over rounds of the
+second row's tokens/s over the first's in the same round, with a 95% interval of that median: the
+machine's speed drifts by up to 20% within minutes, which moves both rows of a round alike but the
+two rows' best-of rounds independently (their ratio scattered by ±10% from run to run).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ PROCESSES = {"stock": ("stock",), "budgets": ("full k", "k=4", "mixed k"), "mask
 IDLE_S = 1.5                    # an idle vLLM worker busy-polls for 1 s after its last step
 MIXED_K = (2, 4, 6, 8)          # the mixed batch's budgets, request i gets MIXED_K[i % 4] (capped at the model's k)
 SKIP_BETA = 0.5
+LEVEL = 0.95                    # coverage of the paired ratio's interval
 
 
 def register_bench(bsub, common) -> None:
@@ -46,7 +50,8 @@ def register_bench(bsub, common) -> None:
     q.add_argument("--only", default=None, help="comma-separated processes to run (default all: "
                    + ", ".join(PROCESSES) + ")")
     q.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    q.add_argument("--repeats", type=int, default=2, help="timed runs per batch (the fastest is kept)")
+    q.add_argument("--repeats", type=int, default=2, help="timed rounds per batch (the fastest is kept; a group of two rows "
+                   "also gets its paired ratio's median, with a 95%% interval from 6 rounds on)")
     q.add_argument("--budget-gib", type=float, default=1.0, help="memory budget (weights + KV) for the KV-capacity table")
     q.add_argument("--slo", type=float, default=20.0, help="per-user decode tokens/s the SLO column asks for")
     common(q, "build/bench/vllm", quick=False)
@@ -183,10 +188,12 @@ def print_report(report: dict, slo: float) -> None:
                          f"{x['decode_tok_s'] / stock['decode_tok_s']:.2f}x" if stock else "-",
                          f"{x['decode_tok_s'] / full:.2f}x" if full else "-",
                          f"{distinct:.1f}" if distinct is not None else "-",
-                         f"{base / distinct:.2f}x" if distinct and base else "-"))
+                         f"{base / distinct:.2f}x" if distinct and base else "-",
+                         f"{ratio_text(x['paired'])} vs {x['paired']['vs']}" if "paired" in x else "-"))
     print_table(f"vLLM decode, {report['model']}, {report['prompt_tokens']}-token prompts, {report['new_tokens']} new "
                 f"tokens, {report['dtype']}", ["batch", "config", "tok/s", "per-user", "vs stock",
-                                               "vs full k", "experts/step", "ideal"], rows)
+                                               "vs full k", "experts/step", "ideal",
+                                               f"paired ratio [{LEVEL:.0%} interval]"], rows)
     at_slo = []
     for name, r in res.items():
         ok = [(x["decode_tok_s"], b) for b, x in r.items() if x["per_user_tok_s"] >= slo]
@@ -269,6 +276,40 @@ def rows_of(groups: list[str], plans: dict[str, str], model_k: int) -> list[Row]
              "observe-kernel": [Row("full k, mt kernel", "kernel"), Row("observing, mt kernel", "observe-kernel")]}
     rows = [row for group in groups for row in every[group]]
     return list(dict.fromkeys(rows))           # a row two groups name is timed once
+
+
+def pairs_of(groups: list[str]) -> list[tuple[str, str]]:
+    """The (first, second) rows of every group of two asked for: the rows whose per-round ratio is reported."""
+    return [PROCESSES[g] for g in groups if len(PROCESSES[g]) == 2]
+
+
+def median_interval(values: list[float], level: float = LEVEL) -> tuple[float, float | None, float | None]:
+    """The median of ``values`` and an interval for it that assumes nothing about the noise's distribution:
+    the sorted values j and n + 1 - j, j the largest whose coverage 1 - 2 P(Binomial(n, 1/2) < j) is at
+    least ``level``. Too few values for any such pair (fewer than 6 at 95%): (median, None, None)."""
+    xs, n = sorted(values), len(values)
+    median = (xs[(n - 1) // 2] + xs[n // 2]) / 2
+    j, tail = 0, 0.0                     # tail = P(Binomial(n, 1/2) < j)
+    while j < n // 2 and 1 - 2 * (tail + math.comb(n, j) / 2**n) >= level:
+        tail += math.comb(n, j) / 2**n
+        j += 1
+    return (median, xs[j - 1], xs[n - j]) if j else (median, None, None)
+
+
+def paired_ratio(first_s: list[float], second_s: list[float]) -> dict:
+    """The second row's tokens/s over the first's, round by round (both timed the same batch in the same
+    round), as its median and 95% interval: what a row costs against the other, with the drift between
+    rounds cancelled."""
+    ratios = [a / b for a, b in zip(first_s, second_s, strict=True)]     # tok/s is B (N - 1) / seconds
+    median, low, high = median_interval(ratios)
+    return {"median": median, "low": low, "high": high, "rounds": len(ratios), "ratios": ratios}
+
+
+def ratio_text(p: dict) -> str:
+    """'0.98x [0.96-1.01]', or the median and why there is no interval."""
+    if p["low"] is None:
+        return f"{p['median']:.3f}x [{p['rounds']} rounds: too few to tell]"
+    return f"{p['median']:.3f}x [{p['low']:.3f}-{p['high']:.3f}]"
 
 
 def _descendants() -> set[int]:
@@ -464,7 +505,7 @@ def worker(spec: dict) -> dict:
         return _time_generate(llm, reqs, params(new_tokens)) - first
 
     for b in batches:
-        best: dict[str, float] = {}
+        rounds: dict[str, list[float]] = {row.name: [] for row in rows}   # every timed round's seconds
         experts: dict[str, list[float]] = {row.name: [] for row in rows}
         for rnd in range(spec["repeats"] + 1):   # round 0 warms up
             prompts = [[rng.randrange(3, config.vocab_size) for _ in range(prompt_tokens)] for _ in range(b)]
@@ -476,16 +517,21 @@ def worker(spec: dict) -> dict:
                 seconds = timed_row(row, b, prompts)
                 if recorded:
                     experts[row.name].append(_distinct(engines[row.engine][0]))
-                if rnd and (row.name not in best or seconds < best[row.name]):
-                    best[row.name] = seconds
-            print(f"[B={b}] round {rnd}: " + ", ".join(f"{n} {b * (new_tokens - 1) / s:.0f}" for n, s in best.items()),
-                  file=sys.stderr, flush=True)
+                if rnd:
+                    rounds[row.name].append(seconds)
+            print(f"[B={b}] round {rnd}, best so far: " + ", ".join(
+                f"{n} {b * (new_tokens - 1) / min(s):.0f}" for n, s in rounds.items() if s), file=sys.stderr, flush=True)
         for row in rows:
-            seconds = best[row.name]
+            seconds = min(rounds[row.name])
             results[row.name][str(b)] = {"decode_seconds": seconds, "decode_tok_s": b * (new_tokens - 1) / seconds,
                                          "per_user_tok_s": (new_tokens - 1) / seconds,
+                                         "round_seconds": rounds[row.name],
                                          "distinct": (sum(experts[row.name][1:]) / len(experts[row.name][1:])
                                                       if experts[row.name][1:] else None)}
+        for first, second in pairs_of(spec["groups"]):
+            results[second][str(b)]["paired"] = {"vs": first, **paired_ratio(rounds[first], rounds[second])}
+            print(f"[B={b}] {second} / {first}, paired by round: "
+                  f"{ratio_text(results[second][str(b)]['paired'])}", file=sys.stderr, flush=True)
         print("RESULT " + json.dumps(results), flush=True)   # what is measured so far survives a stop
     for _, instances in engines.values():
         for engine in instances:
