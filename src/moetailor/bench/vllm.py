@@ -509,7 +509,9 @@ def worker(spec: dict) -> dict:
         experts: dict[str, list[float]] = {row.name: [] for row in rows}
         for rnd in range(spec["repeats"] + 1):   # round 0 warms up
             prompts = [[rng.randrange(3, config.vocab_size) for _ in range(prompt_tokens)] for _ in range(b)]
-            order = rows[rnd % len(rows):] + rows[:rnd % len(rows)]    # each round starts one row later
+            order = rows[rnd % len(rows):] + rows[:rnd % len(rows)]    # each round starts one row later, and
+            if (rnd // len(rows)) % 2:    # every other cycle runs backwards: each row of a pair goes first in half
+                order = order[::-1]       # the rounds (a pair's paired ratio is not biased by who runs first)
             for row in order:
                 recorded = row.engine != "stock"
                 if recorded:
