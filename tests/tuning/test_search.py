@@ -97,6 +97,40 @@ def test_prompt_answer_traffic_is_calibrated_on_the_full_models_own_answers(tmp_
         assert r["vs_full"]["lost"] == round((1 - r["accuracy"]) * len(lines))
 
 
+def test_the_named_plans_verdicts_come_from_prompts_that_did_not_pick_them(tmp_path):
+    """The plans tune names run a second prompt set (a task file's next --n lines) and keep only that
+    set's verdict. With the full model's own answers there too, the choice is confirmed; where the second
+    set's answers are ones the full model never gives, nothing can be proven there, so a plan that met
+    the floor on the prompts that picked it is not chosen and no plan.json is written."""
+    path = save("qwen2_moe", tmp_path / "model")
+    llm = LLM(load_model(path), tokenizer=char_tokenizer(), max_num_seqs=8)
+    prompts = [f"add {a} + {b}\n" for a in range(5) for b in range(5)]
+    outs = [o.text.strip() for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))]
+    lines = [(p, o[:2]) for p, o in zip(prompts, outs) if o][:24]     # a tiny random model: its first characters
+    assert len(lines) == 24
+
+    def run(name, answers):
+        traffic = tmp_path / f"{name}.jsonl"
+        traffic.write_text("".join(json.dumps({"prompt": p, "answer": a, "match": "contains"}) + "\n"
+                                   for (p, _), a in zip(lines, answers)))
+        return tune(path, tmp_path / name, data=str(traffic), min_quality=0.5, budget=0.9, evaluate=2, n=12,
+                    criteria=("reap",), allocation=False, merge=False, protect_super=0)
+
+    tuner, result = run("own", [o for _, o in lines])
+    assert result.summary["prompts"] == result.summary["fresh_prompts"] == 12
+    assert result.full["fresh"]["accuracy"] == 1.0 and result.choice.met
+    chosen = result.choice.chosen
+    assert chosen["fresh"]["prompts"] == 12 and chosen["fresh"]["floor"]["verdict"] == "meets"
+    assert (tmp_path / "own" / "plan.json").is_file()
+    assert "fresh prompts: of full (95% CI)" in (tmp_path / "own" / "front.md").read_text()
+
+    tuner, result = run("other", [o for _, o in lines[:12]] + ["never said"] * 12)
+    best = result.choice.best_at_target
+    assert best["floor"]["verdict"] == "meets"                        # on the prompts that picked it
+    assert result.full["fresh"]["accuracy"] == 0.0 and tuner.floor_verdict(best) == "not enough prompts to tell"
+    assert not result.choice.met and not (tmp_path / "other" / "plan.json").exists()
+
+
 def test_a_checkpoint_scored_layer_by_layer(tmp_path):
     path = save("olmoe", tmp_path / "model", shard="60KB")
     tuner, result = tune(path, tmp_path / "out", max_kl=10.0, budget=0.5, stream="on", criteria=("reap",),

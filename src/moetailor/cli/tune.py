@@ -67,6 +67,9 @@ def register(sub) -> None:
     cost.add_argument("--kl-window", type=int, default=128)
     cost.add_argument("--n", type=int, default=50, help="prompts per task for accuracy (a file: its first N lines)")
     cost.add_argument("--evaluate", type=int, default=8, help="candidates given the full task evaluation (default 8)")
+    cost.add_argument("--no-confirm", action="store_true",
+                      help="state the chosen plan's verdict on the prompts that picked it, not on as many fresh ones "
+                           "(optimistic: the best of several on one prompt set looks better there than it is)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
                    help="score layer by layer from the shards (auto: when the model does not fit in memory)")
@@ -94,7 +97,7 @@ def run(args) -> int:
         fold=not args.no_fold, novice=args.novice, merge=not args.no_merge,
         protect_super=args.protect_super, allocation=not args.no_allocation, top_k=not args.no_top_k, servable=args.servable,
         calib_tokens=args.calib_tokens, kl_tokens=args.kl_tokens, kl_window=args.kl_window, n=args.n,
-        evaluate=args.evaluate, distill_steps=args.distill, distill_lr=args.distill_lr, seed=args.seed,
+        evaluate=args.evaluate, confirm=not args.no_confirm, distill_steps=args.distill, distill_lr=args.distill_lr, seed=args.seed,
         stream=args.stream, dtype=args.dtype, device=str(args.device), overwrite=args.overwrite, command=command,
         backend=args.backend, vllm_url=args.vllm_url)
     tuner = Tuner(settings)
@@ -119,7 +122,11 @@ def run(args) -> int:
         """The floor verdict of a point: its share of full with the 95% interval, or its KL."""
         if r.get("floor") is not None:
             from ..eval.metrics import FloorVerdict
-            return FloorVerdict.from_json(r["floor"]).describe(per_task)
+            picked = FloorVerdict.from_json(r["floor"])
+            if (r.get("fresh") or {}).get("floor") is None:
+                return picked.describe(per_task)
+            fresh = FloorVerdict.from_json(r["fresh"]["floor"])
+            return f"on fresh prompts {fresh.describe(per_task)}; on the prompts that picked it {picked.interval()}"
         return f"KL {r['kl']:.4f}"
 
     def where(r: dict, plan: str) -> str:
@@ -142,8 +149,9 @@ def run(args) -> int:
               f"additional_config={{\"moetailor_decode_plan\": \"{result.plan_path}\"}}")
         return 0
     proven = result.quality == "accuracy" and settings.min_quality is not None
+    prompts = s.get("fresh_prompts") or s["prompts"]
     print(f"no plan {'is proven to meet' if proven else 'meets'} {floor} at {target}"
-          + (f" (95% confidence, {s['prompts']} prompts)." if proven else "."))
+          + (f" (95% confidence, {prompts} {'fresh ' if s.get('fresh_prompts') else ''}prompts)." if proven else "."))
     out = Path(args.out)
     best = c.best_at_target
     if best is not None:

@@ -12,9 +12,10 @@ from ..outputs import write_json
 
 def _public(r: dict) -> dict:
     """A point's evidence without the per-prompt list (kept in its candidate file)."""
-    out = {k: v for k, v in r.items() if k not in ("identity", "tasks")}
-    if "tasks" in r:
-        out["tasks"] = {k: v for k, v in r["tasks"].items() if k not in ("correct", "identity")}
+    out = {k: v for k, v in r.items() if k not in ("identity", "tasks", "fresh_tasks")}
+    for key in ("tasks", "fresh_tasks"):
+        if key in r:
+            out[key] = {k: v for k, v in r[key].items() if k not in ("correct", "identity")}
     return out
 
 
@@ -34,7 +35,10 @@ def rows(tuner, result, points: list[dict]) -> tuple[list[str], list[tuple]]:
     # --backend vllm (which needs --servable vllm: every row runs on vLLM) says instead which engine scored
     # each row: vLLM, or the embedded engine for a merged decoder
     where = tuner.s.backend != "engine"
-    cols = ["plan", "budget", "pool", "KL", "accuracy %", "of full (95% CI)", "vs full (p)", "p90",
+    # the plans the choice names also ran fresh prompts (search.Tuner._confirm); their floor verdict is that set's
+    fresh = any(r.get("fresh") for r in points)
+    cols = ["plan", "budget", "pool", "KL", "accuracy %", "of full (95% CI)", "vs full (p)",
+            "fresh prompts: of full (95% CI)" if fresh else None, "p90",
             "tok/s" if speed else None, "scored on" if where else "vLLM", "floor", "at target"]
     cols = [c for c in cols if c]
     out = []
@@ -43,8 +47,10 @@ def rows(tuner, result, points: list[dict]) -> tuple[list[str], list[tuple]]:
         vs = r.get("vs_full")
         row = [r["label"], f"{r['budget']:.3f}", f"{r['pool_share']:.3f}", f"{r['kl']:.4f}",
                f"{100 * acc:.1f}" if acc is not None else "-", _of_full(r),
-               f"+{vs['gained']}/-{vs['lost']} ({vs['p']:.2g})" if vs else "-",
-               f"{r['tasks']['p90']:.0f}" if r.get("tasks") else "-"]
+               f"+{vs['gained']}/-{vs['lost']} ({vs['p']:.2g})" if vs else "-"]
+        if fresh:
+            row.append(_of_full(r["fresh"]) if r.get("fresh") else "-")
+        row.append(f"{r['tasks']['p90']:.0f}" if r.get("tasks") else "-")
         if speed:
             row.append(f"{r['tok_s']:.0f}" if r.get("tok_s") is not None else "-")
         scored_on = {"vllm": "vLLM"}.get(r.get("scored_by"), r.get("scored_by") or "-")

@@ -208,8 +208,9 @@ def test_tune_scores_candidates_on_vllm(tmp_path):
     for key, r in runs["engine"].items():
         assert math.isclose(runs["vllm"][key]["kl"], r["kl"], rel_tol=1e-3, abs_tol=1e-5), key
         assert runs["vllm"][key]["identity"]["backend"] == "vllm"
-        if "tasks" in r:
-            assert runs["vllm"][key]["tasks"]["correct"] == r["tasks"]["correct"], key
+        for prompts in ("tasks", "fresh_tasks"):   # the prompts that pick, and the fresh ones that confirm
+            if prompts in r:
+                assert runs["vllm"][key][prompts]["correct"] == r[prompts]["correct"], (key, prompts)
     assert sum("tasks" in r for r in runs["vllm"].values()) >= 2
     assert max(r["kl"] for r in runs["vllm"].values()) > 0.01
 
