@@ -122,6 +122,7 @@ def test_the_named_plans_verdicts_come_from_prompts_that_did_not_pick_them(tmp_p
     chosen = result.choice.chosen
     assert chosen["fresh"]["prompts"] == 12 and chosen["fresh"]["floor"]["verdict"] == "meets"
     assert (tmp_path / "own" / "plan.json").is_file()
+    assert result.choice.cheapest_meeting_floor["fresh"]["floor"]["verdict"] == "meets"
     assert "fresh prompts: of full (95% CI)" in (tmp_path / "own" / "front.md").read_text()
 
     tuner, result = run("other", [o for _, o in lines[:12]] + ["never said"] * 12)
@@ -129,6 +130,7 @@ def test_the_named_plans_verdicts_come_from_prompts_that_did_not_pick_them(tmp_p
     assert best["floor"]["verdict"] == "meets"                        # on the prompts that picked it
     assert result.full["fresh"]["accuracy"] == 0.0 and tuner.floor_verdict(best) == "not enough prompts to tell"
     assert not result.choice.met and not (tmp_path / "other" / "plan.json").exists()
+    assert result.choice.cheapest_meeting_floor is result.full    # every plan that met it first is unproven now
 
 
 def test_a_checkpoint_scored_layer_by_layer(tmp_path):

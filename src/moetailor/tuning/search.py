@@ -714,13 +714,14 @@ class Tuner:
                                          self.s.min_quality).to_json()
         return r
 
-    def _confirm(self, choice: Choice) -> Choice:
+    def _confirm(self, choice: Choice, points: list[dict]) -> Choice:
         """The named plans' verdicts on prompts that did not pick them. The best of several candidates on
         one prompt set looks better there than it is: on ``reference-qwen3`` at budget 0.5 the choice kept
         99.6% of the full model on the 300 prompts that picked it and 98.2% on 900 others. So the full
-        model and each named plan run the confirmation set (``_examples(fresh=True)``), a plan stays
-        chosen (or the cheapest meeting the floor) only if that set proves it, and the verdicts shown are
-        that set's."""
+        model and each named plan run the confirmation set (``_examples(fresh=True)``); a plan stays
+        chosen only if that set proves it; the cheapest meeting the floor is the cheapest of those that
+        met it on the first set which the second set proves too (the full model at the latest); the
+        verdicts shown are the second set's."""
         from ..eval.metrics import MEETS
 
         if not self._examples(fresh=True):
@@ -728,15 +729,20 @@ class Tuner:
                        "are on the prompts that picked the plans (optimistic: the best of several on one set looks "
                        "better there than it is); give twice as many lines, or a smaller --n, to confirm them")
             return choice
+        met_first = sorted((r for r in points if self.floor_verdict(r) == MEETS), key=lambda r: r["budget"])
         self.evaluate(self.full, fresh=True)
         self.full["fresh"] = {"prompts": self.full["fresh_tasks"]["prompts"], "accuracy": self.full["fresh_tasks"]["accuracy"],
                               "of_full": 1.0, "vs_full": {"gained": 0, "lost": 0, "p": 1.0}, "floor": self.full["floor"]}
-        named = [choice.chosen, choice.cheapest_meeting_floor, choice.best_at_target]
-        for r in {id(r): r for r in named if r is not None and r is not self.full}.values():
-            self._with_full(self.evaluate(r, decode_model=r.get("distilled"), fresh=True), fresh=True)
-        proven = lambda r: r if r is not None and self.floor_verdict(r) == MEETS else None  # noqa: E731
-        return Choice(proven(choice.chosen), proven(choice.cheapest_meeting_floor), choice.best_at_target,
-                      choice.quality_name)
+
+        def proven(r: dict | None) -> dict | None:
+            if r is not None and "fresh" not in r:
+                self._with_full(self.evaluate(r, decode_model=r.get("distilled"), fresh=True), fresh=True)
+            return r if r is not None and self.floor_verdict(r) == MEETS else None
+
+        chosen = proven(choice.chosen)
+        cheapest = next((r for r in met_first if proven(r) is not None), None)
+        proven(choice.best_at_target)
+        return Choice(chosen, cheapest, choice.best_at_target, choice.quality_name)
 
     def floor_verdict(self, r: dict) -> str:
         """"meets", "misses" or "not enough prompts to tell": the accuracy floor from the paired 95%
@@ -889,7 +895,7 @@ class Tuner:
             shown.append(self.full)      # the reference row, even where a cheaper plan ties it
         choice = choose(points, self.floor_verdict, self.at_target, qf, quality)
         if quality == "accuracy" and self.s.confirm and self.s.min_quality is not None:
-            choice = self._confirm(choice)
+            choice = self._confirm(choice, points)
         plan_path = None
         for name, r in (("plan.json", choice.chosen), ("cheapest-meeting-floor.json", choice.cheapest_meeting_floor),
                         ("best-at-target.json", choice.best_at_target)):
