@@ -54,8 +54,10 @@ def rows(tuner, result, points: list[dict]) -> tuple[list[str], list[tuple]]:
         if speed:
             row.append(f"{r['tok_s']:.0f}" if r.get("tok_s") is not None else "-")
         scored_on = {"vllm": "vLLM"}.get(r.get("scored_by"), r.get("scored_by") or "-")
-        row += [scored_on if where else "yes" if r.get("vllm") else "no", tuner.floor_verdict(r),
-                "yes" if tuner.at_target(r) else "no"]
+        verdict = tuner.floor_verdict(r)    # a named plan's is the fresh prompts'; say where another's comes from
+        if fresh and not r.get("fresh") and r.get("floor"):
+            verdict += " (first prompts)"
+        row += [scored_on if where else "yes" if r.get("vllm") else "no", verdict, "yes" if tuner.at_target(r) else "no"]
         out.append(tuple(row))
     return cols, out
 
