@@ -407,14 +407,9 @@ class Tuner:
         record = {**record, "key": c.key, "label": c.describe(self.E),
                   "budget": round(c.read_share(self.E, self.k, self.s.batch), 6),
                   "pool_share": round(c.pool_share(self.E), 6), "vllm": c.runs_on_vllm(),
-                  "scored_by": self.scored_by(c)}
+                  "scored_by": "engine" if c.checkpoint else self.s.backend}   # a merged decoder: its own checkpoint
         self.scored[c.key] = record
         return record
-
-    def scored_by(self, c: Candidate) -> str:
-        """Which engine scores ``c`` (KL and task answers): the --backend, except for a merged decoder,
-        which is its own checkpoint and runs on the embedded engine (prefill on the model)."""
-        return "engine" if c.checkpoint else self.s.backend
 
     def _engine_scorer(self):
         """The embedded engine's held-out scorer of the traffic windows (the full model's predictions
