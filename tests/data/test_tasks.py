@@ -11,7 +11,6 @@ from moetailor.data.tasks import (
     expressions,
     extract_answer,
     get_task,
-    resolve_tasks,
     score,
     sorting,
     training_rng,
@@ -86,8 +85,9 @@ def test_training_and_evaluation_streams_are_disjoint():
 def test_unknown_task_lists_the_valid_ones():
     with pytest.raises(ValueError, match="addition.*lookup"):
         get_task("gsm8k")
-    assert len(resolve_tasks("all")) == 6
-    assert [t.name for t in resolve_tasks("sorting,reverse")] == ["sorting", "reverse"]
+    from moetailor.eval.user_tasks import select_tasks
+    assert len(select_tasks("all")) == 6
+    assert [t.name for t in select_tasks("sorting,reverse")] == ["sorting", "reverse"]
 
 
 def test_lookup_value_is_the_token_after_its_key():

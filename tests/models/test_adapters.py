@@ -7,6 +7,7 @@ from moetailor.models import describe, moe_layers
 from moetailor.models.architectures import UnsupportedArchitecture, arch_spec
 from moetailor.models.tiny import TINY_ARCHITECTURES, tiny_model
 from moetailor.routing import LayerPolicy, PhasePolicy, RoutingController
+from moetailor.runtime.step import read_experts
 
 IDS = torch.randint(2, 96, (2, 9), generator=torch.Generator().manual_seed(0))
 
@@ -95,7 +96,7 @@ def test_observation_sees_every_layer_with_consistent_routes(arch):
     with ctl.observing(observer), ctl.policy(None) as step:
         logits(model)
     assert seen == [0, 1, 2]
-    assert set(ctl.traffic(step)[0]) == {0, 1, 2}
+    assert set(read_experts(step)) == {0, 1, 2}
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)

@@ -52,6 +52,7 @@ def test_route_counter_and_meter_agree_on_tiny_model():
     from moetailor.models import moe_layers
     from moetailor.models.tiny import tiny_model
     from moetailor.routing import LayerPolicy, PhasePolicy, RoutingController
+    from moetailor.runtime.step import read_experts
 
     model = tiny_model("qwen3_moe", num_experts=8, top_k=2)
     ctl = RoutingController(model)
@@ -61,9 +62,7 @@ def test_route_counter_and_meter_agree_on_tiny_model():
     keep = PhasePolicy.uniform([l.index for l in layers], LayerPolicy(keep=(0, 1, 2)))
     with torch.no_grad(), ctl.observing(counter), ctl.policy(keep) as step:
         model(ids)
-    distinct, bytes_read = ctl.traffic(step)
     assert set(counter.distinct) == {l.index for l in layers}
     assert all(1 <= v <= 3 for v in counter.distinct.values())       # masked to 3 experts
-    assert counter.distinct == distinct
-    assert bytes_read == sum(counter.distinct.values()) * layers[0].expert_bytes()
+    assert counter.distinct == read_experts(step)
     assert layers[0].expert_bytes() == 3 * 32 * 16 * 4                  # gate+up+down, H=32, I=16, fp32

@@ -11,7 +11,7 @@ from moetailor.models.tiny import tiny_model
 from moetailor.plans import uniform_plan
 from moetailor.routing import LayerPolicy
 from moetailor.routing.traffic import StepCost
-from moetailor.runtime.step import current
+from moetailor.runtime.step import current, read_experts
 from moetailor.serving import LLM, SamplingParams
 from moetailor.serving.load_pools import PoolRung, PoolsByLoad
 
@@ -210,6 +210,6 @@ def test_calibration_and_evaluation_route_through_the_same_step_object():
     with torch.no_grad(), ctl.policy(plan.decode) as step:
         assert current() is step and step.kv is None and step.routing.policy is ctl.compile(plan.decode)
         model(torch.tensor([random_prompts([9], seed=6)[0]]))
-    distinct, _ = ctl.traffic(step)
+    distinct = read_experts(step)
     assert set(distinct) == {l.index for l in ctl.layers} and max(distinct.values()) <= 4
     assert current() is None

@@ -172,22 +172,36 @@ def jsonl_document(row, tokenizer, where: str) -> str:
                      "each line must be one JSON object with one of them")
 
 
+def read_jsonl(path: str | Path, what: str = "task file",
+               shape: str = '{"prompt": ..., "answer": ..., "match": ...}') -> list[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of a JSONL ``what``; ValueError naming the line
+    that is not a JSON object (one like ``shape``). Task files and calibration files read alike."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist; give a JSONL file with one object per line")
+    records = []
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: each line must be a JSON object like {shape}, got "
+                             + type(record).__name__)
+        records.append((number, record))
+    return records
+
+
 def _file_documents(path: Path, tokenizer=None, repeat: bool = True) -> Iterator[str]:
     if path.suffix == ".jsonl":
-        docs = []
-        try:
-            lines = path.read_text("utf-8").splitlines()
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {n} is not valid JSON ({e}); a .jsonl file needs one JSON object "
-                                 "per line") from None
-            docs.append(jsonl_document(row, tokenizer, f"{path} line {n}"))
+        docs = [jsonl_document(row, tokenizer, f"{path}:{n}")
+                for n, row in read_jsonl(path, "calibration file", '{"text": ...}')]
     else:
         from ..data.corpus import _chunks
         docs = list(_chunks(path.read_text("utf-8", "replace")))

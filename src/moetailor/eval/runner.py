@@ -263,6 +263,7 @@ def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log,
         return [PlanSource(f"{criterion}-{keep:g}" if keep is not None else str(criterion), criterion, keep, plan)]
     if not settings.sweep:
         return [PlanSource(None, None, None, None)]
+    from ..calibration import calibrate
     from ..calibration.data import default_data_spec
     from ..plans.criteria import make_plan
     criteria, keeps = parse_sweep(settings.sweep)
@@ -271,7 +272,9 @@ def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log,
     sources = []
     for data in datas or (default_data_spec(settings.model, settings.calib_data, "--calib-data"),):
         stats_path = out / (f"stats-{_slug(data)}.safetensors" if axis else "stats.safetensors")
-        stats = calibrated_stats(model, tokenizer, stats_path, data, settings.calib_tokens, log, overwrite=overwrite)
+        stats = calibrated_stats(model, stats_path, data, settings.calib_tokens, log,
+                                 lambda: calibrate(model, tokenizer, data, settings.calib_tokens, progress=False),
+                                 overwrite=overwrite)
         for criterion in criteria:
             for keep in keeps:
                 path = out / "plans" / (_slug(data) if axis else "") / f"{criterion}-{keep:g}.json"
@@ -287,11 +290,12 @@ def _plan_sources(settings: EvalSettings, model, tokenizer, out: Path, log,
     return sources
 
 
-def calibrated_stats(model, tokenizer, path: Path, data: str, tokens: int, log, overwrite: bool = False):
+def calibrated_stats(model, path: Path, data: str, tokens: int, log, compute, overwrite: bool = False,
+                     fold: bool = False):
     """Calibration statistics for this model: loaded from ``path`` when an earlier run cached them
-    (for this model, data and token count), else computed once and cached there. Cached statistics
-    made otherwise are an error, or recomputed with ``overwrite``."""
-    from ..calibration import ExpertStats, StatsMismatch, calibrate
+    (for this model, data and token count; with fold tables where ``fold``), else ``compute()`` once
+    and cached there. Cached statistics made otherwise are an error, or recomputed with ``overwrite``."""
+    from ..calibration import ExpertStats, StatsMismatch
     from ..calibration.data import parse_data_spec
 
     if path.exists():
@@ -304,7 +308,10 @@ def calibrated_stats(model, tokenizer, path: Path, data: str, tokens: int, log, 
         made = (stats.meta.get("data"), stats.meta.get("tokens"))
         if problem is None and made != (parse_data_spec(data).name, tokens):
             problem = f"calibrated on {made[1]} tokens of {made[0]!r}, this run asks for {tokens} of {data!r}"
+        if problem is None and fold and not stats.has_fold:
+            problem = "calibrated without fold tables"
         if problem is None:
+            log(f"reusing {path} ({made[1]:,} tokens of {made[0]})")
             return stats
         if not overwrite:
             raise CellMismatch(f"{path} holds statistics this run cannot use ({problem}); pass --overwrite to "
@@ -312,7 +319,7 @@ def calibrated_stats(model, tokenizer, path: Path, data: str, tokens: int, log, 
         log(f"cached statistics do not fit ({problem}); recalibrating")
     log(f"calibrating on {tokens:,} tokens of {data!r} (once per model) ...")
     t0 = time.time()
-    stats = calibrate(model, tokenizer, data, tokens, progress=False)
+    stats = compute()
     stats.save(path)
     log(f"calibrated in {time.time() - t0:.1f} s -> {path}")
     return stats

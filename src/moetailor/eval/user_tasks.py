@@ -6,12 +6,12 @@ a ValueError naming the file, the line number and what is wrong.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..calibration.data import read_jsonl
 from ..data.tasks import TASKS, Task, eval_examples, get_task
 from ..data.tasks.base import Example
 from ..tables import unknown_choice
@@ -117,30 +117,6 @@ def task_examples(task, n: int, seed: int = 0, tokenizer=None) -> list[Example]:
 def is_task_file(spec: str) -> bool:
     """Whether a --tasks entry names a file rather than a built-in task."""
     return spec.endswith((".jsonl", ".json")) or "/" in spec or Path(spec).is_file()
-
-
-def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
-    """(line number, object) for each non-blank line; ValueError naming the line that is not a JSON object."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"task file {path} does not exist; give a JSONL file with one task per line")
-    records = []
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"task file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}:{number}: each line must be a JSON object like "
-                             '{"prompt": ..., "answer": ..., "match": ...}, got ' + type(record).__name__)
-        records.append((number, record))
-    return records
 
 
 def _example(path: Path, number: int, record: dict, default_task: str) -> UserExample:

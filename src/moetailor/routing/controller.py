@@ -21,7 +21,7 @@ import torch.nn as nn
 from ..models.adapters import MoeLayer, moe_layers
 from ..models.architectures import arch_spec
 from ..runtime import experts as experts_impl
-from ..runtime.step import Routing, Step, current, experts_read_buffer, read_experts, running
+from ..runtime.step import Routing, Step, current, experts_read_buffer, running
 from .policy import FULL, PhasePolicy
 from .router import CompiledPolicy, FoldTables, route
 
@@ -133,19 +133,12 @@ class RoutingController:
     def policy(self, policy: PhasePolicy | None, token_top_k: torch.Tensor | None = None):
         """Run the forwards inside under ``policy`` (None = the full router) and per-token budgets
         ``token_top_k`` [T]: a routing-only step (plain SDPA attention, the experts loop). Yields the
-        step; ``traffic(step)`` is what its last forward read."""
+        step (``runtime.step.read_experts(step)``: the experts its last forward read)."""
         num_layers = getattr(self.model.config, "num_hidden_layers", None) or max(l.index for l in self.layers) + 1
         step = Step(is_prefill=True, routing=Routing(self.compile(policy), token_top_k),
                     experts_read=experts_read_buffer(num_layers, self.layers[0].router.weight.device))
         with running(step):
             yield step
-
-    def traffic(self, step: Step) -> tuple[dict[int, int], int]:
-        """(MoE layer -> distinct experts read, expert weight bytes read) by ``step``'s last forward."""
-        distinct = read_experts(step)
-        per_expert = {l.index: experts_impl.expert_bytes(*experts_impl.step_weights(l.experts, step))
-                      for l in self.layers}
-        return distinct, sum(n * per_expert[layer] for layer, n in distinct.items())
 
     @contextmanager
     def observing(self, observer: Observer):

@@ -100,7 +100,8 @@ class LLM:
         self.controller = self.runner.controller
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.budgets = BudgetPolicy.of(self.model, config.k_schedule, k_cost, config.max_num_seqs, self.runner.device)
-        self.scheduler = Scheduler(self.config, self.block_manager, self.budgets, tokenizer, self._eos_ids())
+        self.scheduler = Scheduler(self.config, self.block_manager, self.budgets, tokenizer,
+                                   eos_token_ids(self.model, tokenizer))
         self.plan: Plan | None = None
         self.guard: Guard | None = None
         self._seqs: dict[str, Sequence] = {}
@@ -185,9 +186,6 @@ class LLM:
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
-
-    def _eos_ids(self) -> set[int]:
-        return eos_token_ids(self.model, self.tokenizer)
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

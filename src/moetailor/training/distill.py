@@ -76,10 +76,13 @@ class DistillConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{flag} must be a finite number (got {value!r})")
-        if not isinstance(self.steps, int) or self.steps < 1:
+        if not isinstance(self.steps, int):
             raise ValueError(f"--steps must be at least 1 (got {self.steps})")
-        if self.warmup < 0:
-            raise ValueError(f"--warmup must be at least 0 (got {self.warmup})")
+        for flag, value, low in (("--steps", self.steps, 1), ("--warmup", self.warmup, 0),
+                                 ("--batch-size", self.batch_size, 1), ("--seq-len", self.seq_len, 2),
+                                 ("kd_top", self.kd_top, 1), ("--checkpoint-every", self.checkpoint_every, 1)):
+            if value < low:
+                raise ValueError(f"{flag} must be at least {low} (got {value})")
         if self.weight_decay < 0 or self.grad_clip <= 0:
             raise ValueError(f"weight_decay (got {self.weight_decay}) must be >= 0 and grad_clip (got "
                              f"{self.grad_clip}) positive")
@@ -88,14 +91,6 @@ class DistillConfig:
         split_fraction(self.split_point)
         if self.lr <= 0 or self.router_lr_scale < 0:
             raise ValueError(f"--lr must be positive (got {self.lr}) and the router scale non-negative")
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be at least 1 (got {self.batch_size})")
-        if self.seq_len < 2:
-            raise ValueError(f"--seq-len must be at least 2 (got {self.seq_len})")
-        if self.kd_top < 1:
-            raise ValueError(f"kd_top must be at least 1 (got {self.kd_top})")
-        if self.checkpoint_every < 1:
-            raise ValueError(f"--checkpoint-every must be at least 1 (got {self.checkpoint_every})")
 
 
 def split_fraction(split_point: str | float) -> float | None:

@@ -323,36 +323,23 @@ class Tuner:
         return str(path)
 
     def _stats(self):
-        from ..calibration import ExpertStats, StatsMismatch, calibrate
-        from ..calibration.data import parse_data_spec
+        """The traffic's statistics (``eval.runner.calibrated_stats``), with fold tables where the model is in
+        memory: computed once into OUT/stats.safetensors, streamed layer by layer where it does not fit."""
+        from ..eval.runner import calibrated_stats
 
-        data = self.calib_data
+        def compute():
+            if self.streamed:
+                from ..calibration.streaming import calibrate_streamed
+                return calibrate_streamed(self.path, self.tokenizer, self.calib_data, self.s.calib_tokens,
+                                          dtype=self.dtype, seed=self.s.seed, progress=self.progress,
+                                          command=self.s.command, placement=self.placement)
+            from ..calibration import calibrate
+            return calibrate(self.model, self.tokenizer, self.calib_data, self.s.calib_tokens, seed=self.s.seed,
+                             fold=self.s.fold, progress=self.progress, command=self.s.command)
+
         path = self.out / "stats.safetensors"
-        want = (parse_data_spec(data).name, self.s.calib_tokens)
-        if path.exists():
-            stats = ExpertStats.load(path)
-            try:
-                stats.check_model(self.model)
-                fits = (stats.meta.get("data"), stats.meta.get("tokens")) == want and (stats.has_fold or self.streamed)
-            except StatsMismatch:
-                fits = False
-            if fits:
-                self.log(f"reusing {path} ({stats.meta['tokens']:,} tokens of {stats.meta['data']})")
-                return stats, path
-            if not self.s.overwrite:
-                raise ValueError(f"{path} holds statistics of another model or traffic; pass --overwrite or a "
-                                 "fresh --out")
-        self.log(f"calibrating on {self.s.calib_tokens:,} tokens of {data} ...")
-        if self.streamed:
-            from ..calibration.streaming import calibrate_streamed
-            stats = calibrate_streamed(self.path, self.tokenizer, data, self.s.calib_tokens, dtype=self.dtype,
-                                       seed=self.s.seed, progress=self.progress, command=self.s.command,
-                                       placement=self.placement)
-        else:
-            stats = calibrate(self.model, self.tokenizer, data, self.s.calib_tokens, seed=self.s.seed,
-                              fold=self.s.fold, progress=self.progress, command=self.s.command)
-        stats.save(path)
-        return stats, path
+        return calibrated_stats(self.model, path, self.calib_data, self.s.calib_tokens, self.log, compute,
+                                overwrite=self.s.overwrite, fold=not self.streamed), path
 
     # ---- scoring ---------------------------------------------------------------------------------
     def _identity(self) -> dict:
@@ -425,14 +412,9 @@ class Tuner:
         record = {**record, "key": c.key, "label": c.describe(self.E),
                   "budget": round(c.read_share(self.E, self.k, self.s.batch), 6),
                   "pool_share": round(c.pool_share(self.E), 6), "vllm": c.runs_on_vllm(),
-                  "scored_by": self.scored_by(c)}
+                  "scored_by": "engine" if c.checkpoint else self.s.backend}   # a merged decoder: its own checkpoint
         self.scored[c.key] = record
         return record
-
-    def scored_by(self, c: Candidate) -> str:
-        """Which engine scores ``c`` (KL and task answers): the --backend, except for a merged decoder,
-        which is its own checkpoint and runs on the embedded engine (prefill on the model)."""
-        return "engine" if c.checkpoint else self.s.backend
 
     def _engine_scorer(self):
         """The embedded engine's held-out scorer of the traffic windows (the full model's predictions

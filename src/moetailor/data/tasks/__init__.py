@@ -27,14 +27,6 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
-def resolve_tasks(spec: str | list[str]) -> list[Task]:
-    """'all', a comma-separated string, or a list of names -> tasks, validated."""
-    names = spec.split(",") if isinstance(spec, str) else list(spec)
-    if names == ["all"]:
-        return list(TASKS.values())
-    return [get_task(n.strip()) for n in names]
-
-
 def training_rng(seed: int) -> random.Random:
     return random.Random(f"train:{seed}")
 
@@ -50,5 +42,5 @@ def eval_examples(task: Task, n: int, seed: int = 0, difficulties: tuple[int, ..
     return [task.generate(rng, levels[i % len(levels)]) for i in range(n)]
 
 
-__all__ = ["ANSWER_MARKER", "Example", "Task", "TASKS", "get_task", "resolve_tasks", "score",
+__all__ = ["ANSWER_MARKER", "Example", "Task", "TASKS", "get_task", "score",
            "extract_answer", "training_rng", "eval_rng", "eval_examples"]
