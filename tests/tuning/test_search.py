@@ -52,6 +52,12 @@ def test_tune_chooses_the_best_plan_at_the_target(arch, tmp_path):
     assert ("fold", "uniform") in kinds and ("mask", "sensitivity") in kinds and ("novice", "uniform") in kinds
     novice_probes = [r for r in tuner.scored.values() if r["candidate"]["pool_mode"] == "novice" and tuner._is_probe(r)]
     assert len(novice_probes) >= len(tuner.layers) and ("novice", "sensitivity") in kinds   # per-layer novice pools
+
+    def one_transfer_from_uniform(sizes):     # what the descent from a uniform pool (plan --layers search) tries first
+        rest = sorted(sizes)[1:-1]
+        return len(set(rest)) <= 1 and sorted(sizes)[0] + 2 * tuner.step == sorted(sizes)[-1] and \
+            (not rest or rest[0] == sorted(sizes)[0] + tuner.step)
+    assert any(one_transfer_from_uniform(r["candidate"]["sizes"]) for r in novice_probes), arch
     assert (("merge", "uniform") in kinds) == (arch != "deepseek_v3-grouped")   # no merging of grouped routers
     if arch == "deepseek_v3-grouped":   # 4 routing groups: every pool keeps a multiple of 4 experts
         assert all(s % 4 == 0 for r in tuner.scored.values() for s in r["candidate"]["sizes"])

@@ -532,7 +532,9 @@ class Tuner:
         are close to their constants needs fewer kept places than one that loses them outright, so the
         masked curves would misplace them. At ``target`` the additive allocation is refined by the
         coordinate descent of `plan --layers search` (``eval.search_k.descend``) on the traffic KL,
-        since layers' novice errors interact. Every probe is cached as stage 3's are."""
+        since layers' novice errors interact; and so is the uniform pool, where `plan --layers search`
+        starts (the two descents end in different local optima: on ``reference`` at 32 of 64 the one from
+        the uniform pool is the plan proven on fresh prompts). Every probe is cached as stage 3's are."""
         from ..eval.search_k import descend
         from .sensitivity import allocate, measure_curves, measured_sizes
 
@@ -545,11 +547,12 @@ class Tuner:
                 alloc = allocate(curves, m * n, self.E, self.min_pool, self.step)
                 if alloc is not None and len(set(alloc)) > 1:
                     out.append(Candidate(crit, tuple(alloc), "novice", allocation="sensitivity"))
-            start = allocate(curves, target * n, self.E, self.min_pool, self.step) or [target] * n
-            refined = descend(kl_of, start, low=self.min_pool, high=self.E, step=self.step, progress=False,
-                              log=lambda m: None).ks
-            if len(set(refined)) > 1:
-                out.append(Candidate(crit, tuple(refined), "novice", allocation="sensitivity"))
+            additive = allocate(curves, target * n, self.E, self.min_pool, self.step) or [target] * n
+            for start in dict.fromkeys((tuple(additive), (target,) * n)):
+                refined = descend(kl_of, list(start), low=self.min_pool, high=self.E, step=self.step, progress=False,
+                                  log=lambda m: None).ks
+                if len(set(refined)) > 1:
+                    out.append(Candidate(crit, tuple(refined), "novice", allocation="sensitivity"))
         return list(dict.fromkeys(out))
 
     def proxy_front(self) -> list[dict]:
