@@ -533,8 +533,8 @@ class Tuner:
         masked curves would misplace them. At ``target`` the additive allocation is refined by the
         coordinate descent of `plan --layers search` (``eval.search_k.descend``) on the traffic KL,
         since layers' novice errors interact; and so is the uniform pool, where `plan --layers search`
-        starts (the two descents end in different local optima: on ``reference`` at 32 of 64 the one from
-        the uniform pool is the plan proven on fresh prompts). Every probe is cached as stage 3's are."""
+        starts (the two descents can end in different local optima). Every probe is cached as stage 3's
+        are."""
         from ..eval.search_k import descend
         from .sensitivity import allocate, measure_curves, measured_sizes
 
