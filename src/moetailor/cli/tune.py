@@ -97,7 +97,8 @@ def run(args) -> int:
         fold=not args.no_fold, novice=args.novice, merge=not args.no_merge,
         protect_super=args.protect_super, allocation=not args.no_allocation, top_k=not args.no_top_k, servable=args.servable,
         calib_tokens=args.calib_tokens, kl_tokens=args.kl_tokens, kl_window=args.kl_window, n=args.n,
-        evaluate=args.evaluate, confirm=not args.no_confirm, distill_steps=args.distill, distill_lr=args.distill_lr, seed=args.seed,
+        evaluate=args.evaluate, confirm=not args.no_confirm, distill_steps=args.distill, distill_lr=args.distill_lr,
+        seed=args.seed,
         stream=args.stream, dtype=args.dtype, device=str(args.device), overwrite=args.overwrite, command=command,
         backend=args.backend, vllm_url=args.vllm_url)
     tuner = Tuner(settings)
@@ -150,8 +151,9 @@ def run(args) -> int:
         return 0
     proven = result.quality == "accuracy" and settings.min_quality is not None
     prompts = s.get("fresh_prompts") or s["prompts"]
+    fresh = "fresh " if s.get("fresh_prompts") else ""
     print(f"no plan {'is proven to meet' if proven else 'meets'} {floor} at {target}"
-          + (f" (95% confidence, {prompts} {'fresh ' if s.get('fresh_prompts') else ''}prompts)." if proven else "."))
+          + (f" (95% confidence, {prompts} {fresh}prompts)." if proven else "."))
     out = Path(args.out)
     best = c.best_at_target
     if best is not None:

@@ -57,7 +57,8 @@ def rows(tuner, result, points: list[dict]) -> tuple[list[str], list[tuple]]:
         verdict = tuner.floor_verdict(r)    # a named plan's is the fresh prompts'; say where another's comes from
         if fresh and not r.get("fresh") and r.get("floor"):
             verdict += " (first prompts)"
-        row += [scored_on if where else "yes" if r.get("vllm") else "no", verdict, "yes" if tuner.at_target(r) else "no"]
+        row += [scored_on if where else "yes" if r.get("vllm") else "no", verdict,
+                "yes" if tuner.at_target(r) else "no"]
         out.append(tuple(row))
     return cols, out
 

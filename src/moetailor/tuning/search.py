@@ -549,8 +549,8 @@ class Tuner:
                     out.append(Candidate(crit, tuple(alloc), "novice", allocation="sensitivity"))
             additive = allocate(curves, target * n, self.E, self.min_pool, self.step) or [target] * n
             for start in dict.fromkeys((tuple(additive), (target,) * n)):
-                refined = descend(kl_of, list(start), low=self.min_pool, high=self.E, step=self.step, progress=False,
-                                  log=lambda m: None).ks
+                refined = descend(kl_of, list(start), low=self.min_pool, high=self.E, step=self.step,
+                                  progress=False, log=lambda m: None).ks
                 if len(set(refined)) > 1:
                     out.append(Candidate(crit, tuple(refined), "novice", allocation="sensitivity"))
         return list(dict.fromkeys(out))
@@ -633,7 +633,8 @@ class Tuner:
             budgets = {t.name: task_budget(t, self.tokenizer) for t in self.tasks}
             if fresh:
                 picked = {ex.prompt for ex, _ in self._examples()}
-                chosen = {t.name: [ex for ex in task_examples(t, n, seed + 1, self.tokenizer) if ex.prompt not in picked]
+                chosen = {t.name: [ex for ex in task_examples(t, n, seed + 1, self.tokenizer)
+                                   if ex.prompt not in picked]
                           if isinstance(t, Task) else task_examples(t, 2 * n, seed, self.tokenizer)[n:]
                           for t in self.tasks}
                 files = [t for t in self.tasks if not isinstance(t, Task)]
@@ -710,14 +711,16 @@ class Tuner:
         from ..eval.metrics import MEETS
 
         if not self._examples(fresh=True):
-            self._note(f"the task file has fewer than --n {self.s.n} lines after the first {self.s.n}, so the verdicts "
-                       "are on the prompts that picked the plans (optimistic: the best of several on one set looks "
-                       "better there than it is); give twice as many lines, or a smaller --n, to confirm them")
+            self._note(f"the task file has fewer than --n {self.s.n} lines after the first {self.s.n}, so the "
+                       "verdicts are on the prompts that picked the plans (optimistic: the best of several on one "
+                       "set looks better there than it is); give twice as many lines, or a smaller --n, to confirm "
+                       "them")
             return choice
         met_first = sorted((r for r in points if self.floor_verdict(r) == MEETS), key=lambda r: r["budget"])
         self.evaluate(self.full, fresh=True)
-        self.full["fresh"] = {"prompts": self.full["fresh_tasks"]["prompts"], "accuracy": self.full["fresh_tasks"]["accuracy"],
-                              "of_full": 1.0, "vs_full": {"gained": 0, "lost": 0, "p": 1.0}, "floor": self.full["floor"]}
+        full = self.full["fresh_tasks"]     # the reference: its own share is exactly 1
+        self.full["fresh"] = {"prompts": full["prompts"], "accuracy": full["accuracy"], "of_full": 1.0,
+                              "vs_full": {"gained": 0, "lost": 0, "p": 1.0}, "floor": self.full["floor"]}
 
         def proven(r: dict | None) -> dict | None:
             if r is not None and "fresh" not in r:
