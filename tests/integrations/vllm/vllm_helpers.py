@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from pathlib import Path
 
 BUNDLED_PLAN = Path(__file__).resolve().parents[3] / "src" / "moetailor" / "assets" / "plans" / "reference-reap-50.json"
@@ -30,6 +31,11 @@ def vllm_engine(**kwargs):
     try:
         yield llm
     finally:
+        # vLLM 0.32's engine core can miss a SIGTERM that lands while its main thread goes from its last
+        # request to blocking on its input queue (CPython runs the handler at the next bytecode, and a
+        # blocked thread runs none): it then sits out the whole timeout and is killed with its workers,
+        # so an observing engine writes nothing at shutdown. An idle engine core takes the signal.
+        time.sleep(1)
         # vLLM force-kills an engine core that has not stopped 5 s after SIGTERM unless given longer; an
         # observing engine writes its statistics while it stops, which a busy 2-core machine can take past 5 s
         llm.llm_engine.engine_core.shutdown(timeout=60)
