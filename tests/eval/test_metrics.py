@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from moetailor.eval.metrics import Generation, HeldoutScorer, accuracy, kl_divergence, length_stats, mean_std, percentile
+from moetailor.eval.metrics import (Generation, HeldoutScorer, accuracy, kl_divergence, length_stats, mean_std, percentile,
+                                    sign_test, versus_full)
 from moetailor.models.tiny import tiny_model
 from moetailor.routing import LayerPolicy, PhasePolicy
 
@@ -152,3 +153,20 @@ def test_the_interval_covers_the_true_ratio_in_repeated_paired_draws():
         low, high = ratio_interval(PairedCounts(*map(int, rng.multinomial(60, probs))))
         hits += low <= 0.5 / 0.52 <= high
     assert hits / 300 >= 0.93
+
+
+def test_sign_test_matches_the_exact_binomial():
+    assert sign_test(0, 0) == 1.0
+    assert sign_test(3, 9) == pytest.approx(0.146, abs=1e-3)      # docs/techniques.md: 3 up, 9 down, p = 0.15
+    assert sign_test(22, 7) == pytest.approx(0.0081, abs=1e-4)    # 22 gained, 7 lost: p = 0.008
+    assert sign_test(5, 5) == 1.0
+    assert sign_test(0, 6) == pytest.approx(2 / 64)
+
+
+def test_versus_full_counts_a_repeated_prompt_once():
+    """Three results, the first prompt twice: its second result (which would add a loss) is not counted."""
+    got = versus_full([True, False, True], [True, True, False], ["a", "a", "b"], floor=0.9)
+    assert (got["prompts"], got["gained"], got["lost"]) == (2, 1, 0)
+    assert got["ratio"] == 2.0 and got["verdict"] == "not enough prompts to tell"
+    assert "verdict" not in versus_full([True], [True], ["a"], floor=None)
+    assert versus_full([True], [False], ["a"], floor=0.9)["ratio"] is None     # the full model answers none

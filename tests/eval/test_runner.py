@@ -162,6 +162,9 @@ def test_bad_settings_are_errors():
     (["--tasks", "addition,poetry"], "unknown task 'poetry'; choose from: addition"),
     (["--sweep", "criteria=vibes"], "unknown criterion 'vibes'; choose from: "),
     (["--sweep", "paper", "--configs", "baseline,halfway"], "unknown configuration 'halfway'; choose from: "),
+    (["--sweep", "paper", "--configs", "phase-aware", "--floor", "0.97"], "add baseline to --configs"),
+    (["--sweep", "paper", "--configs", "baseline,phase-aware", "--floor", "97"], "--floor is a share"),
+    (["--first-seed", "-1"], "--first-seed must be 0 or more"),
 ])
 def test_cli_rejects_bad_input_before_loading_a_model(argv, message, tmp_path, capsys):
     assert main(["eval", "no-such-model-dir", "--out", str(tmp_path), *argv]) == 2
@@ -244,3 +247,41 @@ def test_cross_domain_matrix_from_user_files(model, char_tok, tmp_path):
     md = (out / "results.md").read_text()
     assert "| plan | calibrated on | chat-eval | code-eval | all tasks |" in md
     assert "| frequency 50% phase-aware | code.jsonl |" in md
+
+
+def test_each_plan_row_is_paired_with_the_full_model_on_each_distinct_prompt_once(tmp_path, capsys):
+    """`eval --configs baseline,plan --floor F` on the bundled model: every plan row carries its share of
+    the baseline's accuracy, changed prompts and verdict, recomputed here from the cells the run wrote;
+    seeds 1-2 of `brackets` hold one prompt twice, which counts once."""
+    from moetailor.cli.demo import BUNDLED_PLAN
+    from moetailor.eval.metrics import PairedCounts, floor_verdict
+
+    out = tmp_path / "eval"
+    assert main(["eval", "reference", "--plan", str(BUNDLED_PLAN), "--configs", "baseline,plan", "--tasks",
+                 "brackets,reverse", "--n", "8", "--seeds", "2", "--first-seed", "1", "--floor", "0.9",
+                 "--kl-docs", "1", "--out", str(out)]) == 0
+    assert "of full (95% CI)" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["seeds"] == [1, 2]
+    rows = {(r["configuration"], r["task"]): r for r in results["rows"]}
+    assert rows[("baseline", "all")]["vs_full"] is None
+    cells = {c: [json.loads(next((out / "cells").glob(f"*{c}__greedy__seed{s}.json")).read_text())["generations"]
+                 for s in (1, 2)] for c in ("baseline", "plan")}
+    prompts = [(t, ex.prompt) for s in (1, 2) for t in ("brackets", "reverse")
+               for ex in eval_examples(TASKS[t], 8, seed=s)]
+    seen, plan, full = set(), [], []
+    for key, p, f in zip(prompts, (g for gens in cells["plan"] for g in gens), (g for gens in cells["baseline"]
+                                                                               for g in gens)):
+        assert p[0] == f[0] == key[0]
+        if key not in seen:
+            seen.add(key)
+            plan.append(bool(p[2]))
+            full.append(bool(f[2]))
+    assert len(plan) == len(prompts) - 1 == 31
+    want = floor_verdict(PairedCounts.of(plan, full), 0.9)
+    got = rows[("plan", "all")]["vs_full"]
+    assert (got["prompts"], got["gained"], got["lost"], got["verdict"]) == (31, want.gained, want.lost, want.verdict)
+    assert got["gained"] + got["lost"] > 0          # the plan changes answers: the pairing is tested, not only counts
+    assert got["ratio"] == pytest.approx(want.ratio) and got["low"] == pytest.approx(want.low)
+    assert rows[("plan", "reverse")]["vs_full"]["prompts"] == 16
+    assert "of full (95% CI)" in (out / "results.md").read_text()

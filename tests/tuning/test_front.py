@@ -1,16 +1,8 @@
-"""Pareto fronts, the paired sign test and the choice against floor and target."""
+"""Pareto fronts, paired counts and the choice against floor and target."""
 import pytest
 
 from moetailor.eval.metrics import MEETS, MISSES, UNDECIDED
-from moetailor.tuning.front import choose, paired, pareto, sign_test
-
-
-def test_sign_test_matches_the_exact_binomial():
-    assert sign_test(0, 0) == 1.0
-    assert sign_test(3, 9) == pytest.approx(0.146, abs=1e-3)      # docs/techniques.md: 3 up, 9 down, p = 0.15
-    assert sign_test(22, 7) == pytest.approx(0.0081, abs=1e-4)    # 22 gained, 7 lost: p = 0.008
-    assert sign_test(5, 5) == 1.0
-    assert sign_test(0, 6) == pytest.approx(2 / 64)
+from moetailor.tuning.front import choose, paired, pareto
 
 
 def test_paired_counts_need_the_same_prompts():

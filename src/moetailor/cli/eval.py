@@ -26,6 +26,11 @@ def register(sub) -> None:
                         "prompt or messages, answer, match = exact|number|regex|contains; see docs/evaluation.md)")
     p.add_argument("--n", type=int, default=200, help="prompts per task and seed (default 200)")
     p.add_argument("--seeds", type=int, default=3, help="seeds: prompt sets (and sampling seeds) to average over")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="the first prompt set: seeds FIRST..FIRST+SEEDS-1 (e.g. prompts that did not pick the plan)")
+    p.add_argument("--floor", type=float, default=None,
+                   help="share of the full model's accuracy each configuration must keep (e.g. 0.97): a verdict per "
+                        "row from the paired 95%% interval against the baseline configuration on the same prompts")
     p.add_argument("--sampling", default="greedy",
                    help="greedy, sample (temperature 1.0, top-p 0.95) or both: greedy,sample")
     p.add_argument("--configs", default=None,
@@ -69,7 +74,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..eval.configurations import parse_configs
-    from ..eval.report import accuracy_spread, write_docs
+    from ..eval.report import accuracy_spread, versus_full_cells, versus_full_columns, write_docs
     from ..eval.runner import EvalSettings, Sweep
     t0 = time.time()
     if args.backend != "engine" and (args.metric == "kl" or args.budgets):
@@ -82,6 +87,7 @@ def run(args) -> int:
         raise ValueError("--pruned is for --metric kl; evaluate a pruned checkpoint's tasks as MODEL instead")
     settings = EvalSettings(
         model=args.model, tasks=[e.strip() for e in args.tasks.split(",") if e.strip()], n=args.n, seeds=args.seeds,
+        first_seed=args.first_seed, floor=args.floor,
         sampling=[s.strip() for s in args.sampling.split(",") if s.strip()], configs=parse_configs(args.configs),
         plan=args.plan, sweep=args.sweep, max_tokens=args.max_tokens, kl_docs=args.kl_docs,
         kl_window=args.kl_window, calib_tokens=args.calib_tokens, calib_data=args.calib_data, max_num_seqs=args.max_num_seqs,
@@ -98,11 +104,12 @@ def run(args) -> int:
                     overwrite=args.overwrite).run()
     rows = [r for r in results["rows"] if r["task"] == "all"]
     scope = "all tasks" if settings.tasks == ["all"] else "tasks: " + ", ".join(settings.tasks)
+    versus = versus_full_columns(results)
     print_table(f"moetailor eval {args.model} ({scope})",
-                ["variant", "sampling", "accuracy %", "p50", "p90", "budget hit %", "EOS %", "KL", "ppl"],
+                ["variant", "sampling", "accuracy %", *versus, "p50", "p90", "budget hit %", "EOS %", "KL", "ppl"],
                 [(r["variant"], r["sampling"], f"{100 * r['accuracy']:.1f} ± {accuracy_spread(r)}",
-                  f"{r['p50']:.0f}", f"{r['p90']:.0f}", f"{100 * r['budget_hit']:.1f}", f"{100 * r['eos']:.1f}",
-                  f"{r['kl']:.3f}", f"{r['perplexity']:.2f}") for r in rows])
+                  *versus_full_cells(r, versus), f"{r['p50']:.0f}", f"{r['p90']:.0f}", f"{100 * r['budget_hit']:.1f}",
+                  f"{100 * r['eos']:.1f}", f"{r['kl']:.3f}", f"{r['perplexity']:.2f}") for r in rows])
     guarded = [r for r in rows if r.get("guard")]
     if guarded:
         print_table("collapse guard (guarded:CONFIG rows)",

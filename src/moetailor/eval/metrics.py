@@ -227,6 +227,37 @@ def floor_verdict(counts: PairedCounts, floor: float, z: float = Z95) -> FloorVe
     return FloorVerdict(ratio, low, high, floor, verdict, c.n, c.gained, c.lost, need)
 
 
+def sign_test(gained: int, lost: int) -> float:
+    """Two-sided exact sign (McNemar) test on the discordant pairs of two paired runs: the chance of a
+    split at least this uneven if either side were as likely to win each prompt."""
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(gained, lost) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def versus_full(candidate: Sequence[bool], full: Sequence[bool], prompts: Sequence, floor: float | None) -> dict:
+    """A configuration against the full model on the same prompts, pooled over prompt sets: its share of
+    the full model's accuracy with the paired 95% interval, the changed prompts and their sign test, and
+    with a ``floor`` the verdict. ``prompts`` names each result's prompt: one that comes again (the task
+    generators repeat a few prompts across seeds) counts once, as its first result."""
+    seen, mine, theirs = set(), [], []
+    for key, c, f in zip(prompts, candidate, full, strict=True):
+        if key not in seen:
+            seen.add(key)
+            mine.append(c)
+            theirs.append(f)
+    v = floor_verdict(PairedCounts.of(mine, theirs), 1.0 if floor is None else floor)
+    undefined = math.isnan(v.ratio)      # the full model answers none: no share of its accuracy (None in JSON)
+    out = {"ratio": None if undefined else v.ratio, "low": None if undefined else v.low,
+           "high": None if undefined else v.high, "prompts": v.prompts, "gained": v.gained, "lost": v.lost,
+           "sign_p": sign_test(v.gained, v.lost)}
+    if floor is not None:
+        out.update(floor=floor, verdict=v.verdict, prompts_to_decide=v.prompts_to_decide)
+    return out
+
+
 # ---- held-out text: KL from the full model and perplexity ----------------------------------------
 
 def kl_divergence(logp_ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:

@@ -47,12 +47,38 @@ def _rows(results: dict, sampling: str, task: str = "all") -> list[dict]:
     return sorted((r for r in results["rows"] if r["sampling"] == sampling and r["task"] == task), key=_order)
 
 
+def versus_full_columns(results: dict) -> list[str]:
+    """The columns of the paired comparison with the baseline (a run with the baseline configuration),
+    and of the floor verdict where ``--floor`` was given."""
+    if not any(r.get("vs_full") for r in results["rows"]):
+        return []
+    floor = results["settings"].get("floor")
+    return ["of full (95% CI)", "vs full (p)", *([f"floor {100 * floor:g}%"] if floor is not None else [])]
+
+
+def versus_full_cells(row: dict, columns: list[str]) -> tuple[str, ...]:
+    """'98.4% (97.2-99.5)', '+11/-28 (0.0098)' and the verdict of one row ('–' for the baseline itself)."""
+    v = row.get("vs_full")
+    if not columns:
+        return ()
+    if v is None:
+        return ("–",) * len(columns)
+    share = ("undefined (the full model answers none)" if v["ratio"] is None else
+             f"{100 * v['ratio']:.1f}% ({100 * v['low']:.1f}-{100 * v['high']:.1f})")
+    cells = (share, f"+{v['gained']}/-{v['lost']} ({v['sign_p']:.2g})")
+    if "verdict" in v:
+        more = f" (about {v['prompts_to_decide']:,} prompts would decide)" if v.get("prompts_to_decide") else ""
+        cells += (v["verdict"] + more,)
+    return cells
+
+
 def summary_table(results: dict, sampling: str) -> str:
-    cols = ["criterion", "keep", "configuration", "accuracy % (±std)", "p50 len", "p90 len", "budget hit %",
+    versus = versus_full_columns(results)
+    cols = ["criterion", "keep", "configuration", "accuracy % (±std)", *versus, "p50 len", "p90 len", "budget hit %",
             "EOS %", "KL (nats)", "ppl"]
     rows = [(r["criterion"] or "–", "–" if r["keep"] is None else f"{r['keep']:.0%}", r["configuration"],
-             f"{_pct(r['accuracy'])} ± {accuracy_spread(r)}", _num(r["p50"], 0), _num(r["p90"], 0),
-             _pct(r["budget_hit"]), _pct(r["eos"]), _num(r["kl"], 4), _num(r["perplexity"], 2))
+             f"{_pct(r['accuracy'])} ± {accuracy_spread(r)}", *versus_full_cells(r, versus), _num(r["p50"], 0),
+             _num(r["p90"], 0), _pct(r["budget_hit"]), _pct(r["eos"]), _num(r["kl"], 4), _num(r["perplexity"], 2))
             for r in _rows(results, sampling)]
     if len({c["data"] for c in calibrations(results)}) > 1:   # a data= sweep: the domain tells its rows apart
         cols.insert(3, "calibrated on")
@@ -245,6 +271,12 @@ def markdown(results: dict, plot_dir: str = ".") -> str:
     cals = calibrations(results)
     if cals:
         parts += ["Plans calibrated on: " + "; ".join(describe_calibration(c) for c in cals) + ".", ""]
+    if versus_full_columns(results):
+        parts += ["\"of full\": a configuration's accuracy over the baseline's on the same prompts, with the paired "
+                  "95% score interval; \"vs full\": prompts it answers and the baseline does not (+) and the reverse "
+                  "(-), with the two-sided exact sign test; a greedy prompt that comes again in another seed counts "
+                  "once" + (f"; \"floor\": whether the interval lies above {100 * s['floor']:g}% (meets), below it "
+                            "(misses) or straddles it" if s.get("floor") is not None else "") + ".", ""]
     for mode in s["sampling"]:
         label = "greedy" if mode == "greedy" else f"sampling T={s['temperature']}, top-p={s['top_p']}"
         matrix = cross_domain_table(results, mode)

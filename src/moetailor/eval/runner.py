@@ -32,7 +32,8 @@ from ..plans.plan import plan_hash  # noqa: F401  (cells are keyed by it)
 from ..runtime.runner import default_max_model_len
 from ..tables import unknown_choice
 from .configurations import ConfigSpec, Serving
-from .metrics import Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output
+from .metrics import (Generation, HeldoutScorer, accuracy, heldout_windows, length_stats, mean_std, score_output,
+                      versus_full)
 from .user_tasks import DEFAULT_BUDGET, check_prompts_fit, select_tasks, task_examples
 
 SAMPLING_MODES = ("greedy", "sample")
@@ -102,6 +103,8 @@ class EvalSettings:
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     n: int = 200
     seeds: int = 3
+    first_seed: int = 0                # the prompt sets are seeds first_seed .. first_seed + seeds - 1
+    floor: float | None = None         # share of the baseline's accuracy each configuration must keep
     sampling: list[str] = field(default_factory=lambda: ["greedy"])
     configs: list[ConfigSpec] = field(default_factory=list)
     plan: str | None = None
@@ -132,6 +135,14 @@ class EvalSettings:
             raise ValueError(f"--n must be a positive number of prompts per task, got {self.n}")
         if self.seeds <= 0:
             raise ValueError(f"--seeds must be at least 1, got {self.seeds}")
+        if self.first_seed < 0:
+            raise ValueError(f"--first-seed must be 0 or more, got {self.first_seed}")
+        if self.floor is not None and not 0 < self.floor <= 1:
+            raise ValueError(f"--floor is a share of the full model's accuracy, between 0 and 1 (e.g. 0.97), got "
+                             f"{self.floor}")
+        if self.floor is not None and "baseline" not in {c.name for c in self.configs}:
+            raise ValueError("--floor compares each configuration with the full model on the same prompts: add "
+                             "baseline to --configs")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"--max-tokens must be positive, got {self.max_tokens}")
         bad = [s for s in self.sampling if s not in SAMPLING_MODES]
@@ -525,7 +536,7 @@ class Sweep:
             if fresh and not any(p.name != MARKER for p in self.out.iterdir()):
                 shutil.rmtree(self.out)
             raise
-        seeds = list(range(self.settings.seeds))
+        seeds = list(range(self.settings.first_seed, self.settings.first_seed + self.settings.seeds))
         jobs = [(v, "heldout", None) for v in self.variants]
         jobs += [(v, mode, seed) for v in self.variants for mode in self.settings.sampling for seed in seeds]
         cells: dict[str, dict] = {}
@@ -563,6 +574,15 @@ class Sweep:
         return results
 
     # -- aggregation -------------------------------------------------------------------------------
+    def _versus_full(self, mine: list[list[Generation]], full: list[list[Generation]], prompts: list,
+                     task: str) -> dict:
+        """This configuration against the baseline on the same prompts (``metrics.versus_full``)."""
+        pairs = [(p, a.correct, b.correct) for p, a, b in zip(prompts, (g for gens in mine for g in gens),
+                                                              (g for gens in full for g in gens), strict=True)
+                 if task in ("all", a.task)]
+        return versus_full([a for _, a, _ in pairs], [b for _, _, b in pairs], [p for p, _, _ in pairs],
+                           self.settings.floor)
+
     def aggregate(self, cells: dict[str, dict], sources, seeds: list[int]) -> dict:
         import numpy as np
 
@@ -570,11 +590,18 @@ class Sweep:
 
         rows, histograms = [], {}
         task_names = [t.name for t in self.tasks]
+        generations = {(v.key, mode): [
+            [Generation.from_json(r) for r in cells[f"{v.key}/{mode}/seed{s}"]["generations"]] for s in seeds]
+            for v in self.variants for mode in self.settings.sampling}
+        full = next((v.key for v in self.variants if v.config == "baseline"), None)
+        # each result's prompt: a greedy prompt that comes again in another seed counts once; a sampled one per seed
+        prompts = {mode: [(task.name, str(ex.prompt), None if mode == "greedy" else seed) for seed in seeds
+                          for task in self.tasks for ex in task_examples(task, self.settings.n, seed, self.tokenizer)]
+                   for mode in self.settings.sampling} if full else {}
         for v in self.variants:
             held = cells[f"{v.key}/heldout"]
             for mode in self.settings.sampling:
-                per_seed = [[Generation.from_json(r) for r in cells[f"{v.key}/{mode}/seed{s}"]["generations"]]
-                            for s in seeds]
+                per_seed = generations[(v.key, mode)]
                 shares = [min(g.length / g.max_tokens, 1.0) for gens in per_seed for g in gens]
                 histograms.setdefault(v.key, {})[mode] = np.histogram(shares, HIST_BINS, (0.0, 1.0))[0].tolist()
                 guard = _guard_summary([cells[f"{v.key}/{mode}/seed{s}"].get("guard") for s in seeds])
@@ -588,12 +615,15 @@ class Sweep:
                                  "accuracy": acc_mean, "accuracy_std": acc_std,
                                  "accuracy_per_seed": [accuracy(g) for g in chosen], **lengths.to_json(),
                                  "max_tokens": self.budgets.get(task), "kl": held["kl"],
-                                 "perplexity": held["perplexity"], "guard": guard if task == "all" else None})
+                                 "perplexity": held["perplexity"], "guard": guard if task == "all" else None,
+                                 "vs_full": None if full in (None, v.key) else
+                                 self._versus_full(per_seed, generations[(full, mode)], prompts[mode], task)})
         return {
             "format": "moetailor-eval", "version": 1,
             "command": self.command,
             "model": {"name": self.settings.model, **self.fingerprint},
-            "settings": {"tasks": task_names, "n": self.settings.n, "seeds": seeds, "sampling": self.settings.sampling,
+            "settings": {"tasks": task_names, "n": self.settings.n, "seeds": seeds, "floor": self.settings.floor,
+                         "sampling": self.settings.sampling,
                          "temperature": self.settings.temperature, "top_p": self.settings.top_p,
                          "configurations": [c.label for c in self.settings.configs], "plan": self.settings.plan,
                          "sweep": self.settings.sweep, "max_tokens": self.budgets,

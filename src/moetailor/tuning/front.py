@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..eval.metrics import PairedCounts, sign_test
+
 
 def pareto(points: list[dict], cost: Callable[[dict], float], quality: Callable[[dict], float]) -> list[dict]:
     """The points no other point beats on both cost (lower) and quality (higher), cheapest first."""
@@ -26,20 +28,8 @@ def pareto(points: list[dict], cost: Callable[[dict], float], quality: Callable[
     return out
 
 
-def sign_test(gained: int, lost: int) -> float:
-    """Two-sided exact sign (McNemar) test on the discordant pairs of two paired runs: the chance of a
-    split at least this uneven if either side were as likely to win each prompt."""
-    n = gained + lost
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(gained, lost) + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
-
-
 def paired(correct: list[bool], reference: list[bool]) -> tuple[int, int, float]:
     """(prompts this run answers and the reference does not, the reverse, sign-test p)."""
-    from ..eval.metrics import PairedCounts
-
     c = PairedCounts.of(correct, reference)
     return c.gained, c.lost, sign_test(c.gained, c.lost)
 
