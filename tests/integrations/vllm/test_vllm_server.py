@@ -25,8 +25,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def moetailor_serve(*args, log_path):
+def start_server(*args, log_path) -> tuple[subprocess.Popen, str]:
+    """`moetailor serve ARGS` in its own session, once it answers /health: (its process, its URL)."""
     port = free_port()
     # the pair takes port+1 and port+2: pick a port whose neighbours are free too
     while any(p != port and not _port_free(p) for p in (port + 1, port + 2)):
@@ -35,26 +35,37 @@ def moetailor_serve(*args, log_path):
     proc = subprocess.Popen([sys.executable, "-m", "moetailor.cli.main", "serve", *args, "--port", str(port),
                              "--vllm-kv-cache-mib", "128", "--max-num-seqs", "8"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
     url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while True:
+        if proc.poll() is not None or time.time() > deadline:
+            stop(proc)
+            raise AssertionError(f"server exited or did not start in 600 s: {open(log_path).read()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
     try:
-        deadline = time.time() + 600
-        while True:
-            assert proc.poll() is None, f"server exited: {open(log_path).read()[-3000:]}"
-            assert time.time() < deadline, "server did not start in 600 s"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def moetailor_serve(*args, log_path):
+    proc, url = start_server(*args, log_path=log_path)
+    try:
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        stop(proc)
 
 
 def _port_free(port: int) -> bool:
@@ -103,3 +114,30 @@ def test_disaggregated_pair_behind_the_proxy(prompts, quarter_plan, tmp_path):
     assert expected != engine_token_ids(None, prompts, max_tokens=24), "the plan must change outputs to be tested"
     assert [r.json()["choices"][0]["token_ids"] for r in got] == expected
     assert streamed.status_code == 400
+
+
+def test_sigterm_to_moetailor_serve_writes_the_observed_statistics_and_stops_vllm(prompts, tmp_path):
+    """`moetailor serve --backend vllm --observe FILE`, then SIGTERM to moetailor's process alone (what a
+    service manager sends): the instance writes the traffic it served through its save route before it
+    is stopped, and no vLLM process is left holding the port."""
+    from moetailor.calibration import ExpertStats
+
+    stats = tmp_path / "live.safetensors"
+    proc, url = start_server("reference", "--backend", "vllm", "--observe", str(stats), "--vllm-no-prefix-caching",
+                             "--served-model-name", "reference", log_path=tmp_path / "serve.log")
+    try:
+        answers = [complete(url, p, return_token_ids=True) for p in prompts[:3]]
+        assert all(r.status_code == 200 for r in answers) and not stats.exists()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    log = (tmp_path / "serve.log").read_text()
+    assert "observed statistics written before stopping" in log, log[-2000:]
+    served = sum(r.json()["usage"]["prompt_tokens"] + r.json()["usage"]["completion_tokens"] - 1 for r in answers)
+    assert ExpertStats.load(stats).meta["tokens"] == served
+    port = int(url.rsplit(":", 1)[1])
+    deadline = time.time() + 60
+    while not _port_free(port):
+        assert time.time() < deadline, "a vLLM process still holds the port after moetailor serve stopped"
+        time.sleep(1)

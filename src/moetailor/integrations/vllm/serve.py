@@ -186,7 +186,38 @@ def run(args) -> int:
     kwargs.setdefault("max_logprobs", int(read_config(resolve_model_path(args.model)).vocab_size))
     from .rpc import SERIALIZATION_ENV
     # the evaluator's plan switches (POST /moetailor/plan) reach the workers as functions
-    return subprocess.call(vllm_command(kwargs, args.host, args.port, name), env={**os.environ, SERIALIZATION_ENV: "1"})
+    proc = subprocess.Popen(vllm_command(kwargs, args.host, args.port, name),
+                            env={**os.environ, SERIALIZATION_ENV: "1"}, start_new_session=True)
+    try:
+        return proc.wait()
+    finally:    # Ctrl-C or SIGTERM to moetailor (its own session: the terminal's Ctrl-C reaches moetailor only)
+        local = "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
+        stop_instances([proc], save_observed_at=f"http://{local}:{args.port}" if observing.get("observe") else None)
+
+
+def stop_instances(procs: list[subprocess.Popen], save_observed_at: str | None = None) -> None:
+    """Stop vLLM instances (each in its own session): SIGTERM to each group, SIGKILL after 30 s. An
+    observing instance (its URL in ``save_observed_at``) first writes its statistics through its own
+    route while it still serves, because its write at shutdown is best effort (vLLM 0.32's engine core
+    can miss the SIGTERM, and is then killed with its workers)."""
+    if save_observed_at and procs[0].poll() is None:
+        import httpx
+        try:
+            r = httpx.post(save_observed_at + "/moetailor/observe/save", timeout=120)
+            print(f"moetailor: observed statistics written before stopping ({r.json()})" if r.status_code == 200 else
+                  f"moetailor: could not write the observed statistics before stopping: {r.text}", file=sys.stderr)
+        except httpx.HTTPError as e:   # not serving yet (stopped while starting): nothing observed to lose
+            print(f"moetailor: the instance did not answer the statistics write before stopping ({e!r})",
+                  file=sys.stderr)
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def run_pair(args, name: str) -> int:
@@ -206,14 +237,7 @@ def run_pair(args, name: str) -> int:
         uvicorn.run(proxy_app(*urls, model_name=name), host=args.host, port=args.port, log_level="warning")
         return 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_instances(procs)
         shutil.rmtree(storage, ignore_errors=True)
 
 
