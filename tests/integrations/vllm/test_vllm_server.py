@@ -141,3 +141,20 @@ def test_sigterm_to_moetailor_serve_writes_the_observed_statistics_and_stops_vll
     while not _port_free(port):
         assert time.time() < deadline, "a vLLM process still holds the port after moetailor serve stopped"
         time.sleep(1)
+
+
+def test_sigkill_to_moetailor_serve_still_stops_vllm(tmp_path):
+    """moetailor killed outright (SIGKILL, no cleanup of its own): the vLLM instance it started, in its own
+    session, gets the parent-death SIGTERM and frees the port."""
+    proc, url = start_server("reference", "--backend", "vllm", log_path=tmp_path / "serve.log")
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.time() + 90
+        while not _port_free(port):
+            assert time.time() < deadline, "vLLM outlived the moetailor serve that started it"
+            time.sleep(1)
+    finally:
+        stop(proc)
+        subprocess.run(["pkill", "-f", f"api_server .*--port {port} "])     # an orphan, if this test failed

@@ -187,12 +187,21 @@ def run(args) -> int:
     from .rpc import SERIALIZATION_ENV
     # the evaluator's plan switches (POST /moetailor/plan) reach the workers as functions
     proc = subprocess.Popen(vllm_command(kwargs, args.host, args.port, name),
-                            env={**os.environ, SERIALIZATION_ENV: "1"}, start_new_session=True)
+                            env={**os.environ, SERIALIZATION_ENV: "1"}, start_new_session=True,
+                            preexec_fn=stop_with_moetailor)
     try:
         return proc.wait()
     finally:    # Ctrl-C or SIGTERM to moetailor (its own session: the terminal's Ctrl-C reaches moetailor only)
         local = "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
         stop_instances([proc], save_observed_at=f"http://{local}:{args.port}" if observing.get("observe") else None)
+
+
+def stop_with_moetailor() -> None:
+    """In a vLLM instance before its exec: SIGTERM to it when `moetailor serve` dies, even by SIGKILL
+    (Linux's parent-death signal outlives the exec), so no instance outlives the server that owns it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)      # 1: PR_SET_PDEATHSIG
 
 
 def stop_instances(procs: list[subprocess.Popen], save_observed_at: str | None = None) -> None:
@@ -227,7 +236,7 @@ def run_pair(args, name: str) -> int:
     prefill, decode = pair_kwargs(args.model, args.decode_model, storage, **common_kwargs(args))
     ports = (args.port + 1, args.port + 2)
     procs = [subprocess.Popen(vllm_command(kw, "127.0.0.1", p, name), env={**os.environ, **binding},
-                              start_new_session=True)
+                              start_new_session=True, preexec_fn=stop_with_moetailor)
              for kw, p, binding in zip((prefill, decode), ports, pair_core_binding())]
     try:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
