@@ -192,8 +192,9 @@ def run(args) -> int:
     try:
         return proc.wait()
     finally:    # Ctrl-C or SIGTERM to moetailor (its own session: the terminal's Ctrl-C reaches moetailor only)
-        local = "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
-        stop_instances([proc], save_observed_at=f"http://{local}:{args.port}" if observing.get("observe") else None)
+        host = "127.0.0.1" if args.host in (None, "", "0.0.0.0", "::") else args.host
+        host = f"[{host}]" if ":" in host else host      # an IPv6 address
+        stop_instances([proc], save_observed_at=f"http://{host}:{args.port}" if observing.get("observe") else None)
 
 
 def stop_with_moetailor() -> None:
